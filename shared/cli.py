@@ -1,0 +1,57 @@
+"""The `pdd` command.
+
+    pdd model-dir                 print the default model folder, provisioning it if missing
+    pdd up [--config FILE]        start NATS, Redis, the WAN emulator and every service on one host
+    pdd serve ROLE --config FILE --instance ID
+                                  run one service alone (per-datacenter deployment)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _model_dir(args: argparse.Namespace) -> int:
+    from shared.runtime.provision import provision_default_model
+
+    print(provision_default_model(log=lambda m: print(m, file=sys.stderr)))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from shared.launcher import run_cluster
+
+    return run_cluster(args.config)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from shared.launcher import serve_one
+
+    return serve_one(args.role, args.config, args.instance)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdd", description="PDD: cross-datacenter P/RLD/MD LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("model-dir", help="print the default model folder (provision it if missing)").set_defaults(
+        func=_model_dir
+    )
+    up = sub.add_parser("up", help="run the whole cluster on this host")
+    up.add_argument("--config", default=None, help="cluster YAML (default configs/single-host.yaml)")
+    up.set_defaults(func=_up)
+    serve = sub.add_parser("serve", help="run one service")
+    serve.add_argument("role", choices=["gateway", "scheduler", "prefill", "rld", "md", "wanlink"])
+    serve.add_argument("--config", default=None)
+    serve.add_argument("--instance", default=None, help="instance id from the config (default: the first)")
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

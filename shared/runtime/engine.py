@@ -1,0 +1,179 @@
+"""Engine: continuous batching over the ModelRunner. The single owner of its pool and sequences.
+
+Lifecycle of a sequence here:
+1. `add(seq)` queues it (WAITING). A sequence may arrive with KV already in the pool
+   (`num_computed > 0`, blocks in `block_table`): imported from prefill, or a cached prefix.
+2. Admission: when enough blocks are free for its whole budget (known tokens + tokens it may
+   still sample), they are reserved and it becomes RUNNING. Reserving up front means a running
+   sequence never meets an exhausted pool. A sequence that cannot fit even in an empty pool
+   fails at once with a clear error.
+3. Each `step()`: every RUNNING sequence with one pending token decodes; sequences with more
+   pending tokens (prefill, chunked prefill, extend) share the rest of the step's token budget,
+   oldest first. All of it is ONE model forward.
+4. A sequence whose step reached its last known token samples the next one and checks stop
+   conditions. Finished sequences free their blocks unless `hold_kv` is set, in which case the
+   owner calls `release()` once it has exported the KV.
+5. `abort()` finishes a sequence at any point and frees its blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.runtime.kv_pool import PoolExhausted
+from shared.runtime.runner import ModelRunner
+from shared.runtime.sampling import sample_batch
+from shared.runtime.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    seq_id: str
+    token_id: int | None  # None when the sequence finished without a new token (abort, error)
+    index: int  # position of the token among the generated tokens (0-based)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_step_tokens: int = 512,
+        max_running: int = 64,
+        eos_token_ids: tuple[int, ...] = (),
+        decode_text: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.pool = runner.pool
+        self.max_step_tokens = max_step_tokens
+        self.max_running = max_running
+        self.eos_token_ids = eos_token_ids
+        self.decode_text = decode_text  # needed only for stop strings
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # finished with hold_kv, blocks not yet released
+        self.steps = 0
+
+    # -- commands -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.running or any(s.seq_id == seq.seq_id for s in self.waiting):
+            raise ValueError(f"sequence {seq.seq_id} is already in the engine")
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finish a sequence wherever it is and free its blocks. Idempotent."""
+        for seq in list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                self._finish(seq, FinishReason.ABORT, hold=False)
+                return seq
+        seq = self.running.pop(seq_id, None) or self.held.pop(seq_id, None)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT, hold=False)
+        return seq
+
+    def release(self, seq_id: str) -> None:
+        """Free the blocks a finished `hold_kv` sequence kept."""
+        seq = self.held.pop(seq_id, None)
+        if seq is not None:
+            self._free_blocks(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        outputs = self._admit()
+        work = self._schedule()
+        if not work:
+            return outputs
+        result = self.runner.forward(work)
+        self.steps += 1
+        for seq, n in work:
+            seq.num_computed += n
+        steps = [s.num_generated for s in result.sampled]
+        tokens = sample_batch(result.logits, [s.params for s in result.sampled], steps)
+        for seq, token in zip(result.sampled, tokens):
+            outputs.append(self._append(seq, token))
+        return outputs
+
+    def _admit(self) -> list[TokenOutput]:
+        failed: list[TokenOutput] = []
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            total = self.pool.blocks_for(seq.max_total_tokens)
+            if total > self.pool.num_blocks:
+                self.waiting.popleft()
+                msg = f"request needs {seq.max_total_tokens} tokens of KV, more than the pool holds"
+                failed.append(self._fail(seq, msg))
+                continue
+            try:
+                seq.block_table.extend(self.pool.allocator.allocate(max(total - len(seq.block_table), 0)))
+            except PoolExhausted:
+                break  # wait for running sequences to finish
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running[seq.seq_id] = seq
+        return failed
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        decodes = [(s, 1) for s in self.running.values() if s.num_pending == 1]
+        budget = self.max_step_tokens - len(decodes)
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.running.values():
+            if seq.num_pending > 1 and budget > 0:
+                n = min(seq.num_pending, budget)
+                chunks.append((seq, n))
+                budget -= n
+        return decodes + chunks
+
+    def _append(self, seq: Sequence, token: int) -> TokenOutput:
+        index = seq.num_generated
+        seq.token_ids.append(token)
+        seq.sampled_here += 1
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.running.pop(seq.seq_id, None)
+            self._finish(seq, reason, hold=seq.hold_kv)
+        return TokenOutput(seq.seq_id, token, index, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if p.stop and self.decode_text is not None and _hits_stop_string(seq, self.decode_text):
+            return FinishReason.STOP
+        if seq.num_generated >= p.max_tokens:
+            return FinishReason.LENGTH
+        if seq.max_new is not None and seq.sampled_here >= seq.max_new:
+            return FinishReason.LENGTH
+        return None
+
+    def _fail(self, seq: Sequence, error: str) -> TokenOutput:
+        self._finish(seq, FinishReason.ERROR, hold=False)
+        return TokenOutput(seq.seq_id, None, seq.num_generated, FinishReason.ERROR, error)
+
+    def _finish(self, seq: Sequence, reason: str, hold: bool) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if hold:
+            self.held[seq.seq_id] = seq
+        else:
+            self._free_blocks(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.allocator.free(seq.block_table)
+            seq.block_table = []
+
+
+def _hits_stop_string(seq: Sequence, decode_text: Callable[[list[int]], str]) -> bool:
+    longest = max(len(s) for s in seq.params.stop)
+    tail = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - longest - 4) :]
+    text = decode_text(tail)
+    return any(s in text for s in seq.params.stop)

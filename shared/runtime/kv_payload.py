@@ -1,0 +1,103 @@
+"""KV export/import by token range: what the KV plane carries between pools.
+
+`export_kv` reads the KV of token positions [start, end) of a sequence as contiguous per-layer
+tensors `[n, kv_heads, head_dim]`; `import_kv` writes such a payload into another pool's
+slots. Because the payload is token-contiguous, the receiver's block size and dtype are its
+own: the write converts dtype and scatters into whatever blocks the receiver allocated.
+
+The wire form (`header` + per-layer raw bytes) lives here too so the transport never has to
+know about torch dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.runtime.kv_pool import KVLayout, KVPool
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    start: int
+    end: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # sender's dtype, one of WIRE_DTYPES
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K plus V on the wire."""
+        item = torch.empty((), dtype=WIRE_DTYPES[self.dtype]).element_size()
+        return 2 * self.num_tokens * self.kv_heads * self.head_dim * item
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass
+class KVPayload:
+    header: KVHeader
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [n, kv_heads, head_dim]
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.layer_bytes * self.header.num_layers
+
+
+def export_kv(pool: KVPool, block_table: list[int], start: int, end: int) -> KVPayload:
+    if not 0 <= start <= end:
+        raise ValueError(f"bad KV range [{start}, {end})")
+    slots = pool.slots(block_table, start, end)
+    layout = pool.layout
+    header = KVHeader(start, end, layout.num_layers, layout.kv_heads, layout.head_dim, _DTYPE_NAMES[pool.dtype])
+    layers = []
+    for layer in range(layout.num_layers):
+        k, v = pool.read(layer, slots)
+        layers.append((k.cpu(), v.cpu()))
+    return KVPayload(header, layers)
+
+
+def check_compatible(header: KVHeader, pool: KVPool) -> None:
+    if header.layout != pool.layout:
+        raise ValueError(f"KV layout {header.layout} does not match this pool's {pool.layout}")
+
+
+def import_layer(pool: KVPool, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    pool.write(layer, slots, k.to(pool.device), v.to(pool.device))
+
+
+def import_kv(pool: KVPool, block_table: list[int], payload: KVPayload) -> None:
+    """Write the payload's KV into positions [start, end) of the receiver's block table."""
+    header = payload.header
+    check_compatible(header, pool)
+    slots = pool.slots(block_table, header.start, header.end).to(pool.device)
+    for layer, (k, v) in enumerate(payload.layers):
+        import_layer(pool, slots, layer, k, v)
+
+
+def layer_to_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """One layer's K and V as raw bytes (K first), in the tensors' own dtype."""
+    both = torch.stack([k.contiguous(), v.contiguous()])
+    return both.view(torch.uint8).numpy().tobytes()
+
+
+def layer_from_bytes(header: KVHeader, data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(data) != header.layer_bytes:
+        raise ValueError(f"KV layer frame has {len(data)} bytes, expected {header.layer_bytes}")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    both = raw.view(WIRE_DTYPES[header.dtype]).view(2, header.num_tokens, header.kv_heads, header.head_dim)
+    return both[0], both[1]

@@ -1,0 +1,73 @@
+"""A sequence in the runtime: known token ids, how many have KV, and where that KV lives.
+
+Prefill, chunked prefill, extend (the relay -> main handoff) and decode are one mechanism:
+a sequence knows `token_ids`; `[0, num_computed)` already have KV in the pool; each step
+computes some of the rest. When a step reaches the last known token, its logits give the
+next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from shared.runtime.sampling import SamplingParams
+
+
+class SeqStatus(IntEnum):
+    WAITING = 0  # queued, no blocks yet
+    RUNNING = 1  # blocks allocated, stepping
+    FINISHED = 2  # done; blocks freed unless hold_kv
+
+
+class FinishReason:
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_len: int = -1  # defaults to len(token_ids) at creation
+    num_computed: int = 0  # [0, num_computed) have KV in the pool
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    hold_kv: bool = False  # keep blocks after finishing (prefill exports them, then releases)
+    max_new: int | None = None  # stop after this many tokens *sampled here* (prefill samples 1)
+    sampled_here: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.token_ids)
+        if not self.token_ids:
+            raise ValueError(f"sequence {self.seq_id} has no tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens whose KV is not computed yet."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Upper bound of tokens this sequence can hold; the engine reserves blocks for it."""
+        remaining = self.params.max_tokens - self.num_generated
+        if self.max_new is not None:
+            remaining = min(remaining, self.max_new)
+        return len(self.token_ids) + max(remaining, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
