@@ -57,6 +57,15 @@ class KVPayload:
     def nbytes(self) -> int:
         return self.header.layer_bytes * self.header.num_layers
 
+    def narrow(self, start: int, end: int) -> KVPayload:
+        """The sub-range [start, end) (absolute positions) of this payload."""
+        h = self.header
+        if not h.start <= start <= end <= h.end:
+            raise ValueError(f"[{start}, {end}) is not inside the payload's [{h.start}, {h.end})")
+        a, b = start - h.start, end - h.start
+        header = KVHeader(start, end, h.num_layers, h.kv_heads, h.head_dim, h.dtype)
+        return KVPayload(header, [(k[a:b], v[a:b]) for k, v in self.layers])
+
 
 def export_kv(pool: KVPool, block_table: list[int], start: int, end: int) -> KVPayload:
     if not 0 <= start <= end:

@@ -71,6 +71,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
     """Sample one token per row; greedy rows share one argmax."""
+    if not params:
+        return []
     out = torch.argmax(logits, dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:

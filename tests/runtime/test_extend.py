@@ -1,0 +1,61 @@
+"""Extend: k known tokens computed in one forward give the same next token and the same KV
+as k single decode steps (this is the relay -> main handoff)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.runtime.kv_payload import export_kv
+from shared.runtime.sequence import Sequence
+from tests.helpers import greedy, make_engine, random_prompts, reference_generate
+
+
+def _prefilled(engine, prompt: list[int], k: int) -> Sequence:
+    s = Sequence("s", list(prompt), greedy(k + 1))
+    s.block_table = engine.pool.allocator.allocate(engine.pool.blocks_for(len(prompt) + k + 1))
+    engine.runner.forward([(s, len(prompt))])
+    s.num_computed = len(prompt)
+    return s
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "smol"])
+@pytest.mark.parametrize("k", [1, 16, 64, 100])
+def test_extend_matches_decode_steps(request, model_name, k):
+    model = request.getfixturevalue(model_name)
+    ref = request.getfixturevalue(f"{model_name}_ref")
+    [prompt] = random_prompts(model.config.vocab_size, [37], seed=k)
+    expected = reference_generate(ref, prompt, k + 1)
+
+    extend_engine, decode_engine = make_engine(model), make_engine(model)
+    ext = _prefilled(extend_engine, prompt, k)
+    ext.token_ids += expected[:k]
+    result = extend_engine.runner.forward([(ext, k)])  # ONE forward for all k tokens
+    assert int(result.logits[0].argmax()) == expected[k]
+
+    dec = _prefilled(decode_engine, prompt, k)
+    for t in expected[:k]:
+        dec.token_ids.append(t)
+        decode_engine.runner.forward([(dec, 1)])
+        dec.num_computed += 1
+
+    n = len(prompt) + k
+    a = export_kv(extend_engine.pool, ext.block_table, 0, n)
+    b = export_kv(decode_engine.pool, dec.block_table, 0, n)
+    for (ka, va), (kb, vb) in zip(a.layers, b.layers):
+        torch.testing.assert_close(ka, kb, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(va, vb, atol=1e-4, rtol=1e-4)
+
+
+def test_extend_joins_a_running_batch(tiny, tiny_ref):
+    """An extend is one more sequence in the batch, stepping alongside decodes."""
+    p1, p2 = random_prompts(tiny.config.vocab_size, [25, 30], seed=7)
+    handed = reference_generate(tiny_ref, p2, 20)
+    engine = make_engine(tiny)
+    engine.add(Sequence("decoding", list(p1), greedy(10)))
+    engine.step()  # prefill of "decoding"
+    engine.add(Sequence("handed", p2 + handed[:12], greedy(20), prompt_len=len(p2)))
+    outs = engine.step()
+    assert {o.seq_id for o in outs} == {"decoding", "handed"}
+    assert [o.token_id for o in outs if o.seq_id == "handed"] == [handed[12]]
+    assert [o.index for o in outs if o.seq_id == "handed"] == [12]

@@ -1,0 +1,96 @@
+"""KV export/import by token range, across dtypes and block sizes, and its wire form."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, layer_from_bytes, layer_to_bytes
+from shared.runtime.sequence import Sequence
+from tests.helpers import greedy, make_engine, random_prompts, reference_generate, reference_model, run_to_completion
+
+
+def _prefill_and_export(model, prompt: list[int], start: int = 0) -> tuple[KVPayload, int]:
+    """Prefill on a sender engine (block size 16); export [start, len) and the first token."""
+    sender = make_engine(model, block_size=16)
+    s = Sequence("p", list(prompt), greedy(1), hold_kv=True)
+    sender.add(s)
+    first = run_to_completion(sender)["p"][0]
+    payload = export_kv(sender.pool, s.block_table, start, len(prompt))
+    sender.release("p")
+    assert sender.pool.num_free_blocks == sender.pool.num_blocks
+    return payload, first
+
+
+def _continue_on(receiver, prompt: list[int], payload: KVPayload, first: int, n: int) -> list[int]:
+    """Import the payload into a fresh receiver sequence and decode from the first token."""
+    s = Sequence("d", list(prompt) + [first], greedy(n), prompt_len=len(prompt))
+    s.block_table = receiver.pool.allocator.allocate(receiver.pool.blocks_for(len(prompt)))
+    import_kv(receiver.pool, s.block_table, payload)
+    s.num_computed = len(prompt)
+    receiver.add(s)
+    return [first] + run_to_completion(receiver)["d"]
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "smol"])
+def test_round_trip_fp32_other_block_size(request, model_name):
+    model, ref = request.getfixturevalue(model_name), request.getfixturevalue(f"{model_name}_ref")
+    [prompt] = random_prompts(model.config.vocab_size, [53], seed=11)
+    payload, first = _prefill_and_export(model, prompt)
+    receiver = make_engine(model, block_size=8)
+    assert _continue_on(receiver, prompt, payload, first, 12) == reference_generate(ref, prompt, 12)
+    assert receiver.pool.num_free_blocks == receiver.pool.num_blocks
+
+
+def test_round_trip_fp32_to_bf16(tiny):
+    bf16 = copy.deepcopy(tiny).to(torch.bfloat16)
+    bf16_ref = reference_model(bf16)
+    [prompt] = random_prompts(tiny.config.vocab_size, [40], seed=12)
+    payload, _ = _prefill_and_export(tiny, prompt)
+    bf16_first = reference_generate(bf16_ref, prompt, 1)[0]
+    receiver = make_engine(bf16, block_size=32, dtype=torch.bfloat16)
+    got = _continue_on(receiver, prompt, payload, bf16_first, 10)
+    assert got == reference_generate(bf16_ref, prompt, 10)
+    assert receiver.pool.kv.dtype == torch.bfloat16
+
+
+def test_partial_range_stitches_onto_existing_prefix(tiny, tiny_ref):
+    """Import only [16, n): the receiver already holds [0, 16) (a cached prefix)."""
+    [prompt] = random_prompts(tiny.config.vocab_size, [45], seed=13)
+    full, first = _prefill_and_export(tiny, prompt)
+    tail, _ = _prefill_and_export(tiny, prompt, start=16)
+    assert tail.header.num_tokens == len(prompt) - 16
+    receiver = make_engine(tiny, block_size=16)
+    s = Sequence("d", list(prompt) + [first], greedy(8), prompt_len=len(prompt))
+    s.block_table = receiver.pool.allocator.allocate(receiver.pool.blocks_for(len(prompt)))
+    import_kv(receiver.pool, s.block_table, full.narrow(0, 16))
+    import_kv(receiver.pool, s.block_table, tail)
+    s.num_computed = len(prompt)
+    receiver.add(s)
+    assert [first] + run_to_completion(receiver)["d"] == reference_generate(tiny_ref, prompt, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wire_bytes_round_trip(tiny, dtype):
+    engine = make_engine(tiny, dtype=dtype)
+    [prompt] = random_prompts(tiny.config.vocab_size, [20], seed=14)
+    s = Sequence("p", prompt, greedy(1), hold_kv=True)
+    engine.add(s)
+    run_to_completion(engine)
+    payload = export_kv(engine.pool, s.block_table, 3, 20)
+    for k, v in payload.layers:
+        data = layer_to_bytes(k, v)
+        assert len(data) == payload.header.layer_bytes
+        k2, v2 = layer_from_bytes(payload.header, data)
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    with pytest.raises(ValueError, match="expected"):
+        layer_from_bytes(payload.header, b"\0" * 10)
+
+
+def test_layout_mismatch_is_refused(tiny):
+    other = make_engine(tiny.__class__(tiny.config.__class__(**{**tiny.config.to_dict(), "num_hidden_layers": 3})))
+    payload, _ = _prefill_and_export(tiny, [5, 6, 7, 8])
+    with pytest.raises(ValueError, match="layout"):
+        import_kv(other.pool, other.pool.allocator.allocate(1), payload)
