@@ -1,0 +1,87 @@
+"""The control-plane client: typed messages over NATS, every request with a timeout.
+
+Core NATS is at-most-once, so callers treat a timeout as "unknown" and retry idempotently
+(handlers de-duplicate by request id). Reconnection is nats-py's: a service keeps running
+through a NATS restart and its subscriptions are restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from shared.messages import M, Message
+
+log = logging.getLogger(__name__)
+
+
+class BusTimeout(TimeoutError):
+    pass
+
+
+class Bus:
+    def __init__(self, nc: Client, name: str) -> None:
+        self.nc = nc
+        self.name = name
+        self._tasks: set[asyncio.Task] = set()  # handler tasks, referenced so they are not collected
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> Bus:
+        async def on_error(e: Exception) -> None:
+            log.warning("%s: NATS error: %s", name, e)
+
+        nc = await nats.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+            allow_reconnect=True,
+        )
+        return cls(nc, name)
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        await self.nc.publish(subject, msg.encode())
+
+    async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
+        try:
+            reply = await self.nc.request(subject, msg.encode(), timeout=timeout)
+        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as e:
+            raise BusTimeout(f"no reply on {subject} within {timeout:.1f}s ({type(e).__name__})") from None
+        return reply_type.decode(reply.data)
+
+    async def serve(
+        self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]], queue: str = ""
+    ) -> None:
+        """Subscribe; each message runs `handler` in its own task; a returned message is the reply."""
+
+        async def on_msg(raw: Msg) -> None:
+            task = asyncio.create_task(self._handle(raw, msg_type, handler))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def _handle(self, raw: Msg, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]]) -> None:
+        try:
+            msg = msg_type.decode(raw.data)
+            reply = await handler(msg)
+            if reply is not None and raw.reply:
+                await raw.respond(reply.encode())
+        except Exception:
+            log.exception("%s: handler for %s failed", self.name, raw.subject)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        try:
+            await self.nc.drain()
+        except Exception:
+            await self.nc.close()

@@ -1,0 +1,149 @@
+"""Cluster configuration: frozen dataclasses from one YAML file plus `PDD_` environment overrides.
+
+Overrides: PDD_NATS_URL, PDD_REDIS_URL (use these servers instead of embedded ones),
+PDD_PORT (gateway port), PDD_MODEL (model folder, or "default").
+Validation errors name the bad value and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROLES = ("prefill", "rld", "md")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "single-host.yaml"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    id: str
+    role: str
+    dc: str = "A"
+    dtype: str = "float32"
+    threads: int = 1
+    kv_tokens: int = 16384
+    max_step_tokens: int = 512
+    max_running: int = 32
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"instance {self.id!r}: role {self.role!r} is not one of {ROLES}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"instance {self.id!r}: dtype {self.dtype!r} must be float32 or bfloat16")
+        if self.threads < 1 or self.kv_tokens < 16:
+            raise ConfigError(f"instance {self.id!r}: threads >= 1 and kv_tokens >= 16 required")
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    """The emulated link from datacenter A to B (absent in a real multi-DC deployment)."""
+
+    name: str = "a-b"
+    src_dc: str = "A"
+    dst_dc: str = "B"
+    bandwidth_mbps: float = 1000.0
+    delay_ms: float = 10.0
+    jitter_ms: float = 0.0
+    swing: str = "none"  # none | schedule | random_walk
+    schedule: tuple[tuple[float, float], ...] = ()  # (seconds since start, mbps), repeating
+    walk_step: float = 0.2  # random walk: relative change per second
+    walk_min_mbps: float = 50.0
+    walk_max_mbps: float = 2000.0
+    seed: int = 0
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    control_s: float = 5.0  # every NATS request-reply
+    kv_stall_s: float = 30.0  # a KV transfer with no progress for this long fails
+    request_s: float = 600.0  # gateway gives up on a request with no token for this long
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str = "default"
+    block_size: int = 16
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str = ""  # "" = embedded nats-server on a free port
+    redis_url: str = ""  # "" = embedded redis-server on a free port
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+    max_queue: int = 64  # requests admitted and not finished, per gateway
+    wan: WanConfig = field(default_factory=WanConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    instances: tuple[InstanceConfig, ...] = ()
+
+    def instance(self, instance_id: str | None, role: str | None = None) -> InstanceConfig:
+        for inst in self.instances:
+            if (instance_id is None or inst.id == instance_id) and (role is None or inst.role == role):
+                return inst
+        raise ConfigError(f"no instance {instance_id!r} (role {role}) in the config")
+
+    def of_role(self, role: str) -> list[InstanceConfig]:
+        return [i for i in self.instances if i.role == role]
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {}
+    for key, value in raw.items():
+        if key == "schedule":
+            value = tuple(tuple(float(x) for x in pair) for pair in value)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ClusterConfig:
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    return config_from_dict(raw, where=str(path), **overrides)
+
+
+def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: Any) -> ClusterConfig:
+    raw = dict(raw)
+    raw.update(overrides)
+    wan = _build(WanConfig, raw.pop("wan", {}) or {}, f"{where}: wan")
+    timeouts = _build(Timeouts, raw.pop("timeouts", {}) or {}, f"{where}: timeouts")
+    instances = tuple(_build(InstanceConfig, i, f"{where}: instance") for i in raw.pop("instances", []))
+    env = {
+        "nats_url": os.environ.get("PDD_NATS_URL"),
+        "redis_url": os.environ.get("PDD_REDIS_URL"),
+        "port": os.environ.get("PDD_PORT"),
+        "model": os.environ.get("PDD_MODEL"),
+    }
+    for key, value in env.items():
+        if value:
+            raw[key] = int(value) if key == "port" else value
+    cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "instances": instances}, where)
+    ids = [i.id for i in cfg.instances]
+    if len(ids) != len(set(ids)):
+        raise ConfigError(f"{where}: instance ids must be unique, got {ids}")
+    for role in ("prefill", "md"):
+        if not cfg.of_role(role):
+            raise ConfigError(f"{where}: needs at least one {role} instance")
+    return cfg
+
+
+def to_dict(cfg: ClusterConfig) -> dict[str, Any]:
+    """Plain data (for YAML round trips, e.g. the launcher handing a config to its children)."""
+    return dataclasses.asdict(cfg)

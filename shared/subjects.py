@@ -1,0 +1,33 @@
+"""NATS subject names: the whole control plane at a glance.
+
+    pdd.scheduler.submit            gateway -> scheduler   Submit   -> Plan (request-reply)
+    pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
+    pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
+    pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
+    pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
+    pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
+    pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
+"""
+
+SUBMIT = "pdd.scheduler.submit"
+ABORT = "pdd.abort"
+
+
+def prefill_task(instance_id: str) -> str:
+    return f"pdd.prefill.{instance_id}.task"
+
+
+def decode_task(instance_id: str) -> str:
+    return f"pdd.decode.{instance_id}.task"
+
+
+def tokens(request_id: str) -> str:
+    return f"pdd.tokens.{request_id}"
+
+
+def inspect(instance_id: str) -> str:
+    return f"pdd.inspect.{instance_id}"
+
+
+def wan_control(name: str) -> str:
+    return f"pdd.wanlink.{name}.control"
