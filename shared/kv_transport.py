@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -75,6 +76,9 @@ class Transfer:
     layers: list[bytes] = field(default_factory=list)
     done: dict[str, Any] = field(default_factory=dict)
     wire_bytes: int = 0
+    via_wan: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    elapsed_ms: float = 0.0  # first header byte read -> DONE read
 
 
 async def send_kv(
@@ -97,7 +101,8 @@ async def send_kv(
     try:
         if via is not None:
             writer.write(packed(Frame.ROUTE, {"host": host, "port": port, "request_id": request_id}))
-        frames = [packed(Frame.HEADER, {"request_id": request_id, "sender": sender, "kv": kv_header})]
+        head = {"request_id": request_id, "sender": sender, "kv": kv_header, "wan": via is not None}
+        frames = [packed(Frame.HEADER, head)]
         frames += [frame(Frame.LAYER, data) for data in layers]
         frames.append(packed(Frame.DONE, done))
         for data in frames:
@@ -131,7 +136,10 @@ async def _receive_header(reader: asyncio.StreamReader, stall_s: float) -> Trans
     if kind != Frame.HEADER:
         raise KVTransferError(f"expected HEADER, got {kind.name}")
     head = msgpack.unpackb(body)
-    return Transfer(head["request_id"], head.get("sender", ""), head["kv"], wire_bytes=len(body) + _LEN.size)
+    return Transfer(
+        head["request_id"], head.get("sender", ""), head["kv"], wire_bytes=len(body) + _LEN.size,
+        via_wan=bool(head.get("wan")),
+    )  # fmt: skip
 
 
 async def _receive_body(reader: asyncio.StreamReader, t: Transfer, stall_s: float) -> None:
@@ -146,6 +154,7 @@ async def _receive_body(reader: asyncio.StreamReader, t: Transfer, stall_s: floa
         raise KVTransferError(f"expected DONE, got {kind.name}")
     t.done = msgpack.unpackb(body)
     t.wire_bytes += len(body) + _LEN.size
+    t.elapsed_ms = (time.perf_counter() - t.started) * 1000
 
 
 class KVReceiver:

@@ -82,6 +82,12 @@ class Engine:
         if seq is not None:
             self._free_blocks(seq)
 
+    def fail_running(self, error: str) -> list[TokenOutput]:
+        """Finish every running sequence with an error (after a failed step); frees their blocks."""
+        failed = [self._fail(seq, error) for seq in self.running.values()]
+        self.running.clear()
+        return failed
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

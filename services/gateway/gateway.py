@@ -1,0 +1,87 @@
+"""The gateway's state: tokenizer, NATS and Redis clients, admission, metrics.
+
+Owned by the gateway process's event loop; the HTTP handlers and `RequestFlow` use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from services.gateway.flow import RequestFlow
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_api import APIError, ParsedRequest
+from shared.bus import Bus
+from shared.config import ClusterConfig
+from shared.registry import Registry, connect
+from shared.service import model_path
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    def __init__(self, cfg: ClusterConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        folder = Path(model_path(cfg))
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        model_cfg = json.loads((folder / "config.json").read_text())
+        self.context_len = int(model_cfg.get("max_position_embeddings", 2048))
+        self.vocab_size = int(model_cfg["vocab_size"])
+        self.served_model = folder.name
+        self.bus: Bus | None = None
+        self.registry: Registry | None = None
+        self.metrics = GatewayMetrics()
+        self.inflight: dict[str, RequestFlow] = {}
+
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.cfg.nats_url, "gateway")
+        self.registry = Registry(connect(self.cfg.redis_url), self.cfg.heartbeat_ttl_s)
+
+    async def stop(self) -> None:
+        for flow in list(self.inflight.values()):
+            await flow.close()
+        await self.bus.close()
+        await self.registry.r.aclose()
+
+    # -- tokenizing -------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+    # -- admission --------------------------------------------------------------------------
+    def admit(self, parsed: ParsedRequest) -> RequestFlow:
+        if len(self.inflight) >= self.cfg.max_queue:
+            raise APIError(429, f"{len(self.inflight)} requests in flight; try again shortly",
+                           type="rate_limit_error", code="overloaded")  # fmt: skip
+        flow = RequestFlow(self, parsed)
+        self.inflight[flow.request_id] = flow
+        self.metrics.inflight.set(len(self.inflight))
+        return flow
+
+    async def release(self, flow: RequestFlow) -> None:
+        if self.inflight.pop(flow.request_id, None) is None:
+            return
+        await flow.close()
+        self.metrics.inflight.set(len(self.inflight))
+        self.metrics.observe(flow)
+
+    async def forget_request(self, request_id: str) -> None:
+        try:
+            await self.registry.delete_request(request_id)
+        except Exception as e:
+            log.warning("could not delete request state %s: %s", request_id, e)
+
+    async def missing_roles(self) -> list[str]:
+        try:
+            alive = {i.role for i in await self.registry.alive()}
+        except Exception:
+            return ["redis"]
+        if not self.bus.nc.is_connected:
+            return ["nats"]
+        return [role for role in ("prefill", "md") if role not in alive]

@@ -1,0 +1,64 @@
+"""The gateway's Prometheus metrics (names as vLLM/SGLang spell theirs, with a `pdd:` prefix)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shared.metrics import LATENCY_BUCKETS, Counter, Gauge, Histogram, Registry
+
+if TYPE_CHECKING:
+    from services.gateway.flow import RequestFlow
+
+BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.requests = Counter("pdd:requests_total", "Requests by outcome", ("outcome", "status"), registry=r)
+        self.inflight = Gauge("pdd:requests_in_flight", "Requests admitted and not finished", registry=r)
+        self.ttft = Histogram("pdd:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS,
+                              ("pipeline",), registry=r)  # fmt: skip
+        self.itl = Histogram("pdd:inter_token_latency_seconds", "Gap between streamed tokens", LATENCY_BUCKETS,
+                             ("pipeline",), registry=r)  # fmt: skip
+        self.e2e = Histogram("pdd:e2e_request_latency_seconds", "Arrival to last token", LATENCY_BUCKETS,
+                             ("pipeline",), registry=r)  # fmt: skip
+        self.tokens = Counter("pdd:generation_tokens_total", "Generated tokens by decoder role", ("role",),
+                              registry=r)  # fmt: skip
+        self.wan_bytes = Counter("pdd:wan_kv_bytes_total", "KV bytes sent over the WAN", registry=r)
+        self.local_bytes = Counter("pdd:local_kv_bytes_total", "KV bytes sent within a datacenter", registry=r)
+        self.pipelines = Counter("pdd:pipeline_requests_total", "Requests by pipeline and plan reason",
+                                 ("pipeline", "reason"), registry=r)  # fmt: skip
+        self.prefix_hit = Counter("pdd:prefix_hit_tokens_total", "Prompt tokens found in a prefix cache", ("role",),
+                                  registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("pdd:prompt_tokens_total", "Prompt tokens received", registry=r)
+
+    def count_request(self, outcome: str, status: int) -> None:
+        self.requests.labels(outcome=outcome, status=str(status)).inc()
+
+    def observe(self, flow: RequestFlow) -> None:
+        """Record a request that was admitted, when it ends (finished, failed or aborted)."""
+        plan = flow.plan
+        outcome = "finished" if flow.finished else "aborted"
+        self.count_request(outcome, 200)
+        if plan is None or not plan.pipeline:
+            return
+        p = plan.pipeline
+        self.pipelines.labels(pipeline=p, reason=plan.reason or "default").inc()
+        s = flow.stats
+        if s.first_token_at:
+            self.ttft.labels(pipeline=p).observe(s.first_token_at - s.arrived)
+            self.e2e.labels(pipeline=p).observe(s.token_times[-1] - s.arrived)
+        for a, b in zip(s.token_times, s.token_times[1:]):
+            self.itl.labels(pipeline=p).observe(b - a)
+        for role, n in s.tokens_by_role.items():
+            self.tokens.labels(role=role).inc(n)
+        d = s.decoder_stats
+        self.wan_bytes.inc(d.get("wan_kv_bytes", 0))
+        self.local_bytes.inc(d.get("local_kv_bytes", 0))
+        for role, n in d.get("prefix_hit_tokens", {}).items():
+            self.prefix_hit.labels(role=role).inc(n)
+        self.prompt_tokens.inc(len(flow.parsed.prompt_ids))
+
+    def render(self) -> str:
+        return self.registry.render()

@@ -1,0 +1,139 @@
+"""Prefill (datacenter A): compute the prompt's KV, sample the first token, push the KV out.
+
+Lifecycle of a request here:
+1. PrefillTask from the scheduler (idempotent by request id) -> acked, queued in the engine as
+   a sequence that samples one token and keeps its blocks (`hold_kv`).
+2. The engine prefills it, chunked and batched with other prompts, and samples the first token.
+3. On the engine thread, the KV each target lacks ([target.start, prompt_len)) is exported and
+   the blocks are released at once: transfers never pin the pool.
+4. The KV is pushed to every target concurrently (a relay-decoder in-DC, main-decode through
+   the WAN link); neither path waits for the other. DONE carries the first token and the
+   prefill timings.
+5. A failed push, or a failed prefill, sends an error to the gateway: the request fails
+   clearly, never hangs. Abort drops the sequence and cancels its transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from shared import subjects
+from shared.kv_transport import KVTransferError, send_kv
+from shared.messages import Abort, Ack, KVTarget, PrefillTask, TokenChunk
+from shared.runtime.engine import Engine, TokenOutput
+from shared.runtime.kv_payload import KVPayload, export_kv, layer_to_bytes
+from shared.runtime.sequence import Sequence
+from shared.service import EngineService, to_params
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillState:
+    task: PrefillTask
+    accepted_at: float
+    transfers: list[asyncio.Task] = field(default_factory=list)
+
+
+class Prefiller(EngineService):
+    role = "prefill"
+
+    def __init__(self, cfg, inst) -> None:
+        super().__init__(cfg, inst)
+        self.requests: dict[str, PrefillState] = {}
+        self.seen: dict[str, float] = {}  # request ids already accepted or aborted (idempotence)
+
+    async def setup(self) -> None:
+        await super().setup()
+        await self.bus.serve(subjects.prefill_task(self.inst.id), PrefillTask, self.on_task)
+
+    def held_requests(self) -> list[str]:
+        return sorted(self.requests)
+
+    # -- 1. task ------------------------------------------------------------------------
+    async def on_task(self, task: PrefillTask) -> Ack:
+        rid = task.request_id
+        if rid in self.seen:
+            return Ack(rid, ok=rid in self.requests, error="" if rid in self.requests else "request was aborted")
+        self._forget_old()
+        self.seen[rid] = time.monotonic()
+        self.requests[rid] = PrefillState(task, time.monotonic())
+        seq = Sequence(rid, list(task.prompt_ids), to_params(task.sampling), hold_kv=True, max_new=1)
+        await self.worker.call(lambda e: e.add(seq))
+        return Ack(rid)
+
+    def _forget_old(self, keep_s: float = 600.0) -> None:
+        if len(self.seen) > 10_000:
+            cutoff = time.monotonic() - keep_s
+            self.seen = {rid: t for rid, t in self.seen.items() if t > cutoff or rid in self.requests}
+
+    # -- 2./3. first token -> export ----------------------------------------------------
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        for out in outputs:
+            state = self.requests.get(out.seq_id)
+            if state is None:
+                continue
+            if out.token_id is None:
+                self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
+            else:
+                self.spawn(self._push(state, out.token_id))
+
+    async def _push(self, state: PrefillState, first_token: int) -> None:
+        task = state.task
+        rid = task.request_id
+        prefill_ms = (time.monotonic() - state.accepted_at) * 1000
+        n = len(task.prompt_ids)
+        try:
+            payloads = await self.worker.call(lambda e: _export_and_release(e, rid, [t.start for t in task.targets], n))
+        except KVTransferError:
+            return  # aborted between the first token and the export: nothing is held
+        stats = {"timings_ms": {"prefill": prefill_ms}, "prefix_hit_tokens": {"prefill": 0}}
+        done = {"first_token": first_token, "stats": stats}
+        for target, payload in zip(task.targets, payloads):
+            state.transfers.append(self.spawn(self._send(target, rid, payload, done)))
+        results = await asyncio.gather(*state.transfers, return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, Exception)]  # a cancel is an abort, not an error
+        if self.requests.pop(rid, None) is not None and errors:
+            await self._fail(rid, "; ".join(errors))
+
+    async def _send(self, target: KVTarget, rid: str, payload: KVPayload, done: dict) -> int:
+        layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v) for k, v in payload.layers])
+        via = (target.via_host, target.via_port) if target.via_host else None
+        try:
+            return await send_kv(
+                target.host, target.port, rid, self.inst.id, payload.header.to_dict(), layers, done,
+                self.cfg.timeouts.kv_stall_s, via=via,
+            )  # fmt: skip
+        except KVTransferError as e:
+            raise KVTransferError(f"KV push to {target.instance_id} failed: {e}") from None
+
+    # -- 5. failure and abort -----------------------------------------------------------
+    async def _fail(self, rid: str, error: str) -> None:
+        log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
+        self.requests.pop(rid, None)
+        chunk = TokenChunk(rid, 0, [], role=self.role, instance_id=self.inst.id, finish_reason="error", error=error)
+        await self.bus.publish(subjects.tokens(rid), chunk)
+        await self.bus.publish(subjects.ABORT, Abort(rid, reason=f"prefill failed: {error}"))
+
+    async def on_abort(self, msg: Abort) -> None:
+        self.seen.setdefault(msg.request_id, time.monotonic())
+        state = self.requests.pop(msg.request_id, None)
+        if state is None:
+            return
+        for t in state.transfers:
+            t.cancel()
+        await self.worker.call(lambda e: e.abort(msg.request_id))
+
+
+def _export_and_release(engine: Engine, rid: str, starts: list[int], n: int) -> list[KVPayload]:
+    """On the engine thread: copy out each target's range, then free the blocks."""
+    seq = engine.held.get(rid)
+    if seq is None:
+        raise KVTransferError(f"request {rid} holds no KV here (aborted?)")
+    try:
+        return [export_kv(engine.pool, seq.block_table, start, n) for start in starts]
+    finally:
+        engine.release(rid)

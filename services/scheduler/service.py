@@ -1,0 +1,123 @@
+"""Scheduler: turns a submitted request into a plan and dispatches it.
+
+Lifecycle of a request here:
+1. `Submit` from the gateway (request-reply). A request id seen before gets its earlier plan
+   back (idempotent: the gateway may retry after a timeout).
+2. Alive instances and their load are read from Redis; `policy.choose_plan` decides the
+   pipeline and the instances (pure function, no I/O).
+3. Decoders first: each gets a `DecodeTask` and must ack, so it is ready before any KV flies.
+   Then prefill gets a `PrefillTask` with the KV targets (through the WAN link when the
+   decoder sits in the other datacenter).
+4. The plan is recorded in Redis (`pdd:request:<id>`, removed by the gateway at the end) and
+   returned to the gateway.
+5. If any dispatch fails, the request is aborted everywhere and the gateway gets an error plan
+   (503 when a role has no alive instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from services.scheduler.policy import InstanceView, NoCapacity, PlanRequest, PolicyConfig, choose_plan
+from shared import subjects
+from shared.bus import Bus, BusTimeout
+from shared.config import ClusterConfig
+from shared.messages import Abort, Ack, DecodeTask, KVTarget, Plan, PrefillTask, Submit
+from shared.registry import InstanceInfo, Registry, connect
+
+log = logging.getLogger(__name__)
+
+
+class DispatchError(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, cfg: ClusterConfig, policy: PolicyConfig | None = None) -> None:
+        self.cfg = cfg
+        self.policy = policy or PolicyConfig()
+        self.bus: Bus | None = None
+        self.registry: Registry | None = None
+        self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
+
+    async def run(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        self.bus = await Bus.connect(self.cfg.nats_url, "scheduler")
+        self.registry = Registry(connect(self.cfg.redis_url), self.cfg.heartbeat_ttl_s)
+        await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
+        log.info("scheduler ready")
+        await stop.wait()
+        await self.bus.close()
+        await self.registry.r.aclose()
+
+    async def on_submit(self, sub: Submit) -> Plan:
+        if sub.request_id in self.plans:
+            return self.plans[sub.request_id]
+        t0 = time.monotonic()
+        try:
+            plan = await self._plan_and_dispatch(sub)
+        except NoCapacity as e:
+            plan = Plan(sub.request_id, error=str(e), status=503)
+        except DispatchError as e:
+            await self.bus.publish(subjects.ABORT, Abort(sub.request_id, reason=f"dispatch failed: {e}"))
+            plan = Plan(sub.request_id, error=str(e), status=503)
+        plan.queue_ms = (time.monotonic() - t0) * 1000
+        self._remember(plan)
+        return plan
+
+    async def _plan_and_dispatch(self, sub: Submit) -> Plan:
+        alive = {i.id: i for i in await self.registry.alive()}
+        views = [InstanceView(i.id, i.role, i.dc, i.load) for i in alive.values()]
+        req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff)
+        d = choose_plan(req, views, self.policy)
+        plan = Plan(
+            sub.request_id, pipeline=d.pipeline, handoff=d.handoff, prefill=d.instances.get("prefill", ""),
+            rld=d.instances.get("rld", ""), md=d.instances.get("md", ""), md_cached_tokens=d.md_cached_tokens,
+            reason=d.reason,
+        )  # fmt: skip
+        decoders = [alive[i] for i in (plan.rld, plan.md) if i]
+        await asyncio.gather(*(self._dispatch_decode(sub, plan, inst) for inst in decoders))
+        prefill = alive[plan.prefill]
+        targets = [await self._target(prefill, inst) for inst in decoders]
+        task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan)
+        await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
+        await self._record(plan)
+        return plan
+
+    async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo) -> None:
+        task = DecodeTask(sub.request_id, sub.prompt_ids, sub.sampling, plan)
+        await self._expect_ack(subjects.decode_task(inst.id), task, inst.id)
+
+    async def _target(self, prefill: InstanceInfo, decoder: InstanceInfo) -> KVTarget:
+        target = KVTarget(decoder.id, decoder.role, decoder.kv_host, decoder.kv_port, start=0)
+        if decoder.dc != prefill.dc:
+            route = await self.registry.route(prefill.dc, decoder.dc)
+            if route is not None:  # the WAN emulator on one host; absent across real datacenters
+                target.via_host, target.via_port = route
+        return target
+
+    async def _expect_ack(self, subject: str, msg, instance_id: str) -> None:
+        try:
+            ack = await self.bus.request(subject, msg, Ack, self.cfg.timeouts.control_s)
+        except BusTimeout as e:
+            raise DispatchError(f"{instance_id} did not answer: {e}") from None
+        if not ack.ok:
+            raise DispatchError(f"{instance_id} refused: {ack.error}")
+
+    async def _record(self, plan: Plan) -> None:
+        fields = {"pipeline": plan.pipeline, "prefill": plan.prefill, "rld": plan.rld, "md": plan.md}
+        try:
+            await self.registry.set_request(plan.request_id, fields, ttl_s=self.cfg.timeouts.request_s)
+        except Exception as e:  # request state is for observability; serving goes on without it
+            log.warning("could not record request %s: %s", plan.request_id, e)
+
+    def _remember(self, plan: Plan) -> None:
+        self.plans[plan.request_id] = plan
+        while len(self.plans) > 10_000:
+            self.plans.pop(next(iter(self.plans)))

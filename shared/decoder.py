@@ -1,0 +1,159 @@
+"""DecoderService: the decode side shared by main-decode (md) and relay-decode (rld).
+
+Lifecycle of a request on a decoder:
+1. `DecodeTask` arrives over NATS: remembered as pending (with a deadline), acked. Duplicates
+   are acked again; a task for an aborted request is refused.
+2. Its KV arrives on this instance's TCP listener (from prefill, in-DC or across the WAN):
+   on the engine thread, blocks are allocated, the KV imported (dtype converted), and the
+   sequence — prompt plus prefill's first token — joins the running batch. Then the sender
+   gets its ACK, and the first token (index 0) is published.
+3. Every engine step's tokens are published on `pdd.tokens.<request>` in order.
+4. The final chunk carries finish_reason and the request's stats; the engine frees the blocks.
+5. Abort (or a pending task whose KV never comes before its deadline) drops the request
+   wherever it is; an error is published for the latter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared import subjects
+from shared.kv_transport import KVReceiver, Transfer
+from shared.messages import Abort, Ack, DecodeTask, TokenChunk
+from shared.runtime.engine import Engine, TokenOutput
+from shared.runtime.kv_payload import KVHeader, KVPayload, import_kv, layer_from_bytes
+from shared.runtime.sequence import FinishReason, Sequence
+from shared.service import EngineService, to_params
+
+
+@dataclass
+class DecodeState:
+    task: DecodeTask
+    accepted_at: float
+    stats: dict[str, Any] = field(default_factory=dict)
+    running: bool = False
+
+
+class DecoderService(EngineService):
+    def __init__(self, cfg, inst) -> None:
+        super().__init__(cfg, inst)
+        self.requests: dict[str, DecodeState] = {}
+        self.aborted: dict[str, float] = {}  # request id -> when; tasks arriving late are refused
+        self.receiver = KVReceiver(self.on_transfer, cfg.timeouts.kv_stall_s, self._on_transfer_error)
+        self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.info.kv_host = self.cfg.host
+        self.info.kv_port = await self.receiver.start(self.cfg.host, 0)
+        await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
+        self.spawn(self._publisher())
+        self.spawn(self._watchdog())
+
+    async def teardown(self) -> None:
+        await self.receiver.stop()
+        await super().teardown()
+
+    def held_requests(self) -> list[str]:
+        return sorted(self.requests)
+
+    # -- 1. task ------------------------------------------------------------------------
+    async def on_task(self, task: DecodeTask) -> Ack:
+        rid = task.request_id
+        if rid in self.aborted:
+            return Ack(rid, ok=False, error="request was aborted")
+        if rid not in self.requests:
+            self.requests[rid] = DecodeState(task, time.monotonic())
+        return Ack(rid)
+
+    # -- 2. KV arrives ------------------------------------------------------------------
+    async def on_transfer(self, t: Transfer) -> str:
+        state = self.requests.get(t.request_id)
+        if state is None:
+            return f"{self.inst.id} has no decode task for {t.request_id}"
+        header = KVHeader(**t.kv)
+        layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
+        first = int(t.done["first_token"])
+        state.stats.update(t.done.get("stats", {}))
+        key = "wan_kv_bytes" if t.via_wan else "local_kv_bytes"
+        state.stats[key] = state.stats.get(key, 0) + t.wire_bytes
+        state.stats.setdefault("timings_ms", {})["kv_wan" if t.via_wan else "kv_local"] = t.elapsed_ms
+        task = state.task
+        seq = Sequence(task.request_id, list(task.prompt_ids) + [first], to_params(task.sampling))
+        seq.prompt_len = len(task.prompt_ids)
+        payload = KVPayload(header, layers)
+        try:
+            done = await self.worker.call(lambda e: _admit(e, seq, payload))
+        except Exception as e:  # e.g. the pool is exhausted: the request fails, nothing is held
+            self.emit(TokenOutput(task.request_id, None, 0, FinishReason.ERROR, f"{self.inst.id}: {e}"))
+            return str(e)
+        state.running = True
+        self.emit(TokenOutput(task.request_id, first, 0, done))
+        return ""
+
+    # -- 3./4. tokens out ---------------------------------------------------------------
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        for out in outputs:
+            if out.seq_id in self.requests:
+                self.emit(out)
+
+    def emit(self, out: TokenOutput) -> None:
+        state = self.requests.get(out.seq_id)
+        chunk = TokenChunk(
+            out.seq_id, out.index, [] if out.token_id is None else [out.token_id],
+            role=self.role, instance_id=self.inst.id, finish_reason=out.finish_reason, error=out.error or "",
+        )  # fmt: skip
+        if out.finish_reason is not None:
+            chunk.stats = state.stats if state else {}
+            self.requests.pop(out.seq_id, None)
+        self._out.put_nowait(chunk)
+
+    async def _publisher(self) -> None:
+        while True:
+            chunk = await self._out.get()
+            await self.bus.publish(subjects.tokens(chunk.request_id), chunk)
+
+    # -- 5. abort and deadlines ---------------------------------------------------------
+    async def on_abort(self, msg: Abort) -> None:
+        self.aborted[msg.request_id] = time.monotonic()
+        state = self.requests.pop(msg.request_id, None)
+        if state is not None:
+            await self.worker.call(lambda e: e.abort(msg.request_id))
+
+    def _on_transfer_error(self, request_id: str, error: str) -> None:
+        if request_id in self.requests and not self.requests[request_id].running:
+            self.emit(TokenOutput(request_id, None, 0, FinishReason.ERROR, f"KV transfer failed: {error}"))
+
+    async def _watchdog(self) -> None:
+        limit = self.cfg.timeouts.kv_stall_s * 2
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for rid, state in list(self.requests.items()):
+                if not state.running and now - state.accepted_at > limit:
+                    self.emit(TokenOutput(rid, None, 0, FinishReason.ERROR, f"KV did not arrive within {limit:.0f}s"))
+            for rid, when in list(self.aborted.items()):
+                if now - when > 600:
+                    del self.aborted[rid]
+
+
+def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
+    """On the engine thread: allocate, import the prompt's KV, join the batch. Returns the
+    finish reason when prefill's first token already ends the request."""
+    pool = engine.pool
+    first = seq.token_ids[-1]
+    if first in engine.eos_token_ids and not seq.params.ignore_eos or first in seq.params.stop_token_ids:
+        return FinishReason.STOP
+    if seq.params.max_tokens <= 1:
+        return FinishReason.LENGTH
+    seq.block_table = pool.allocator.allocate(pool.blocks_for(seq.prompt_len))
+    with torch.inference_mode():
+        import_kv(pool, seq.block_table, payload)
+    seq.num_computed = seq.prompt_len
+    engine.add(seq)
+    return None

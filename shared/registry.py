@@ -1,0 +1,105 @@
+"""Redis: the instance registry (heartbeats with a TTL), load figures, WAN routes, request state.
+
+Keys
+    pdd:instance:<id>          hash  InstanceInfo fields; expires unless refreshed by heartbeats
+    pdd:route:<src>:<dst>      str   "host:port" of the WAN link from datacenter src to dst
+    pdd:request:<id>           hash  plan of an in-flight request; deleted when it ends
+A dead instance stops heartbeating, its key expires, and nothing is routed to it afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+INSTANCE = "pdd:instance:"
+REQUEST = "pdd:request:"
+
+
+@dataclass
+class InstanceInfo:
+    id: str
+    role: str
+    dc: str
+    kv_host: str = ""
+    kv_port: int = 0
+    dtype: str = "float32"
+    block_size: int = 16
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    started_at: float = 0.0
+    updated_at: float = 0.0
+
+    @classmethod
+    def from_hash(cls, raw: dict[str, str]) -> InstanceInfo:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in raw:
+                value = raw[f.name]
+                kwargs[f.name] = value if f.type == "str" else (float(value) if f.type == "float" else int(value))
+        return cls(**kwargs)
+
+    @property
+    def load(self) -> float:
+        """Share of the KV pool in use, plus queued work: the figure routing balances."""
+        used = 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
+        return used + 0.1 * (self.running + self.waiting)
+
+
+def connect(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+
+
+class Registry:
+    def __init__(self, client: aioredis.Redis, ttl_s: float) -> None:
+        self.r = client
+        self.ttl_ms = int(ttl_s * 1000)
+
+    async def heartbeat(self, info: InstanceInfo) -> None:
+        info.updated_at = time.time()
+        key = INSTANCE + info.id
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={k: str(v) for k, v in dataclasses.asdict(info).items()})
+            pipe.pexpire(key, self.ttl_ms)
+            await pipe.execute()
+
+    async def remove(self, instance_id: str) -> None:
+        await self.r.delete(INSTANCE + instance_id)
+
+    async def alive(self, role: str | None = None) -> list[InstanceInfo]:
+        keys = [k async for k in self.r.scan_iter(match=INSTANCE + "*", count=1000)]
+        if not keys:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.hgetall(k)
+            rows = await pipe.execute()
+        infos = [InstanceInfo.from_hash(row) for row in rows if row]
+        return sorted((i for i in infos if role is None or i.role == role), key=lambda i: i.id)
+
+    async def set_route(self, src_dc: str, dst_dc: str, host: str, port: int) -> None:
+        await self.r.set(f"pdd:route:{src_dc}:{dst_dc}", f"{host}:{port}")
+
+    async def route(self, src_dc: str, dst_dc: str) -> tuple[str, int] | None:
+        value = await self.r.get(f"pdd:route:{src_dc}:{dst_dc}")
+        if not value:
+            return None
+        host, port = value.rsplit(":", 1)
+        return host, int(port)
+
+    async def set_request(self, request_id: str, fields: dict[str, str], ttl_s: float) -> None:
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(REQUEST + request_id, mapping=fields)
+            pipe.expire(REQUEST + request_id, int(ttl_s))
+            await pipe.execute()
+
+    async def delete_request(self, request_id: str) -> None:
+        await self.r.delete(REQUEST + request_id)
+
+    async def request_ids(self) -> list[str]:
+        return [k[len(REQUEST) :] async for k in self.r.scan_iter(match=REQUEST + "*", count=1000)]

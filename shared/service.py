@@ -1,0 +1,195 @@
+"""What every PDD instance process shares: connections, heartbeats, inspect, abort, shutdown.
+
+A role service (prefill, rld, md) subclasses `InstanceService` and fills in `setup()`,
+`on_abort()`, `held_requests()`. `run()` connects to NATS and Redis, registers the instance,
+heartbeats its load until SIGTERM/SIGINT, then unregisters and closes everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from shared import subjects
+from shared.bus import Bus
+from shared.config import ClusterConfig, InstanceConfig
+from shared.messages import Abort, Inspect, InstanceState, Sampling
+from shared.registry import InstanceInfo, Registry, connect
+from shared.runtime.engine import Engine, TokenOutput
+from shared.runtime.kv_pool import KVPool
+from shared.runtime.models import kv_layout, load_model, load_tokenizer, parse_dtype
+from shared.runtime.provision import provision_default_model
+from shared.runtime.runner import ModelRunner
+from shared.runtime.sampling import SamplingParams
+from shared.runtime.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+
+def model_path(cfg: ClusterConfig) -> str:
+    return str(provision_default_model()) if cfg.model == "default" else cfg.model
+
+
+def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> tuple[Engine, object]:
+    """The instance's model, KV pool and engine, as its config says."""
+    path = model_path(cfg)
+    model = load_model(path, dtype=inst.dtype)
+    tokenizer = load_tokenizer(path)
+    pool = KVPool.with_capacity(
+        kv_layout(model), tokens=inst.kv_tokens, block_size=cfg.block_size, dtype=parse_dtype(inst.dtype)
+    )
+    eos = model.generation_config.eos_token_id
+    eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+    engine = Engine(
+        ModelRunner(model, pool),
+        max_step_tokens=inst.max_step_tokens,
+        max_running=inst.max_running,
+        eos_token_ids=eos_ids,
+        decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    return engine, tokenizer
+
+
+class InstanceService:
+    role = ""
+
+    def __init__(self, cfg: ClusterConfig, inst: InstanceConfig) -> None:
+        self.cfg = cfg
+        self.inst = inst
+        self.bus: Bus | None = None
+        self.registry: Registry | None = None
+        self.info = InstanceInfo(id=inst.id, role=inst.role, dc=inst.dc, dtype=inst.dtype, block_size=cfg.block_size)
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- for subclasses -------------------------------------------------------------------
+    async def setup(self) -> None: ...
+
+    async def teardown(self) -> None: ...
+
+    async def on_abort(self, msg: Abort) -> None: ...
+
+    def held_requests(self) -> list[str]:
+        return []
+
+    async def load(self) -> dict[str, int]:
+        return {}
+
+    # -- plumbing -------------------------------------------------------------------------
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        self.bus = await Bus.connect(self.cfg.nats_url, self.inst.id)
+        self.registry = Registry(connect(self.cfg.redis_url), self.cfg.heartbeat_ttl_s)
+        self.info.started_at = time.time()
+        await self.setup()
+        await self.bus.serve(subjects.ABORT, Abort, self.on_abort)
+        await self.bus.serve(subjects.inspect(self.inst.id), Inspect, self._inspect)
+        heartbeat = asyncio.create_task(self._heartbeat())
+        log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)
+        await self._stop.wait()
+        heartbeat.cancel()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.teardown()
+        try:
+            await self.registry.remove(self.inst.id)
+        except Exception:
+            pass
+        await self.bus.close()
+        await self.registry.r.aclose()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            for key, value in (await self.load()).items():
+                setattr(self.info, key, value)
+            try:
+                await self.registry.heartbeat(self.info)
+            except Exception as e:  # Redis restarting: keep serving, retry next beat
+                log.warning("%s: heartbeat failed: %s", self.inst.id, e)
+            await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _inspect(self, msg: Inspect) -> InstanceState:
+        load = await self.load()
+        return InstanceState(
+            instance_id=self.inst.id,
+            role=self.role,
+            requests=self.held_requests(),
+            free_blocks=load.get("free_blocks", 0),
+            total_blocks=load.get("total_blocks", 0),
+            extra=load,
+        )
+
+
+def to_params(s: Sampling) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+class EngineService(InstanceService):
+    """An instance that runs the model: the engine lives on its worker thread."""
+
+    def __init__(self, cfg: ClusterConfig, inst: InstanceConfig) -> None:
+        super().__init__(cfg, inst)
+        self.worker: EngineWorker | None = None
+        self.tokenizer = None
+
+    async def setup(self) -> None:
+        engine, self.tokenizer = await asyncio.to_thread(build_engine, self.cfg, self.inst)
+        self.worker = EngineWorker(engine, self.on_outputs, threads=self.inst.threads)
+        self.worker.start()
+
+    async def teardown(self) -> None:
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop)
+
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        """Called on the event loop with each step's outputs, in step order."""
+
+    async def load(self) -> dict[str, int]:
+        return await self.worker.call(_engine_load)
+
+
+def _engine_load(engine: Engine) -> dict[str, int]:
+    return {
+        "running": len(engine.running),
+        "waiting": len(engine.waiting),
+        "free_blocks": engine.pool.num_free_blocks,
+        "total_blocks": engine.pool.num_blocks,
+    }
+
+
+def service_main(service_cls: type[InstanceService], role: str, argv: list[str] | None = None) -> None:
+    """`python -m services.<role> --config FILE [--instance ID]`."""
+    import argparse
+
+    from shared.config import load_config
+
+    parser = argparse.ArgumentParser(prog=f"services.{role}")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--instance", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    cfg = load_config(args.config)
+    inst = cfg.instance(args.instance, role)
+    asyncio.run(service_cls(cfg, inst).run())
