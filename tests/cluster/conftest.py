@@ -1,0 +1,116 @@
+"""A real one-host cluster (NATS, Redis, WAN emulator, every service as a process) for the
+end-to-end tests, plus a client that talks to it the way a user and an operator would."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import httpx
+import pytest
+import torch
+
+from shared import subjects
+from shared.bus import Bus
+from shared.launcher import Cluster
+from shared.messages import Inspect, InstanceState, WanControl, Ack
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    with Cluster(port=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def eos_ref(smol):
+    """The reference model for API outputs: stock attention, stops at EOS like the server."""
+    ref = copy.deepcopy(smol)
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+@pytest.fixture(scope="session")
+def reference(eos_ref, smol_tokenizer):
+    cache: dict[tuple, str] = {}
+
+    def text_for(prompt_ids: list[int], max_tokens: int) -> str:
+        key = (tuple(prompt_ids), max_tokens)
+        if key not in cache:
+            out = eos_ref.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False)
+            cache[key] = smol_tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+        return cache[key]
+
+    return text_for
+
+
+@pytest.fixture
+def model_id(cluster) -> str:
+    return httpx.get(cluster.url + "/v1/models").json()["data"][0]["id"]
+
+
+def stream_completion(url: str, body: dict, timeout: float = 120) -> tuple[str, dict, list[dict]]:
+    """POST a streamed completion; return (text, final chunk's pdd object, all events)."""
+    events, text = [], ""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            events.append(event)
+            choice = event["choices"][0]
+            text += choice.get("text") or choice.get("delta", {}).get("content") or ""
+    assert events and "pdd" in events[-1], "the last chunk carries the pdd object"
+    return text, events[-1]["pdd"], events
+
+
+class Operator:
+    """Talks to the cluster's control plane directly, as an operator's tool would."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def run(self, coro_fn):
+        async def main():
+            bus = await Bus.connect(self.cluster.cfg.nats_url, "test-operator")
+            try:
+                return await coro_fn(bus)
+            finally:
+                await bus.close()
+
+        return asyncio.run(main())
+
+    def inspect(self, instance_id: str) -> InstanceState:
+        return self.run(lambda bus: bus.request(subjects.inspect(instance_id), Inspect(instance_id), InstanceState, 5))
+
+    def wan(self, **settings) -> Ack:
+        name = self.cluster.cfg.wan.name
+        return self.run(lambda bus: bus.request(subjects.wan_control(name), WanControl(**settings), Ack, 5))
+
+    def wan_forwarded(self, request_id: str) -> int:
+        import redis
+
+        r = redis.Redis.from_url(self.cluster.cfg.redis_url, decode_responses=True)
+        try:
+            return int(r.hget(f"pdd:wan:{self.cluster.cfg.wan.name}:bytes", request_id) or 0)
+        finally:
+            r.close()
+
+    def request_keys(self) -> list[str]:
+        import redis
+
+        r = redis.Redis.from_url(self.cluster.cfg.redis_url, decode_responses=True)
+        try:
+            return list(r.scan_iter("pdd:request:*"))
+        finally:
+            r.close()
+
+
+@pytest.fixture(scope="session")
+def operator(cluster) -> Operator:
+    return Operator(cluster)

@@ -1,0 +1,155 @@
+"""End to end through the HTTP API against real processes: gateway -> scheduler -> prefill
+-> (WAN emulator) -> main-decode, over real NATS, Redis and TCP, with the real SmolLM2."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import stream_completion
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three colors: red,",
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_streamed_and_whole_outputs_equal_reference(cluster, model_id, reference, smol_tokenizer, prompt):
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 20, "temperature": 0}
+    expected = reference(smol_tokenizer(prompt)["input_ids"], 20)
+    whole = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120).json()
+    assert whole["choices"][0]["text"] == expected
+    text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
+    assert text == expected
+    assert pdd["pipeline"] == "p-md" and pdd["instances"]["md"] == "md-0"
+    assert pdd["tokens_by_role"]["md"] == whole["usage"]["completion_tokens"]
+
+
+def test_chat_applies_the_template(cluster, model_id, reference, smol_tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    template = smol_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = reference(smol_tokenizer(template, add_special_tokens=False)["input_ids"], 24)
+    body = {"model": model_id, "messages": messages, "max_tokens": 24, "temperature": 0}
+    whole = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert whole["choices"][0]["message"]["content"] == expected
+    assert "Paris" in expected
+    text, _, events = stream_completion(cluster.url + "/v1/chat/completions", body)
+    assert text == expected and events[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_eight_concurrent_streams(cluster, model_id, reference, smol_tokenizer):
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
+    bodies = [{"model": model_id, "prompt": p, "max_tokens": 12, "temperature": 0} for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda b: stream_completion(cluster.url + "/v1/completions", b), bodies))
+    for prompt, (text, pdd, _) in zip(prompts, results):
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 12), prompt
+        assert pdd["tokens_by_role"]["md"] >= 1
+
+
+def test_observability_contract(cluster, model_id):
+    body = {"model": model_id, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    pdd = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60).json()["pdd"]
+    assert set(pdd) >= {"request_id", "pipeline", "handoff", "instances", "tokens_by_role", "handoff_chunks",
+                        "wan_kv_bytes", "local_kv_bytes", "prefix_hit_tokens", "timings_ms"}  # fmt: skip
+    assert set(pdd["instances"]) == {"prefill", "rld", "md"}
+    assert set(pdd["tokens_by_role"]) == {"rld", "md"}
+    assert set(pdd["prefix_hit_tokens"]) == {"prefill", "md"}
+    assert set(pdd["timings_ms"]) == {"queue", "prefill", "kv_local", "kv_wan", "extend", "ttft", "e2e"}
+    assert pdd["timings_ms"]["ttft"] > 0 and pdd["timings_ms"]["e2e"] >= pdd["timings_ms"]["ttft"]
+
+
+def test_forced_plan_and_bad_override(cluster, model_id):
+    body = {"model": model_id, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    ok = httpx.post(cluster.url + "/v1/completions", json={**body, "pdd": {"pipeline": "p-md"}}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["pdd"]["plan_reason"] == "forced"
+    bad = httpx.post(cluster.url + "/v1/completions", json={**body, "pdd": {"pipeline": "p-xyz"}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "pdd.pipeline"
+
+
+def test_metrics_and_health(cluster, model_id):
+    httpx.post(cluster.url + "/v1/completions", json={"model": model_id, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    text = httpx.get(cluster.url + "/metrics").text
+    assert "pdd:time_to_first_token_seconds_bucket" in text and 'pdd:requests_total{outcome="finished"' in text
+    assert httpx.get(cluster.url + "/health").json()["status"] == "ok"
+
+
+def test_slow_wan_delays_first_token_by_the_transfer(cluster, model_id, operator, reference, smol_tokenizer):
+    prompt = " ".join(f"word{i}" for i in range(120))  # ~360 tokens: ~16.6 MB of fp32 KV
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    expected = reference(smol_tokenizer(prompt)["input_ids"], 8)
+    fast_text, fast, _ = stream_completion(cluster.url + "/v1/completions", body)
+    try:
+        assert operator.wan(bandwidth_mbps=50.0).ok
+        slow_text, slow, _ = stream_completion(cluster.url + "/v1/completions", body)
+    finally:
+        operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
+    transfer_s = slow["wan_kv_bytes"] * 8 / 50e6
+    added = (slow["timings_ms"]["ttft"] - fast["timings_ms"]["ttft"]) / 1000
+    print(f"\nWAN KV {slow['wan_kv_bytes'] / 1e6:.1f} MB: TTFT fast {fast['timings_ms']['ttft']:.0f} ms, "
+          f"at 50 Mbps {slow['timings_ms']['ttft']:.0f} ms (+{added:.2f} s; the link alone needs {transfer_s:.2f} s)")
+    assert fast_text == slow_text == expected
+    assert added > 0.6 * transfer_s
+    assert slow["wan_kv_bytes"] == operator.wan_forwarded(slow["request_id"])
+    assert fast["wan_kv_bytes"] == operator.wan_forwarded(fast["request_id"])
+
+
+def _wait_until_idle(operator, cluster, timeout: float = 2.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {i.id: operator.inspect(i.id) for i in cluster.cfg.instances}
+        idle = all(not s.requests and s.free_blocks == s.total_blocks for s in states.values())
+        if idle or time.monotonic() > deadline:
+            return {k: (s.requests, s.free_blocks, s.total_blocks) for k, s in states.items()}
+        time.sleep(0.1)
+
+
+def test_client_disconnect_frees_every_stage(cluster, model_id, operator):
+    body = {"model": model_id, "prompt": "Tell me a long story about a dragon.", "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break  # leave mid-stream
+    left = time.monotonic()
+    states = _wait_until_idle(operator, cluster, timeout=2.0)
+    print(f"\nafter disconnect ({time.monotonic() - left:.2f}s): {states}")
+    for instance, (requests, free, total) in states.items():
+        assert requests == [] and free == total, instance
+    assert operator.request_keys() == []
+
+
+@pytest.mark.parametrize(
+    "payload, status, param",
+    [
+        (b"{not json", 400, None),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": 7}, 400, "temperature"),
+        ({"prompt": "hello " * 9000, "max_tokens": 4}, 400, "prompt"),
+        ({"max_tokens": 4}, 400, "prompt"),
+    ],
+)
+def test_bad_input_is_a_clear_4xx_and_leaves_nothing(cluster, operator, payload, status, param):
+    kwargs = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
+    r = httpx.post(cluster.url + "/v1/completions", headers={"content-type": "application/json"}, timeout=30,
+                   **kwargs)  # fmt: skip
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+    assert re.search(r"^pdd:requests_in_flight 0(\.0)?$", httpx.get(cluster.url + "/metrics").text, re.M)
+    for inst in cluster.cfg.instances:
+        assert operator.inspect(inst.id).requests == []
