@@ -70,6 +70,20 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class HandoffConfig:
+    """Relay -> main handoff. Catch-up sends `chunk_tokens` at a time while relay keeps
+    streaming, and stops relay once the gap is at most `final_tokens`."""
+
+    chunk_tokens: int = 64
+    final_tokens: int = 8
+    ack_timeout_s: float = 30.0  # a chunk's extend on a busy CPU can take seconds
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1 or self.final_tokens < 0:
+            raise ConfigError(f"handoff: chunk_tokens >= 1 and final_tokens >= 0, got {self}")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str = "default"
     block_size: int = 16
@@ -82,6 +96,7 @@ class ClusterConfig:
     max_queue: int = 64  # requests admitted and not finished, per gateway
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
     instances: tuple[InstanceConfig, ...] = ()
 
     def instance(self, instance_id: str | None, role: str | None = None) -> InstanceConfig:
@@ -124,6 +139,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     raw.update(overrides)
     wan = _build(WanConfig, raw.pop("wan", {}) or {}, f"{where}: wan")
     timeouts = _build(Timeouts, raw.pop("timeouts", {}) or {}, f"{where}: timeouts")
+    handoff = _build(HandoffConfig, raw.pop("handoff", {}) or {}, f"{where}: handoff")
     instances = tuple(_build(InstanceConfig, i, f"{where}: instance") for i in raw.pop("instances", []))
     env = {
         "nats_url": os.environ.get("PDD_NATS_URL"),
@@ -134,7 +150,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     for key, value in env.items():
         if value:
             raw[key] = int(value) if key == "port" else value
-    cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "instances": instances}, where)
+    cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "handoff": handoff, "instances": instances}, where)
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")

@@ -86,6 +86,7 @@ class DecoderService(EngineService):
         task = state.task
         seq = Sequence(task.request_id, list(task.prompt_ids) + [first], to_params(task.sampling))
         seq.prompt_len = len(task.prompt_ids)
+        seq.shadow = self.admits_as_shadow(task)
         payload = KVPayload(header, layers)
         try:
             done = await self.worker.call(lambda e: _admit(e, seq, payload))
@@ -93,14 +94,29 @@ class DecoderService(EngineService):
             self.emit(TokenOutput(task.request_id, None, 0, FinishReason.ERROR, f"{self.inst.id}: {e}"))
             return str(e)
         state.running = True
-        self.emit(TokenOutput(task.request_id, first, 0, done))
+        await self.after_admit(state, first, done)
         return ""
+
+    def admits_as_shadow(self, task: DecodeTask) -> bool:
+        """Whether this decoder follows another one's tokens before it decodes (md in p-rld-md)."""
+        return False
+
+    async def after_admit(self, state: DecodeState, first: int, done: str | None) -> None:
+        """The KV is in and the sequence runs: stream prefill's first token as index 0."""
+        self.emit(TokenOutput(state.task.request_id, first, 0, done))
 
     # -- 3./4. tokens out ---------------------------------------------------------------
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:
-            if out.seq_id in self.requests:
+            if out.seq_id not in self.requests:
+                continue
+            if out.caught_up:
+                self.on_caught_up(out)
+            else:
                 self.emit(out)
+
+    def on_caught_up(self, out: TokenOutput) -> None:
+        """A shadow sequence computed every token it was given (see services/md)."""
 
     def emit(self, out: TokenOutput) -> None:
         state = self.requests.get(out.seq_id)
@@ -151,6 +167,8 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
         return FinishReason.STOP
     if seq.params.max_tokens <= 1:
         return FinishReason.LENGTH
+    if seq.params.stop and engine.decode_text and any(s in engine.decode_text([first]) for s in seq.params.stop):
+        return FinishReason.STOP
     seq.block_table = pool.allocator.allocate(pool.blocks_for(seq.prompt_len))
     with torch.inference_mode():
         import_kv(pool, seq.block_table, payload)

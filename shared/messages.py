@@ -141,6 +141,31 @@ class Abort(Message):
 
 
 @dataclass
+class KVReady(Message):
+    """md -> rld: main-decode holds this request's prompt KV; hand the request over."""
+
+    request_id: str
+    md: str
+
+
+@dataclass
+class HandoffChunk(Message):
+    """rld -> md: generated tokens [start_index, start_index + len(token_ids)), ids only.
+
+    Main-decode recomputes their KV in one extend. A non-final chunk is acked once main-decode
+    has caught up with it (relay keeps streaming meanwhile); the final chunk is acked at once,
+    relay stops, and main-decode samples from `start_index + len(token_ids)` on — the sampling
+    step that a seeded request needs is exactly that index.
+    """
+
+    request_id: str
+    start_index: int
+    token_ids: list[int]
+    final: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)  # relay's figures, on the final chunk
+
+
+@dataclass
 class Inspect(Message):
     instance_id: str = ""
 

@@ -4,6 +4,8 @@
     pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
     pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
     pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
+    pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
+    pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
     pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
     pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
     pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
@@ -19,6 +21,14 @@ def prefill_task(instance_id: str) -> str:
 
 def decode_task(instance_id: str) -> str:
     return f"pdd.decode.{instance_id}.task"
+
+
+def handoff_ready(rld_id: str) -> str:
+    return f"pdd.handoff.{rld_id}.ready"
+
+
+def handoff_chunk(md_id: str) -> str:
+    return f"pdd.handoff.{md_id}.chunk"
 
 
 def tokens(request_id: str) -> str:

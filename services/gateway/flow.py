@@ -47,6 +47,8 @@ class FlowStats:
     tokens_by_role: dict[str, int] = field(default_factory=lambda: {"rld": 0, "md": 0})
     decoder_stats: dict[str, Any] = field(default_factory=dict)
     completion_tokens: int = 0
+    last_rld_at: float = 0.0
+    handoff_gap_s: float = 0.0  # last relay token -> first main-decode token, as the user saw it
 
 
 class RequestFlow:
@@ -106,8 +108,13 @@ class RequestFlow:
             raise StreamError(f"no token for {self.gw.cfg.timeouts.request_s:.0f}s") from None
 
     def _count(self, chunk: TokenChunk) -> None:
-        if chunk.role in self.stats.tokens_by_role:
-            self.stats.tokens_by_role[chunk.role] += len(chunk.token_ids)
+        s = self.stats
+        if chunk.role in s.tokens_by_role:
+            s.tokens_by_role[chunk.role] += len(chunk.token_ids)
+        if chunk.token_ids and chunk.role == "rld":
+            s.last_rld_at = time.perf_counter()
+        elif chunk.token_ids and chunk.role == "md" and s.last_rld_at and not s.handoff_gap_s:
+            s.handoff_gap_s = time.perf_counter() - s.last_rld_at
         if chunk.stats:
             _merge(self.stats.decoder_stats, chunk.stats)
 
@@ -159,7 +166,7 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "instances": {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md},
         "tokens_by_role": dict(stats.tokens_by_role),
         "handoff_chunks": int(d.get("handoff_chunks", 0)),
-        "handoff_gap_ms": float(d.get("handoff_gap_ms", 0.0)),
+        "handoff_gap_ms": stats.handoff_gap_s * 1000,
         "max_itl_ms": max(gaps) * 1000 if gaps else 0.0,
         "wan_kv_bytes": int(d.get("wan_kv_bytes", 0)),
         "local_kv_bytes": int(d.get("local_kv_bytes", 0)),

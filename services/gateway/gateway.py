@@ -84,4 +84,5 @@ class Gateway:
             return ["redis"]
         if not self.bus.nc.is_connected:
             return ["nats"]
-        return [role for role in ("prefill", "md") if role not in alive]
+        wanted = {i.role for i in self.cfg.instances}
+        return sorted(role for role in wanted if role not in alive)

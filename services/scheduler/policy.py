@@ -3,8 +3,8 @@
 `choose_plan(request, instances, config) -> Decision`
 
 Rules (this revision):
-1. A forced pipeline/handoff (the request's `pdd` override) is honoured when the roles it
-   needs are alive; otherwise the configured default pipeline is used.
+1. A forced pipeline/handoff (the request's `pdd` override) is honoured; otherwise the
+   configured default pipeline (`p-rld-md`) is used, or `p-md` when no relay is alive.
 2. Each role's instance is the alive one with the lowest load (ties by id), skipping any
    instance the request already failed on (`avoid`).
 3. No alive instance of a needed role -> `NoCapacity` (the gateway answers 503).
@@ -44,7 +44,7 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    default_pipeline: str = "p-md"
+    default_pipeline: str = "p-rld-md"
     default_handoff: str = "oneshot"
 
 
@@ -68,6 +68,8 @@ def choose_plan(req: PlanRequest, instances: list[InstanceView], config: PolicyC
     pipeline, reason = config.default_pipeline, "default"
     if req.pipeline is not None:
         pipeline, reason = req.pipeline, "forced"
+    elif "rld" in ROLES_OF[pipeline] and not any(i.role == "rld" and i.id not in req.avoid for i in instances):
+        pipeline, reason = "p-md", "no-relay-alive"
     roles = ROLES_OF[pipeline]
     chosen = {role: least_loaded(instances, role, req.avoid).id for role in roles}
     handoff = "none"

@@ -35,6 +35,7 @@ class TokenOutput:
     index: int  # position of the token among the generated tokens (0-based)
     finish_reason: str | None = None
     error: str | None = None
+    caught_up: bool = False  # a shadow sequence computed every token it knows (no token sampled)
 
 
 class Engine:
@@ -102,10 +103,11 @@ class Engine:
         self.steps += 1
         for seq, n in work:
             seq.num_computed += n
+            if seq.shadow and seq.num_pending == 1:
+                outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, caught_up=True))
         steps = [s.num_generated for s in result.sampled]
         tokens = sample_batch(result.logits, [s.params for s in result.sampled], steps)
-        for seq, token in zip(result.sampled, tokens):
-            outputs.append(self._append(seq, token))
+        outputs += [self._append(seq, token) for seq, token in zip(result.sampled, tokens)]
         return outputs
 
     def _admit(self) -> list[TokenOutput]:
@@ -128,12 +130,15 @@ class Engine:
         return failed
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        decodes = [(s, 1) for s in self.running.values() if s.num_pending == 1]
+        # A shadow leaves its last known token pending: its logits are only wanted once it
+        # stops being a shadow, and then that token is an ordinary decode step.
+        decodes = [(s, 1) for s in self.running.values() if s.num_pending == 1 and not s.shadow]
         budget = self.max_step_tokens - len(decodes)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self.running.values():
-            if seq.num_pending > 1 and budget > 0:
-                n = min(seq.num_pending, budget)
+            todo = seq.num_pending - 1 if seq.shadow else seq.num_pending
+            if (todo > 1 or seq.shadow and todo == 1) and budget > 0:
+                n = min(todo, budget)
                 chunks.append((seq, n))
                 budget -= n
         return decodes + chunks

@@ -40,6 +40,10 @@ class Sequence:
     hold_kv: bool = False  # keep blocks after finishing (prefill exports them, then releases)
     max_new: int | None = None  # stop after this many tokens *sampled here* (prefill samples 1)
     sampled_here: int = 0
+    # A shadow computes the KV of tokens another instance produced (main-decode catching up
+    # with relay-decode) but samples nothing: reaching its last known token is reported as
+    # `caught_up`. Clearing the flag makes it an ordinary decoding sequence.
+    shadow: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

@@ -8,7 +8,7 @@ import torch
 
 from shared.runtime.kv_payload import export_kv
 from shared.runtime.sequence import Sequence
-from tests.helpers import greedy, make_engine, random_prompts, reference_generate
+from tests.helpers import greedy, make_engine, random_prompts, reference_generate, run_to_completion
 
 
 def _prefilled(engine, prompt: list[int], k: int) -> Sequence:
@@ -59,3 +59,34 @@ def test_extend_joins_a_running_batch(tiny, tiny_ref):
     assert {o.seq_id for o in outs} == {"decoding", "handed"}
     assert [o.token_id for o in outs if o.seq_id == "handed"] == [handed[12]]
     assert [o.index for o in outs if o.seq_id == "handed"] == [12]
+
+
+def test_shadow_catches_up_then_decodes(tiny, tiny_ref):
+    """Main-decode's catch-up: extend chunks without sampling, then take over decoding."""
+    [prompt] = random_prompts(tiny.config.vocab_size, [21], seed=8)
+    expected = reference_generate(tiny_ref, prompt, 30)
+    engine = make_engine(tiny)
+    s = Sequence("md", list(prompt) + expected[:1], greedy(30), prompt_len=len(prompt), shadow=True)
+    engine.add(s)
+    assert [(o.caught_up, o.token_id) for o in engine.step()] == [(True, None)]  # the prompt
+    assert s.num_pending == 1  # the last known token waits for the final handoff
+    s.token_ids += expected[1:10]  # a handoff chunk of 9 tokens
+    [out] = engine.step()
+    assert out.caught_up and out.index == 10 and s.num_computed == len(prompt) + 9
+    assert engine.step() == []  # a caught-up shadow is idle
+    s.token_ids += expected[10:14]  # the final chunk
+    s.shadow = False
+    outs = run_to_completion(engine)
+    assert expected[:14] + outs["md"] == expected
+
+
+def test_final_handoff_with_no_new_tokens(tiny, tiny_ref):
+    """Relay handed over before producing anything beyond prefill's token: md decodes on."""
+    [prompt] = random_prompts(tiny.config.vocab_size, [21], seed=9)
+    expected = reference_generate(tiny_ref, prompt, 8)
+    engine = make_engine(tiny)
+    s = Sequence("md", list(prompt) + expected[:1], greedy(8), prompt_len=len(prompt), shadow=True)
+    engine.add(s)
+    engine.step()
+    s.shadow = False
+    assert expected[:1] + run_to_completion(engine)["md"] == expected
