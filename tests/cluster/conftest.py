@@ -19,7 +19,8 @@ from shared.messages import Inspect, InstanceState, WanControl, Ack
 
 @pytest.fixture(scope="session")
 def cluster():
-    with Cluster(port=0) as c:
+    # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
+    with Cluster(port=0, handoff={"chunk_tokens": 12, "final_tokens": 3}) as c:
         yield c
 
 
@@ -67,6 +68,12 @@ def stream_completion(url: str, body: dict, timeout: float = 120) -> tuple[str, 
             text += choice.get("text") or choice.get("delta", {}).get("content") or ""
     assert events and "pdd" in events[-1], "the last chunk carries the pdd object"
     return text, events[-1]["pdd"], events
+
+
+def completion(url: str, body: dict, timeout: float = 120) -> dict:
+    r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 class Operator:

@@ -1,0 +1,109 @@
+"""Relay-decode through the HTTP API against real processes: eager tokens, token-id handoff
+(one-shot and catch-up), every pipeline exact against the reference."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from tests.cluster.conftest import completion, stream_completion
+
+pytestmark = pytest.mark.slow
+
+PLANS = [("p-md", None), ("p-rld-md", "oneshot"), ("p-rld-md", "catchup"), ("p-rld", None)]
+PROMPTS = ["The capital of France is", "def quicksort(items):", "Water boils at"]
+
+
+def _body(model_id: str, prompt: str, n: int, pipeline: str, handoff: str | None, **extra) -> dict:
+    pdd = {"pipeline": pipeline, **({"handoff": handoff} if handoff else {})}
+    return {"model": model_id, "prompt": prompt, "max_tokens": n, "temperature": 0, "pdd": pdd, **extra}
+
+
+@pytest.mark.parametrize("pipeline, handoff", PLANS)
+def test_every_pipeline_equals_reference(cluster, model_id, reference, smol_tokenizer, pipeline, handoff):
+    for prompt in PROMPTS:
+        text, pdd, _ = stream_completion(cluster.url + "/v1/completions", _body(model_id, prompt, 24, pipeline, handoff))
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 24), (pipeline, handoff, prompt)
+        assert pdd["pipeline"] == pipeline
+        roles = pdd["tokens_by_role"]
+        if pipeline == "p-rld-md" and roles["md"]:  # handed over (unless it ended on relay first)
+            assert roles["rld"] >= 1 and pdd["handoff_chunks"] >= 1 and pdd["handoff"] == handoff
+        if pipeline == "p-rld":
+            assert roles["md"] == 0 and pdd["wan_kv_bytes"] == 0
+        if pipeline == "p-md":
+            assert roles["rld"] == 0 and pdd["local_kv_bytes"] == 0
+
+
+def test_relay_hands_over_to_main(cluster, model_id, reference, smol_tokenizer):
+    prompt = "Write a short poem about the sea."
+    body = _body(model_id, prompt, 48, "p-rld-md", "oneshot", ignore_eos=True)
+    text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
+    assert pdd["tokens_by_role"]["rld"] >= 1 and pdd["tokens_by_role"]["md"] >= 1
+    assert pdd["handoff_chunks"] == 1 and pdd["timings_ms"]["extend"] > 0
+    assert sum(pdd["tokens_by_role"].values()) == 48
+
+
+def test_seeded_sampling_is_identical_through_every_pipeline(cluster, model_id):
+    texts = {}
+    for pipeline, handoff in PLANS:
+        body = _body(model_id, "My favourite animal is", 32, pipeline, handoff, seed=1234, ignore_eos=True)
+        body.update(temperature=0.9, top_p=0.95)
+        texts[(pipeline, handoff)] = completion(cluster.url, body)["choices"][0]["text"]
+    assert len(set(texts.values())) == 1, texts
+
+
+def _slow_wan_run(cluster, operator, body: dict, mbps: float) -> dict:
+    try:
+        assert operator.wan(bandwidth_mbps=mbps).ok
+        _, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
+    finally:
+        operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
+    return pdd
+
+
+def test_relay_hides_a_slow_wan(cluster, model_id, operator, reference, smol_tokenizer):
+    prompt = " ".join(f"item{i}" for i in range(40))  # ~120 tokens: ~5.5 MB of KV
+    expected = reference(smol_tokenizer(prompt)["input_ids"], 64)
+    runs = {}
+    for pipeline in ("p-md", "p-rld-md"):
+        body = _body(model_id, prompt, 64, pipeline, "oneshot" if pipeline == "p-rld-md" else None)
+        runs[pipeline, "fast"] = stream_completion(cluster.url + "/v1/completions", body)[1]
+        runs[pipeline, "slow"] = _slow_wan_run(cluster, operator, body, mbps=20)
+    ttft = {k: v["timings_ms"]["ttft"] for k, v in runs.items()}
+    print("\nTTFT ms (WAN 1000 Mbps -> 20 Mbps): " + ", ".join(f"{p} {ttft[p, 'fast']:.0f} -> {ttft[p, 'slow']:.0f}"
+                                                           for p in ("p-md", "p-rld-md")))  # fmt: skip
+    transfer_s = runs["p-md", "slow"]["wan_kv_bytes"] * 8 / 20e6
+    assert ttft["p-md", "slow"] - ttft["p-md", "fast"] > 600 * transfer_s
+    assert ttft["p-rld-md", "slow"] < ttft["p-rld-md", "fast"] + 0.3 * transfer_s * 1000
+    slow = runs["p-rld-md", "slow"]
+    assert slow["tokens_by_role"]["rld"] > 1 and slow["tokens_by_role"]["md"] >= 1
+    assert {stream_completion(cluster.url + "/v1/completions", _body(model_id, prompt, 64, "p-rld-md", "oneshot"))[0],
+            expected} == {expected}  # fmt: skip
+
+
+def test_catch_up_has_a_smaller_stall_than_one_shot(cluster, model_id, operator, reference, smol_tokenizer):
+    prompt = " ".join(f"item{i}" for i in range(40))
+    gaps, chunks = {}, {}
+    for handoff in ("oneshot", "catchup"):
+        body = _body(model_id, prompt, 160, "p-rld-md", handoff, ignore_eos=True)
+        pdd = _slow_wan_run(cluster, operator, body, mbps=6)  # ~7 s of WAN: a backlog of ~70 tokens
+        gaps[handoff], chunks[handoff] = pdd["handoff_gap_ms"], pdd["handoff_chunks"]
+        assert pdd["tokens_by_role"]["md"] >= 1, pdd
+    print(f"\nhandoff stall: one-shot {gaps['oneshot']:.0f} ms ({chunks['oneshot']} chunk), "
+          f"catch-up {gaps['catchup']:.0f} ms ({chunks['catchup']} chunks)")
+    assert chunks["oneshot"] == 1 and chunks["catchup"] >= 2
+    assert gaps["catchup"] < gaps["oneshot"]
+
+
+def test_mixed_concurrent_pipelines_complete_and_free_every_block(cluster, model_id, operator, reference,
+                                                                  smol_tokenizer):  # fmt: skip
+    jobs = [(p, h, f"Fact number {i}: the sun") for i, (p, h) in enumerate(PLANS * 2)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(
+            lambda j: stream_completion(cluster.url + "/v1/completions", _body(model_id, j[2], 20, j[0], j[1])), jobs))
+    for (pipeline, handoff, prompt), (text, pdd, _) in zip(jobs, results):
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 20), (pipeline, handoff)
+    for inst in cluster.cfg.instances:
+        state = operator.inspect(inst.id)
+        assert state.requests == [] and state.free_blocks == state.total_blocks, state
