@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.runtime.kv_pool import PoolExhausted
+from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
 from shared.runtime.sampling import sample_batch
 from shared.runtime.sequence import FinishReason, Sequence, SeqStatus
@@ -46,8 +47,12 @@ class Engine:
         max_running: int = 64,
         eos_token_ids: tuple[int, ...] = (),
         decode_text: Callable[[list[int]], str] | None = None,
+        cache: RadixCache | None = None,
+        namespace: str = "",
     ) -> None:
         self.runner = runner
+        self.cache = cache  # optional prefix cache; holds its own references on blocks
+        self.namespace = namespace
         self.pool = runner.pool
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
@@ -83,6 +88,21 @@ class Engine:
         if seq is not None:
             self._free_blocks(seq)
 
+    def allocate(self, n: int) -> list[int]:
+        """n blocks, evicting cached prefixes if the free list is short. Raises PoolExhausted."""
+        short = n - self.pool.num_free_blocks
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.pool.allocator.allocate(n)
+
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> None:
+        """Reuse the cached prefix of a fresh sequence, at most `max_tokens` of it."""
+        if self.cache is None or seq.block_table or seq.num_computed:
+            return
+        blocks = self.cache.match(seq.token_ids, self.namespace, max_tokens // self.pool.block_size)
+        seq.block_table = blocks
+        seq.num_computed = seq.cached_tokens = len(blocks) * self.pool.block_size
+
     def fail_running(self, error: str) -> list[TokenOutput]:
         """Finish every running sequence with an error (after a failed step); frees their blocks."""
         failed = [self._fail(seq, error) for seq in self.running.values()]
@@ -103,6 +123,8 @@ class Engine:
         self.steps += 1
         for seq, n in work:
             seq.num_computed += n
+            if seq.imported is not None and seq.num_computed == seq.imported[0]:
+                seq.num_computed, seq.imported = seq.imported[1], None
             if seq.shadow and seq.num_pending == 1:
                 outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, caught_up=True))
         steps = [s.num_generated for s in result.sampled]
@@ -120,9 +142,14 @@ class Engine:
                 msg = f"request needs {seq.max_total_tokens} tokens of KV, more than the pool holds"
                 failed.append(self._fail(seq, msg))
                 continue
+            fresh = not seq.block_table and not seq.num_computed
+            self.match_prefix(seq, seq.num_tokens - 1)  # at least one token left to compute
             try:
-                seq.block_table.extend(self.pool.allocator.allocate(max(total - len(seq.block_table), 0)))
+                seq.block_table.extend(self.allocate(max(total - len(seq.block_table), 0)))
             except PoolExhausted:
+                if fresh:  # give the matched prefix back while waiting
+                    self._free_blocks(seq)
+                    seq.num_computed = seq.cached_tokens = 0
                 break  # wait for running sequences to finish
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -132,12 +159,15 @@ class Engine:
     def _schedule(self) -> list[tuple[Sequence, int]]:
         # A shadow leaves its last known token pending: its logits are only wanted once it
         # stops being a shadow, and then that token is an ordinary decode step.
-        decodes = [(s, 1) for s in self.running.values() if s.num_pending == 1 and not s.shadow]
+        def is_decode(s: Sequence) -> bool:
+            return s.num_pending == 1 and not s.shadow and s.imported is None
+
+        decodes = [(s, 1) for s in self.running.values() if is_decode(s)]
         budget = self.max_step_tokens - len(decodes)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self.running.values():
-            todo = seq.num_pending - 1 if seq.shadow else seq.num_pending
-            if (todo > 1 or seq.shadow and todo == 1) and budget > 0:
+            todo = seq.num_schedulable
+            if todo >= 1 and not is_decode(seq) and budget > 0:
                 n = min(todo, budget)
                 chunks.append((seq, n))
                 budget -= n
@@ -178,9 +208,14 @@ class Engine:
             self._free_blocks(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.pool.allocator.free(seq.block_table)
-            seq.block_table = []
+        """Drop the sequence's references; with a cache, its computed full blocks stay cached."""
+        if not seq.block_table:
+            return
+        if self.cache is not None and seq.imported is None:
+            full = seq.num_computed // self.pool.block_size
+            self.cache.insert(seq.token_ids[: seq.num_computed], seq.block_table[:full], self.namespace)
+        self.pool.allocator.free(seq.block_table)
+        seq.block_table = []
 
 
 def _hits_stop_string(seq: Sequence, decode_text: Callable[[list[int]], str]) -> bool:

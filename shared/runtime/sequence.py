@@ -44,6 +44,10 @@ class Sequence:
     # with relay-decode) but samples nothing: reaching its last known token is reported as
     # `caught_up`. Clearing the flag makes it an ordinary decoding sequence.
     shadow: bool = False
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # KV of [start, end) is already in the blocks (imported) although [num_computed, start) is
+    # not: the engine computes up to `start`, then jumps to `end` (a prefix evicted mid-flight).
+    imported: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -63,6 +67,13 @@ class Sequence:
     def num_pending(self) -> int:
         """Known tokens whose KV is not computed yet."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_schedulable(self) -> int:
+        """Tokens the next step may compute: up to a hole's end, and a shadow keeps its last one."""
+        if self.imported is not None:
+            return self.imported[0] - self.num_computed
+        return self.num_pending - 1 if self.shadow else self.num_pending
 
     @property
     def max_total_tokens(self) -> int:

@@ -1,0 +1,41 @@
+"""Chained block hashes: the names of cached KV blocks in the Redis index.
+
+Block i's hash covers its own tokens *and every token before it* (it chains the previous
+block's hash), as vLLM's and SGLang's KV events do: equal hash means equal whole prefix, so
+"how many prefix tokens does instance X hold" is "how many leading hashes X has". Pure Python,
+no torch: instances (when caching) and the scheduler (when routing) compute the same names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+ROOT = ""
+
+
+def next_hash(parent: str, tokens: tuple[int, ...] | list[int], namespace: str = "") -> str:
+    h = hashlib.blake2b(digest_size=12)
+    h.update(parent.encode() if parent else b"\0" + namespace.encode())
+    h.update(array("q", tokens).tobytes())
+    return h.hexdigest()
+
+
+def block_hashes(tokens: list[int], block_size: int, namespace: str = "", limit: int | None = None) -> list[str]:
+    """Hashes of the full blocks of `tokens` (at most `limit` of them)."""
+    n = len(tokens) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    out, parent = [], ROOT
+    for i in range(n):
+        parent = next_hash(parent, tokens[i * block_size : (i + 1) * block_size], namespace)
+        out.append(parent)
+    return out
+
+
+def leading_hits(flags: list[bool | int]) -> int:
+    """How many leading blocks are present (a prefix stops at the first miss)."""
+    for i, present in enumerate(flags):
+        if not present:
+            return i
+    return len(flags)

@@ -1,0 +1,124 @@
+"""Block-granular radix cache on the paged pool: prefixes of earlier requests, shared by refcount.
+
+Each node is one full block of `block_size` tokens under its parent (the block before it), per
+namespace (e.g. model or tenant). The cache holds one reference on every block it stores;
+a sequence that reuses a prefix takes its own reference (`match`), so a block in use is never
+evicted: eviction frees least-recently-used *leaves* whose only reference is the cache's.
+
+Every store and removal is recorded as a `KVEvent` with the block's chained hash
+(`shared.prefix_hash`), for the owner to publish to the Redis index.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from shared.prefix_hash import ROOT, next_hash
+from shared.runtime.kv_pool import BlockAllocator
+
+
+@dataclass
+class KVEvent:
+    kind: str  # "stored" | "removed" | "cleared"
+    hashes: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]
+    block: int
+    hash: str
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    last_used: int = 0
+
+
+class RadixCache:
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self._roots: dict[str, _Node] = {}
+        self._clock = itertools.count(1)
+        self.num_blocks = 0
+        self.events: list[KVEvent] = []
+
+    def _root(self, namespace: str) -> _Node:
+        if namespace not in self._roots:
+            self._roots[namespace] = _Node((), -1, ROOT, None)
+        return self._roots[namespace]
+
+    def _blocks_of(self, tokens: list[int], limit: int | None) -> list[tuple[int, ...]]:
+        bs = self.block_size
+        n = len(tokens) // bs if limit is None else min(len(tokens) // bs, limit)
+        return [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(n)]
+
+    def match(self, tokens: list[int], namespace: str = "", max_blocks: int | None = None) -> list[int]:
+        """Blocks holding the longest cached prefix of `tokens`; the caller owns a reference on each."""
+        node, found, now = self._root(namespace), [], next(self._clock)
+        for key in self._blocks_of(tokens, max_blocks):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_used = now
+            found.append(child.block)
+            node = child
+        self.allocator.incref(found)
+        return found
+
+    def insert(self, tokens: list[int], blocks: list[int], namespace: str = "") -> int:
+        """Cache the full blocks of `tokens` (KV in `blocks`). Prefixes already cached keep their
+        block (stored once); the caller still drops its own references as usual."""
+        node, stored, now = self._root(namespace), [], next(self._clock)
+        for key, block in zip(self._blocks_of(tokens, None), blocks):
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(key, block, next_hash(node.hash, key, namespace), node)
+                node.children[key] = child
+                self.allocator.incref([block])
+                self.num_blocks += 1
+                stored.append(child.hash)
+            child.last_used = now
+            node = child
+        if stored:
+            self.events.append(KVEvent("stored", stored))
+        return len(stored)
+
+    def evictable(self) -> int:
+        return sum(1 for n in self._nodes() if self.allocator.refcount(n.block) == 1)
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` blocks, least recently used leaves first."""
+        freed: list[_Node] = []
+        while len(freed) < num_blocks:
+            leaves = [n for n in self._nodes() if not n.children and self.allocator.refcount(n.block) == 1]
+            if not leaves:
+                break
+            leaves.sort(key=lambda n: n.last_used)
+            for leaf in leaves[: num_blocks - len(freed)]:
+                del leaf.parent.children[leaf.key]
+                self.allocator.free([leaf.block])
+                freed.append(leaf)
+        self.num_blocks -= len(freed)
+        if freed:
+            self.events.append(KVEvent("removed", [n.hash for n in freed]))
+        return len(freed)
+
+    def clear(self) -> None:
+        """Drop every cached block (those in use stay alive through their users' references)."""
+        for node in self._nodes():
+            self.allocator.free([node.block])
+        self._roots.clear()
+        self.num_blocks = 0
+        self.events.append(KVEvent("cleared"))
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _nodes(self):
+        stack = [c for root in self._roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
