@@ -33,6 +33,7 @@ class InstanceConfig:
     kv_tokens: int = 16384
     max_step_tokens: int = 512
     max_running: int = 32
+    prefix_cache: bool = True  # radix cache of earlier requests' KV (the DRC on decoders)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -90,6 +90,9 @@ class DecoderService(EngineService):
         payload = KVPayload(header, layers)
         try:
             done = await self.worker.call(lambda e: _admit(e, seq, payload))
+            state.stats.setdefault("prefix_hit_tokens", {})["md" if self.role == "md" else "rld"] = seq.cached_tokens
+            if seq.imported is not None:
+                state.stats["recomputed_tokens"] = seq.imported[0] - seq.num_computed
         except Exception as e:  # e.g. the pool is exhausted: the request fails, nothing is held
             self.emit(TokenOutput(task.request_id, None, 0, FinishReason.ERROR, f"{self.inst.id}: {e}"))
             return str(e)
@@ -132,6 +135,8 @@ class DecoderService(EngineService):
     async def _publisher(self) -> None:
         while True:
             chunk = await self._out.get()
+            if chunk.finish_reason is not None:
+                await self.flush_index()  # the next turn's plan must see this turn cached
             await self.bus.publish(subjects.tokens(chunk.request_id), chunk)
 
     # -- 5. abort and deadlines ---------------------------------------------------------
@@ -159,19 +164,36 @@ class DecoderService(EngineService):
 
 
 def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
-    """On the engine thread: allocate, import the prompt's KV, join the batch. Returns the
-    finish reason when prefill's first token already ends the request."""
-    pool = engine.pool
-    first = seq.token_ids[-1]
-    if first in engine.eos_token_ids and not seq.params.ignore_eos or first in seq.params.stop_token_ids:
+    """On the engine thread: stitch the arriving KV [start, n) onto the cached prefix [0, start)
+    and join the batch. Returns the finish reason when prefill's first token already ends it.
+
+    If part of [0, start) was evicted since the plan was made, the missing range is recomputed
+    here from its token ids before anything is decoded (never decode on incomplete KV).
+    """
+    first, params = seq.token_ids[-1], seq.params
+    if first in engine.eos_token_ids and not params.ignore_eos or first in params.stop_token_ids:
         return FinishReason.STOP
-    if seq.params.max_tokens <= 1:
+    if params.max_tokens <= 1:
         return FinishReason.LENGTH
-    if seq.params.stop and engine.decode_text and any(s in engine.decode_text([first]) for s in seq.params.stop):
+    if params.stop and engine.decode_text and any(s in engine.decode_text([first]) for s in params.stop):
         return FinishReason.STOP
-    seq.block_table = pool.allocator.allocate(pool.blocks_for(seq.prompt_len))
-    with torch.inference_mode():
-        import_kv(pool, seq.block_table, payload)
-    seq.num_computed = seq.prompt_len
+    pool, start, n = engine.pool, payload.header.start, seq.prompt_len
+    if start % pool.block_size:
+        raise ValueError(f"KV starts at {start}, not on a block boundary of {pool.block_size}")
+    engine.match_prefix(seq, start)  # [0, hit) from this decoder's own cache
+    hit = seq.num_computed
+    try:
+        seq.block_table += engine.allocate(pool.blocks_for(n) - len(seq.block_table))
+        with torch.inference_mode():
+            import_kv(pool, seq.block_table, payload)
+    except BaseException:
+        engine.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        raise
+    seq.num_computed = n
+    if hit < start:
+        seq.num_computed, seq.imported = hit, (start, n)
+    elif engine.cache is not None:  # KV is cached as it lands: the next turn hits at once
+        engine.cache.insert(seq.token_ids[:n], seq.block_table[: n // pool.block_size], engine.namespace)
     engine.add(seq)
     return None

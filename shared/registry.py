@@ -4,6 +4,9 @@ Keys
     pdd:instance:<id>          hash  InstanceInfo fields; expires unless refreshed by heartbeats
     pdd:route:<src>:<dst>      str   "host:port" of the WAN link from datacenter src to dst
     pdd:request:<id>           hash  plan of an in-flight request; deleted when it ends
+    pdd:kv:<id>                set   chained hashes of the KV blocks instance <id> caches
+    pdd:kv:<id>:seq            int   count of index events applied (one per stored/removed batch)
+An instance clears its own `pdd:kv` keys when it starts; they expire with its heartbeat.
 A dead instance stops heartbeating, its key expires, and nothing is routed to it afterwards.
 """
 
@@ -15,8 +18,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from shared.prefix_hash import leading_hits
+
 INSTANCE = "pdd:instance:"
 REQUEST = "pdd:request:"
+KV = "pdd:kv:"
 
 
 @dataclass
@@ -103,3 +109,41 @@ class Registry:
 
     async def request_ids(self) -> list[str]:
         return [k[len(REQUEST) :] async for k in self.r.scan_iter(match=REQUEST + "*", count=1000)]
+
+    # -- the prefix-cache index ---------------------------------------------------------------
+    async def clear_kv(self, instance_id: str) -> None:
+        await self.r.delete(KV + instance_id, KV + instance_id + ":seq")
+
+    async def apply_kv_events(self, instance_id: str, events: list) -> None:
+        """Apply `KVEvent`s (stored / removed / cleared) in order, in one transaction."""
+        key = KV + instance_id
+        async with self.r.pipeline(transaction=True) as pipe:
+            for ev in events:
+                if ev.kind == "stored" and ev.hashes:
+                    pipe.sadd(key, *ev.hashes)
+                elif ev.kind == "removed" and ev.hashes:
+                    pipe.srem(key, *ev.hashes)
+                elif ev.kind == "cleared":
+                    pipe.delete(key)
+                pipe.incr(key + ":seq")
+            pipe.pexpire(key, self.ttl_ms * 10)
+            pipe.pexpire(key + ":seq", self.ttl_ms * 10)
+            await pipe.execute()
+
+    async def kv_present(self, instance_id: str) -> bool:
+        """Refresh the index's expiry; False when Redis has lost it (e.g. restarted empty)."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.pexpire(KV + instance_id, self.ttl_ms * 10)
+            pipe.pexpire(KV + instance_id + ":seq", self.ttl_ms * 10)
+            _, seq_alive = await pipe.execute()
+        return bool(seq_alive)
+
+    async def prefix_blocks(self, instance_ids: list[str], hashes: list[str]) -> dict[str, int]:
+        """How many leading blocks of `hashes` each instance holds: one round trip for all."""
+        if not hashes or not instance_ids:
+            return {i: 0 for i in instance_ids}
+        async with self.r.pipeline(transaction=False) as pipe:
+            for iid in instance_ids:
+                pipe.smismember(KV + iid, hashes)
+            rows = await pipe.execute()
+        return {iid: leading_hits(row) for iid, row in zip(instance_ids, rows)}

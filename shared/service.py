@@ -21,6 +21,7 @@ from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.models import kv_layout, load_model, load_tokenizer, parse_dtype
 from shared.runtime.provision import provision_default_model
+from shared.runtime.radix_cache import KVEvent, RadixCache
 from shared.runtime.runner import ModelRunner
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.worker import EngineWorker
@@ -48,6 +49,8 @@ def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> tuple[Engine, obje
         max_running=inst.max_running,
         eos_token_ids=eos_ids,
         decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        cache=RadixCache(pool.allocator, pool.block_size) if inst.prefix_cache else None,
+        namespace=cfg.model,  # the scheduler hashes prompts in the same namespace
     )
     return engine, tokenizer
 
@@ -153,11 +156,42 @@ class EngineService(InstanceService):
         super().__init__(cfg, inst)
         self.worker: EngineWorker | None = None
         self.tokenizer = None
+        self._index_stale = False
 
     async def setup(self) -> None:
         engine, self.tokenizer = await asyncio.to_thread(build_engine, self.cfg, self.inst)
         self.worker = EngineWorker(engine, self.on_outputs, threads=self.inst.threads)
         self.worker.start()
+        await self.registry.clear_kv(self.inst.id)  # a restarted instance holds nothing yet
+        self.spawn(self._index_loop())
+
+    async def flush_index(self) -> None:
+        """Publish the prefix cache's stored/removed blocks to the Redis index. After a failed
+        update, or when Redis lost the index (restart), publish the whole cache instead."""
+        full = self._index_stale or not await self._index_present()
+        events = await self.worker.call(lambda e: _cache_events(e, full))
+        if not events:
+            return
+        try:
+            await self.registry.apply_kv_events(self.inst.id, events)
+            self._index_stale = False
+        except Exception as e:
+            log.warning("%s: prefix index update failed (resync follows): %s", self.inst.id, e)
+            self._index_stale = True
+
+    async def _index_present(self) -> bool:
+        try:
+            return await self.registry.kv_present(self.inst.id)
+        except Exception:
+            return True  # cannot tell; the update below fails and marks the index stale
+
+    async def _index_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            try:
+                await self.flush_index()
+            except Exception as e:  # never let the index loop die
+                log.warning("%s: index loop: %s", self.inst.id, e)
 
     async def teardown(self) -> None:
         if self.worker is not None:
@@ -170,12 +204,22 @@ class EngineService(InstanceService):
         return await self.worker.call(_engine_load)
 
 
+def _cache_events(engine: Engine, full: bool) -> list:
+    if engine.cache is None:
+        return []
+    if full:
+        engine.cache.drain_events()
+        return [KVEvent("cleared"), KVEvent("stored", engine.cache.all_hashes())]
+    return engine.cache.drain_events()
+
+
 def _engine_load(engine: Engine) -> dict[str, int]:
     return {
         "running": len(engine.running),
         "waiting": len(engine.waiting),
         "free_blocks": engine.pool.num_free_blocks,
         "total_blocks": engine.pool.num_blocks,
+        "cached_blocks": engine.cache.num_blocks if engine.cache else 0,
     }
 
 

@@ -170,7 +170,7 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "max_itl_ms": max(gaps) * 1000 if gaps else 0.0,
         "wan_kv_bytes": int(d.get("wan_kv_bytes", 0)),
         "local_kv_bytes": int(d.get("local_kv_bytes", 0)),
-        "prefix_hit_tokens": {"prefill": 0, "md": 0, **d.get("prefix_hit_tokens", {})},
+        "prefix_hit_tokens": {k: int(d.get("prefix_hit_tokens", {}).get(k, 0)) for k in ("prefill", "md")},
         "timings_ms": {
             "queue": plan.queue_ms,
             "prefill": float(timings.get("prefill", 0.0)),

@@ -87,10 +87,12 @@ class Prefiller(EngineService):
         prefill_ms = (time.monotonic() - state.accepted_at) * 1000
         n = len(task.prompt_ids)
         try:
-            payloads = await self.worker.call(lambda e: _export_and_release(e, rid, [t.start for t in task.targets], n))
+            payloads, hit = await self.worker.call(
+                lambda e: _export_and_release(e, rid, [t.start for t in task.targets], n)
+            )
         except KVTransferError:
             return  # aborted between the first token and the export: nothing is held
-        stats = {"timings_ms": {"prefill": prefill_ms}, "prefix_hit_tokens": {"prefill": 0}}
+        stats = {"timings_ms": {"prefill": prefill_ms}, "prefix_hit_tokens": {"prefill": hit}}
         done = {"first_token": first_token, "stats": stats}
         for target, payload in zip(task.targets, payloads):
             state.transfers.append(self.spawn(self._send(target, rid, payload, done)))
@@ -128,12 +130,13 @@ class Prefiller(EngineService):
         await self.worker.call(lambda e: e.abort(msg.request_id))
 
 
-def _export_and_release(engine: Engine, rid: str, starts: list[int], n: int) -> list[KVPayload]:
-    """On the engine thread: copy out each target's range, then free the blocks."""
+def _export_and_release(engine: Engine, rid: str, starts: list[int], n: int) -> tuple[list[KVPayload], int]:
+    """On the engine thread: copy out each target's range, then free the blocks (the prompt's
+    KV stays in the prefix cache). Returns the payloads and the prefix-cache hit in tokens."""
     seq = engine.held.get(rid)
     if seq is None:
         raise KVTransferError(f"request {rid} holds no KV here (aborted?)")
     try:
-        return [export_kv(engine.pool, seq.block_table, start, n) for start in starts]
+        return [export_kv(engine.pool, seq.block_table, start, n) for start in starts], seq.cached_tokens
     finally:
         engine.release(rid)

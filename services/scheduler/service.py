@@ -26,6 +26,7 @@ from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
 from shared.messages import Abort, Ack, DecodeTask, KVTarget, Plan, PrefillTask, Submit
+from shared.prefix_hash import block_hashes
 from shared.registry import InstanceInfo, Registry, connect
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class Scheduler:
 
     async def _plan_and_dispatch(self, sub: Submit) -> Plan:
         alive = {i.id: i for i in await self.registry.alive()}
-        views = [InstanceView(i.id, i.role, i.dc, i.load) for i in alive.values()]
+        hits = await self._prefix_hits(list(alive), sub.prompt_ids)
+        views = [InstanceView(i.id, i.role, i.dc, i.load, hits.get(i.id, 0)) for i in alive.values()]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff)
         d = choose_plan(req, views, self.policy)
         plan = Plan(
@@ -84,7 +86,7 @@ class Scheduler:
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         await asyncio.gather(*(self._dispatch_decode(sub, plan, inst) for inst in decoders))
         prefill = alive[plan.prefill]
-        targets = [await self._target(prefill, inst) for inst in decoders]
+        targets = [await self._target(prefill, inst, d.starts[inst.role]) for inst in decoders]
         task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan)
         await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
         await self._record(plan)
@@ -94,8 +96,19 @@ class Scheduler:
         task = DecodeTask(sub.request_id, sub.prompt_ids, sub.sampling, plan)
         await self._expect_ack(subjects.decode_task(inst.id), task, inst.id)
 
-    async def _target(self, prefill: InstanceInfo, decoder: InstanceInfo) -> KVTarget:
-        target = KVTarget(decoder.id, decoder.role, decoder.kv_host, decoder.kv_port, start=0)
+    async def _prefix_hits(self, instance_ids: list[str], prompt_ids: list[int]) -> dict[str, int]:
+        """Prefix tokens each instance holds, from the Redis index alone (one round trip)."""
+        bs = self.cfg.block_size
+        hashes = block_hashes(prompt_ids, bs, self.cfg.model)
+        try:
+            blocks = await self.registry.prefix_blocks(instance_ids, hashes)
+        except Exception as e:  # no index: plan as if nothing were cached (correct, just slower)
+            log.warning("prefix lookup failed: %s", e)
+            return {}
+        return {iid: n * bs for iid, n in blocks.items()}
+
+    async def _target(self, prefill: InstanceInfo, decoder: InstanceInfo, start: int) -> KVTarget:
+        target = KVTarget(decoder.id, decoder.role, decoder.kv_host, decoder.kv_port, start=start)
         if decoder.dc != prefill.dc:
             route = await self.registry.route(prefill.dc, decoder.dc)
             if route is not None:  # the WAN emulator on one host; absent across real datacenters

@@ -112,6 +112,9 @@ class RadixCache:
         self.num_blocks = 0
         self.events.append(KVEvent("cleared"))
 
+    def all_hashes(self) -> list[str]:
+        return [n.hash for n in self._nodes()]
+
     def drain_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events

@@ -4,8 +4,10 @@ end-to-end tests, plus a client that talks to it the way a user and an operator 
 from __future__ import annotations
 
 import asyncio
+import time
 import copy
 import json
+import uuid
 
 import httpx
 import pytest
@@ -70,6 +72,12 @@ def stream_completion(url: str, body: dict, timeout: float = 120) -> tuple[str, 
     return text, events[-1]["pdd"], events
 
 
+def fresh_prompt(words: int, tag: str = "") -> str:
+    """A prompt no cache has seen: prefix caches would otherwise hide the WAN transfer."""
+    nonce = uuid.uuid4().hex[:8]
+    return f"[{tag}{nonce}] " + " ".join(f"item{i}" for i in range(words))
+
+
 def completion(url: str, body: dict, timeout: float = 120) -> dict:
     r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
     assert r.status_code == 200, r.text
@@ -108,6 +116,15 @@ class Operator:
         finally:
             r.close()
 
+    def idle(self, timeout: float = 2.0) -> dict[str, InstanceState]:
+        """Wait until no instance holds a request and every block is free or cached."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = {i.id: self.inspect(i.id) for i in self.cluster.cfg.instances}
+            if all(_idle(s) for s in states.values()) or time.monotonic() > deadline:
+                return states
+            time.sleep(0.1)
+
     def request_keys(self) -> list[str]:
         import redis
 
@@ -121,3 +138,7 @@ class Operator:
 @pytest.fixture(scope="session")
 def operator(cluster) -> Operator:
     return Operator(cluster)
+
+
+def _idle(state: InstanceState) -> bool:
+    return not state.requests and state.free_blocks + state.extra.get("cached_blocks", 0) == state.total_blocks
