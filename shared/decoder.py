@@ -16,6 +16,7 @@ Lifecycle of a request on a decoder:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVHeader, KVPayload, import_kv, layer_from_bytes
 from shared.runtime.sequence import FinishReason, Sequence
 from shared.service import EngineService, to_params
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,6 +96,8 @@ class DecoderService(EngineService):
             state.stats.setdefault("prefix_hit_tokens", {})["md" if self.role == "md" else "rld"] = seq.cached_tokens
             if seq.imported is not None:
                 state.stats["recomputed_tokens"] = seq.imported[0] - seq.num_computed
+                log.info("%s: %s: prefix evicted since the plan; recomputing %d tokens", self.inst.id,
+                         task.request_id, state.stats["recomputed_tokens"])  # fmt: skip
         except Exception as e:  # e.g. the pool is exhausted: the request fails, nothing is held
             self.emit(TokenOutput(task.request_id, None, 0, FinishReason.ERROR, f"{self.inst.id}: {e}"))
             return str(e)

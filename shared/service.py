@@ -164,6 +164,13 @@ class EngineService(InstanceService):
         self.worker.start()
         await self.registry.clear_kv(self.inst.id)  # a restarted instance holds nothing yet
         self.spawn(self._index_loop())
+        await self.bus.serve(subjects.flush_cache(self.inst.id), Inspect, self._flush_cache)
+
+    async def _flush_cache(self, msg: Inspect) -> InstanceState:
+        """Operator command (SGLang's /flush_cache): evict every cached block no request uses."""
+        await self.worker.call(lambda e: e.cache.evict(e.pool.num_blocks) if e.cache else 0)
+        await self.flush_index()
+        return await self._inspect(msg)
 
     async def flush_index(self) -> None:
         """Publish the prefix cache's stored/removed blocks to the Redis index. After a failed

@@ -8,6 +8,7 @@
     pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
     pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
     pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
+    pdd.admin.<instance>.flush      operators -> any       Inspect -> InstanceState (drop unused cache)
     pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
 """
 
@@ -37,6 +38,10 @@ def tokens(request_id: str) -> str:
 
 def inspect(instance_id: str) -> str:
     return f"pdd.inspect.{instance_id}"
+
+
+def flush_cache(instance_id: str) -> str:
+    return f"pdd.admin.{instance_id}.flush"
 
 
 def wan_control(name: str) -> str:

@@ -171,6 +171,8 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "wan_kv_bytes": int(d.get("wan_kv_bytes", 0)),
         "local_kv_bytes": int(d.get("local_kv_bytes", 0)),
         "prefix_hit_tokens": {k: int(d.get("prefix_hit_tokens", {}).get(k, 0)) for k in ("prefill", "md")},
+        "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
+        "recomputed_tokens": int(d.get("recomputed_tokens", 0)),  # planned prefix evicted meanwhile
         "timings_ms": {
             "queue": plan.queue_ms,
             "prefill": float(timings.get("prefill", 0.0)),

@@ -1,0 +1,157 @@
+"""Prefix caches on both sides, against real processes: prefill skips the cached prefix, the
+decode-side RadixCache keeps main-decode aligned with it, and only new KV crosses the WAN.
+Two prefill and two main-decode instances, so routing has to follow the cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from shared import subjects
+from shared.launcher import Cluster
+from shared.messages import Inspect, InstanceState
+from tests.cluster.conftest import Operator, fresh_prompt
+
+pytestmark = pytest.mark.slow
+
+KV_BYTES_PER_TOKEN = 46_080  # SmolLM2 fp32
+FRAMING = 4096  # frame headers, msgpack header and DONE: far below one token's KV
+INSTANCES = [
+    {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
+    {"id": "prefill-1", "role": "prefill", "dc": "A", "kv_tokens": 8192},
+    {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096},
+    {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048},
+    {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048},
+]
+
+
+@pytest.fixture(scope="module")
+def pcluster():
+    with Cluster(port=0, instances=INSTANCES) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pop(pcluster) -> Operator:
+    return Operator(pcluster)
+
+
+def chat(cluster: Cluster, messages: list[dict], n: int, **extra) -> dict:
+    body = {"messages": messages, "max_tokens": n, "temperature": 0, **extra}
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def reference_chat(eos_ref, tok, reference, messages, n) -> str:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return reference(tok(text, add_special_tokens=False)["input_ids"], n)
+
+
+def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_tokenizer, reference):
+    messages = [{"role": "system", "content": "You are a terse assistant. " + fresh_prompt(60)}]
+    previous_total, mds = 0, set()
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Turn {turn}: name one prime number above {turn * 10}."})
+        out = chat(pcluster, messages, 16)
+        pdd, usage = out["pdd"], out["usage"]
+        text = out["choices"][0]["message"]["content"]
+        assert text == reference_chat(eos_ref, smol_tokenizer, reference, messages, 16), turn
+        wan, hit_md, hit_p = pdd["wan_kv_bytes"], pdd["prefix_hit_tokens"]["md"], pdd["prefix_hit_tokens"]["prefill"]
+        print(f"\nturn {turn}: prompt {usage['prompt_tokens']} tokens, prefill hit {hit_p}, md hit {hit_md}, "
+              f"WAN {wan / 1e6:.2f} MB via {pdd['instances']}")  # fmt: skip
+        assert wan == pop.wan_forwarded(pdd["request_id"])
+        assert wan - FRAMING <= (usage["prompt_tokens"] - hit_md) * KV_BYTES_PER_TOKEN <= wan
+        if turn > 0:
+            new_tokens = usage["prompt_tokens"] - previous_total
+            assert wan <= (new_tokens + 2 * 16) * KV_BYTES_PER_TOKEN + FRAMING  # new tokens, within a block
+            assert abs(hit_md - hit_p) <= 16 and hit_md > 0
+            mds.add(pdd["instances"]["md"])
+        previous_total = usage["prompt_tokens"] + usage["completion_tokens"]
+        messages.append({"role": "assistant", "content": text})
+    assert len(mds) == 1  # the conversation stays where its cache is
+
+
+def _md_state(pop: Operator, md: str) -> InstanceState:
+    return pop.inspect(md)
+
+
+def test_shared_system_prompt_is_stored_once(pcluster, pop):
+    system = {"role": "system", "content": fresh_prompt(120, "shared")}
+    a = chat(pcluster, [system, {"role": "user", "content": "First question?"}], 8, pdd={"pipeline": "p-md"})
+    md = a["pdd"]["instances"]["md"]
+    pop.idle()
+    before = _md_state(pop, md).extra["cached_blocks"]
+    b = chat(pcluster, [system, {"role": "user", "content": "A different second question?"}], 8,
+             pdd={"pipeline": "p-md"})  # fmt: skip
+    assert b["pdd"]["instances"]["md"] == md and b["pdd"]["prefix_hit_tokens"]["md"] >= 100
+    pop.idle()
+    after = _md_state(pop, md).extra["cached_blocks"]
+    computed = b["usage"]["prompt_tokens"] + b["usage"]["completion_tokens"] - 1  # last token has no KV
+    hit_blocks = b["pdd"]["prefix_hit_tokens"]["md"] // 16
+    print(f"\nmd cached blocks: {before} -> {after}; B added {computed // 16} blocks of which {hit_blocks} shared")
+    assert after - before == computed // 16 - hit_blocks
+
+
+def test_many_conversations_under_a_small_pool(pcluster, pop, eos_ref, smol_tokenizer, reference):
+    """md pools hold 2048 tokens: these conversations do not fit, eviction keeps them going."""
+    convs = [[{"role": "system", "content": fresh_prompt(90, f"c{i}")}] for i in range(8)]
+    for turn in range(2):
+        for i, conv in enumerate(convs):
+            conv.append({"role": "user", "content": f"Question {turn} of conversation {i}?"})
+            out = chat(pcluster, conv, 8)
+            text = out["choices"][0]["message"]["content"]
+            assert text == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8), (i, turn)
+            conv.append({"role": "assistant", "content": text})
+    for state in pop.idle().values():
+        assert state.requests == [] and state.free_blocks + state.extra["cached_blocks"] == state.total_blocks
+
+
+def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tokenizer, reference):
+    conv = [{"role": "system", "content": fresh_prompt(150, "evict")},
+            {"role": "user", "content": "Say something."}]  # fmt: skip
+    first = chat(pcluster, conv, 8, pdd={"pipeline": "p-md"})
+    md = first["pdd"]["instances"]["md"]
+    conv += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And now something else, please."}]  # fmt: skip
+    result = {}
+    try:
+        assert pop.wan(bandwidth_mbps=2.0).ok  # the ~20 new tokens take ~4 s to cross
+        worker = threading.Thread(target=lambda: result.update(chat(pcluster, conv, 8, pdd={"pipeline": "p-md"})))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not pop.inspect(md).requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        flushed = pop.run(lambda bus: bus.request(subjects.flush_cache(md), Inspect(md), InstanceState, 10))
+        assert flushed.extra["cached_blocks"] == 0
+        worker.join(60)
+    finally:
+        pop.wan(bandwidth_mbps=pcluster.cfg.wan.bandwidth_mbps)
+    pdd = result["pdd"]
+    print(f"\nplanned md prefix {pdd['md_cached_tokens']}, recomputed {pdd['recomputed_tokens']} after the flush")
+    assert pdd["instances"]["md"] == md and pdd["md_cached_tokens"] > 0
+    assert pdd["recomputed_tokens"] == pdd["md_cached_tokens"]
+    assert result["choices"][0]["message"]["content"] == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8)
+
+
+def test_restarted_md_clears_its_index_and_requests_go_on(pcluster, pop):
+    conv = [{"role": "system", "content": fresh_prompt(80, "restart")}, {"role": "user", "content": "Hi?"}]
+    md = chat(pcluster, conv, 4, pdd={"pipeline": "p-md"})["pdd"]["instances"]["md"]
+    r = redis.Redis.from_url(pcluster.cfg.redis_url, decode_responses=True)
+    assert r.scard(f"pdd:kv:{md}") > 0
+    pcluster.kill(md)
+    time.sleep(pcluster.cfg.heartbeat_ttl_s + 0.5)  # its heartbeat expires
+    during = chat(pcluster, conv, 4)
+    assert during["pdd"]["instances"]["md"] != md  # the scheduler no longer counts on it
+    pcluster.start_process(md)
+    deadline = time.monotonic() + 60
+    while not r.exists(f"pdd:instance:{md}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.scard(f"pdd:kv:{md}") == 0  # restarted empty: its old entries are gone
+    after = chat(pcluster, conv, 4)
+    assert after["choices"][0]["message"]["content"] == during["choices"][0]["message"]["content"]
+    r.close()
