@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from shared.prefix_hash import leading_hits
-
 INSTANCE = "pdd:instance:"
 REQUEST = "pdd:request:"
 KV = "pdd:kv:"
@@ -57,6 +55,21 @@ class InstanceInfo:
         return used + 0.1 * (self.running + self.waiting)
 
 
+# For each key (an instance's block set): how many of ARGV, in order, it holds before the first miss.
+_LEADING_HITS_LUA = """
+local out = {}
+for k = 1, #KEYS do
+  local n = 0
+  for i = 1, #ARGV do
+    if redis.call('SISMEMBER', KEYS[k], ARGV[i]) == 0 then break end
+    n = i
+  end
+  out[k] = n
+end
+return out
+"""
+
+
 def connect(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
 
@@ -65,6 +78,7 @@ class Registry:
     def __init__(self, client: aioredis.Redis, ttl_s: float) -> None:
         self.r = client
         self.ttl_ms = int(ttl_s * 1000)
+        self._prefix_script = None
 
     async def heartbeat(self, info: InstanceInfo) -> None:
         info.updated_at = time.time()
@@ -139,11 +153,11 @@ class Registry:
         return bool(seq_alive)
 
     async def prefix_blocks(self, instance_ids: list[str], hashes: list[str]) -> dict[str, int]:
-        """How many leading blocks of `hashes` each instance holds: one round trip for all."""
+        """How many leading blocks of `hashes` each instance holds: one round trip for all,
+        counted inside Redis so only one integer per instance comes back."""
         if not hashes or not instance_ids:
             return {i: 0 for i in instance_ids}
-        async with self.r.pipeline(transaction=False) as pipe:
-            for iid in instance_ids:
-                pipe.smismember(KV + iid, hashes)
-            rows = await pipe.execute()
-        return {iid: leading_hits(row) for iid, row in zip(instance_ids, rows)}
+        if self._prefix_script is None:
+            self._prefix_script = self.r.register_script(_LEADING_HITS_LUA)
+        counts = await self._prefix_script(keys=[KV + i for i in instance_ids], args=hashes)
+        return {iid: int(n) for iid, n in zip(instance_ids, counts)}

@@ -32,6 +32,12 @@ class GatewayMetrics:
         self.prefix_hit = Counter("pdd:prefix_hit_tokens_total", "Prompt tokens found in a prefix cache", ("role",),
                                   registry=r)  # fmt: skip
         self.prompt_tokens = Counter("pdd:prompt_tokens_total", "Prompt tokens received", registry=r)
+        self.hit_rate = Gauge("pdd:prefix_hit_rate", "Share of prompt tokens found in a prefix cache, since start",
+                              ("role",), registry=r)  # fmt: skip
+        self.hit_gap = Gauge("pdd:prefix_hit_rate_gap", "Prefill's prefix hit rate minus main-decode's (alignment)",
+                             registry=r)  # fmt: skip
+        self._hits = {"prefill": 0, "md": 0}
+        self._prompt_total = 0
 
     def count_request(self, outcome: str, status: int) -> None:
         self.requests.labels(outcome=outcome, status=str(status)).inc()
@@ -56,9 +62,17 @@ class GatewayMetrics:
         d = s.decoder_stats
         self.wan_bytes.inc(d.get("wan_kv_bytes", 0))
         self.local_bytes.inc(d.get("local_kv_bytes", 0))
-        for role, n in d.get("prefix_hit_tokens", {}).items():
+        self._count_hits(d.get("prefix_hit_tokens", {}), len(flow.parsed.prompt_ids))
+
+    def _count_hits(self, hits: dict[str, int], prompt_len: int) -> None:
+        self.prompt_tokens.inc(prompt_len)
+        self._prompt_total += prompt_len
+        for role in self._hits:
+            n = int(hits.get(role, 0))
             self.prefix_hit.labels(role=role).inc(n)
-        self.prompt_tokens.inc(len(flow.parsed.prompt_ids))
+            self._hits[role] += n
+            self.hit_rate.labels(role=role).set(self._hits[role] / self._prompt_total)
+        self.hit_gap.set((self._hits["prefill"] - self._hits["md"]) / self._prompt_total)
 
     def render(self) -> str:
         return self.registry.render()
