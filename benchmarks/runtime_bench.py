@@ -18,6 +18,11 @@ Then it prints the two checks the project must meet:
   (a) runtime decode of 8 sequences costs < 2.5x the runtime's batch-1 step;
   (b) runtime single-sequence decode step is within 1.3x of plain transformers' step.
 
+Shared CPU machines stall for seconds at a time, so the cases of each phase run round-robin
+(runtime b=1, b=4, ..., transformers b=1, then again): a stall slows every case alike instead of
+one figure, and the ratios the checks use stay fair. A case whose samples spread more than 2x is
+reported under the table; rerun when that happens.
+
 Run it with `make bench-runtime`, or
     .venv/bin/python benchmarks/runtime_bench.py [--quick] [--threads N] [--model PATH]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE]
@@ -28,12 +33,15 @@ The table goes to stdout, progress to stderr. Times use `time.perf_counter` (wit
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,13 +50,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from shared.runtime.kv_pool import KVPool  # noqa: E402
-from shared.runtime.models import kv_layout, load_model, parse_dtype, resolve_device  # noqa: E402
-from shared.runtime.runner import ModelRunner  # noqa: E402
-from shared.runtime.sequence import Sequence  # noqa: E402
+from shared.runtime.kv_pool import KVPool
+from shared.runtime.models import kv_layout, load_model, parse_dtype, resolve_device
+from shared.runtime.runner import ModelRunner
+from shared.runtime.sequence import Sequence
 
+BLOCK_SIZE = 16
 CHECK_BATCH_RATIO = 2.5  # (a) decode b=8 step < this x the b=1 step
 CHECK_BASELINE_RATIO = 1.3  # (b) runtime b=1 step < this x the transformers step
+NOISY_SPREAD = 2.0  # max / min of a case's samples above which the table warns
 
 
 @dataclass(frozen=True)
@@ -59,18 +69,26 @@ class Plan:
     decode_batches: tuple[int, ...] = (1, 4, 8, 16)
     context: int = 512
     extend_ks: tuple[int, ...] = (16, 64, 100)
-    warmup: int = 2  # untimed calls before each timed series
-    decode_steps: int = 10  # timed decode steps per batch size
-    repeats: int = 3  # timed prefill / extend calls per figure
+    warmup: int = 2  # untimed rounds before the timed ones (prefill: always 1)
+    decode_steps: int = 10  # timed decode rounds
+    repeats: int = 3  # timed prefill / extend rounds
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(warmup=1, decode_steps=4, repeats=1)
 
-    def pool_tokens(self) -> int:
-        per_decode_seq = self.context + self.warmup + self.decode_steps + 1
-        per_extend_seq = self.context + max(self.extend_ks)
-        return max(max(self.decode_batches) * per_decode_seq, max(self.prefill_lens), per_extend_seq)
+    def decode_capacity(self) -> int:
+        """Tokens a decode sequence may reach: sequence 0 steps once per batch size per round."""
+        return self.context + len(self.decode_batches) * (self.warmup + self.decode_steps) + 1
+
+    def pool_tokens(self, block_size: int) -> int:
+        """KV tokens the largest phase holds at once, each sequence rounded up to whole blocks."""
+
+        def whole(n: int) -> int:
+            return -(-n // block_size) * block_size
+
+        decode = max(self.decode_batches) * whole(self.decode_capacity())
+        return max(decode, whole(max(self.prefill_lens)), whole(self.context + max(self.extend_ks)))
 
 
 class Clock:
@@ -91,21 +109,32 @@ class Clock:
         return (time.perf_counter() - t0) * 1000
 
 
+def _noop() -> None:
+    return None
+
+
+@dataclass
+class Case:
+    """One timed call, and what to undo (untimed) before each call so every call does the same work."""
+
+    run: Callable[[], object]
+    reset: Callable[[], object] = _noop
+
+
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def repeat_ms(
-    clock: Clock, fn: Callable[[], object], reset: Callable[[], object], warmup: int, repeats: int
-) -> float:
-    """Median ms of `repeats` calls of `fn` after `warmup` untimed ones; `reset` runs untimed before each."""
-    times = []
+def interleaved(clock: Clock, cases: dict[str, Case], warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Run the cases round-robin, `warmup` untimed rounds then `repeats` timed ones; ms per case."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(warmup + repeats):
-        reset()
-        t = clock.ms(fn)
-        if i >= warmup:
-            times.append(t)
-    return statistics.median(times)
+        for name, case in cases.items():
+            case.reset()
+            ms = clock.ms(case.run)
+            if i >= warmup:
+                times[name].append(ms)
+    return times
 
 
 def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -113,7 +142,7 @@ def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-# -- runtime ------------------------------------------------------------------------------
+# -- runtime side ---------------------------------------------------------------------------
 
 
 def new_sequence(pool: KVPool, seq_id: str, tokens: list[int], capacity: int) -> Sequence:
@@ -128,20 +157,10 @@ def release(pool: KVPool, seqs: list[Sequence]) -> None:
         seq.block_table = []
 
 
-def runtime_prefill(runner: ModelRunner, clock: Clock, plan: Plan, vocab: int) -> dict[int, float]:
-    """Prefill tok/s per prompt length: the whole prompt as one span of one forward."""
-    out: dict[int, float] = {}
-    for n in plan.prefill_lens:
-        seq = new_sequence(runner.pool, f"prefill-{n}", random_tokens(n, vocab, seed=n), n)
-
-        def reset() -> None:
-            seq.num_computed = 0
-
-        ms = repeat_ms(clock, lambda: runner.forward([(seq, n)]), reset, 1, plan.repeats)
-        release(runner.pool, [seq])
-        out[n] = n / (ms / 1000)
-        log(f"runtime prefill {n:>5} tokens: {ms:8.1f} ms  ({out[n]:.0f} tok/s)")
-    return out
+def rewind(seq: Sequence, tokens: list[int], computed: int, known: int) -> None:
+    """Make `seq` know `tokens[:known]` with KV for the first `computed` (the rest is recomputed)."""
+    seq.token_ids = tokens[:known]
+    seq.num_computed = computed
 
 
 def runtime_decode_step(runner: ModelRunner, seqs: list[Sequence]) -> None:
@@ -153,138 +172,156 @@ def runtime_decode_step(runner: ModelRunner, seqs: list[Sequence]) -> None:
         seq.token_ids.append(token)
 
 
-def runtime_decode(runner: ModelRunner, clock: Clock, plan: Plan, vocab: int) -> dict[int, float]:
-    """Median decode step ms per batch size. Sequences are prefilled to context - 1 once, then
-    rewound to that point before each batch size, so every batch starts at the same context."""
-    ctx, capacity = plan.context, plan.context + plan.warmup + plan.decode_steps + 1
-    seqs = []
-    for i in range(max(plan.decode_batches)):
-        seq = new_sequence(runner.pool, f"decode-{i}", random_tokens(ctx, vocab, seed=1000 + i), capacity)
-        runner.forward([(seq, ctx - 1)])
-        seq.num_computed = ctx - 1
-        seqs.append(seq)
-    log(f"runtime decode: prefilled {len(seqs)} sequences of {ctx} tokens")
-    out: dict[int, float] = {}
-    for batch in plan.decode_batches:
-        group = seqs[:batch]
-        for seq in group:
-            del seq.token_ids[ctx:]
-            seq.num_computed = ctx - 1
-        times = [clock.ms(lambda: runtime_decode_step(runner, group)) for _ in range(plan.warmup + plan.decode_steps)]
-        out[batch] = statistics.median(times[plan.warmup :])
-        log(f"runtime decode batch {batch:>2}: {out[batch]:8.2f} ms/step")
-    release(runner.pool, seqs)
-    return out
+# -- plain transformers side ----------------------------------------------------------------
 
 
-def runtime_extend(runner: ModelRunner, clock: Clock, plan: Plan, vocab: int) -> dict[int, float]:
-    """Median ms to compute k known tokens on top of `context` tokens of cached KV, one forward."""
-    ctx, kmax = plan.context, max(plan.extend_ks)
-    tokens = random_tokens(ctx + kmax, vocab, seed=7)
-    seq = new_sequence(runner.pool, "extend", tokens[:ctx], ctx + kmax)
-    runner.forward([(seq, ctx)])
-    out: dict[int, float] = {}
-    for k in plan.extend_ks:
+def new_cache(model: torch.nn.Module) -> object:
+    from transformers import DynamicCache
 
-        def reset(k: int = k) -> None:
-            seq.token_ids = tokens[: ctx + k]
-            seq.num_computed = ctx
-
-        out[k] = repeat_ms(clock, lambda k=k: runner.forward([(seq, k)]), reset, plan.warmup, plan.repeats)
-        log(f"runtime extend k={k:>3} on {ctx}: {out[k]:8.2f} ms")
-    release(runner.pool, [seq])
-    return out
+    return DynamicCache(config=model.config)
 
 
-def bench_runtime(path: Path, dtype: torch.dtype, device: torch.device, plan: Plan, clock: Clock) -> dict:
-    log(f"loading runtime model from {path}")
-    model = load_model(path, dtype, str(device))
-    pool = KVPool.with_capacity(kv_layout(model), tokens=plan.pool_tokens() + 64, dtype=dtype, device=device)
-    runner = ModelRunner(model, pool)
-    vocab = model.config.vocab_size
-    figures = {
-        "prefill_tok_s": runtime_prefill(runner, clock, plan, vocab),
-        "decode_ms": runtime_decode(runner, clock, plan, vocab),
-        "extend_ms": runtime_extend(runner, clock, plan, vocab),
-    }
-    del runner, pool, model
-    return figures
-
-
-# -- plain transformers -------------------------------------------------------------------
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.x renamed `past_key_values` to `cache`; use whichever this version takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def hf_forward(model: torch.nn.Module, ids: list[int], cache: object, device: torch.device) -> torch.Tensor:
     """One forward over `ids` on top of `cache`; returns the last row of logits."""
-    out = model(
-        input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1
-    )
+    kwargs = {cache_kwarg(model): cache}
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1, **kwargs)
     return out.logits[0, -1]
 
 
-def hf_prefill(model: torch.nn.Module, clock: Clock, plan: Plan, device: torch.device) -> dict[int, float]:
-    from transformers import DynamicCache
-
-    out: dict[int, float] = {}
-    for n in plan.prefill_lens:
-        ids = random_tokens(n, model.config.vocab_size, seed=n)
-        run = lambda ids=ids: hf_forward(model, ids, DynamicCache(config=model.config), device)  # noqa: E731
-        ms = repeat_ms(clock, run, lambda: None, 1, plan.repeats)
-        out[n] = n / (ms / 1000)
-        log(f"transformers prefill {n:>5} tokens: {ms:8.1f} ms  ({out[n]:.0f} tok/s)")
-    return out
+def hf_prefill(model: torch.nn.Module, ids: list[int], device: torch.device) -> torch.Tensor:
+    return hf_forward(model, ids, new_cache(model), device)
 
 
-def hf_decode(model: torch.nn.Module, clock: Clock, plan: Plan, device: torch.device) -> dict[int, float]:
-    """Single-sequence decode step ms at context ~`plan.context` (same start as the runtime)."""
-    from transformers import DynamicCache
+def crop(cache: object, length: int) -> None:
+    """Drop cached tokens past `length` (a negative crop means "remove this many")."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
 
-    ids = random_tokens(plan.context, model.config.vocab_size, seed=1000)
-    cache = DynamicCache(config=model.config)
-    hf_forward(model, ids[:-1], cache, device)
-    last = [ids[-1]]
+
+def hf_decoder(model: torch.nn.Module, tokens: list[int], device: torch.device) -> Callable[[], None]:
+    """A decode step closure: cache prefilled with all but the last token, then one token per call."""
+    cache = new_cache(model)
+    hf_forward(model, tokens[:-1], cache, device)
+    last = [tokens[-1]]
 
     def step() -> None:
         last[0] = int(torch.argmax(hf_forward(model, last, cache, device)))
 
-    times = [clock.ms(step) for _ in range(plan.warmup + plan.decode_steps)]
-    ms = statistics.median(times[plan.warmup :])
-    log(f"transformers decode batch  1: {ms:8.2f} ms/step")
-    return {1: ms}
+    return step
 
 
-def hf_extend(model: torch.nn.Module, clock: Clock, plan: Plan, device: torch.device) -> dict[int, float]:
-    from transformers import DynamicCache
-
-    ctx, kmax = plan.context, max(plan.extend_ks)
-    tokens = random_tokens(ctx + kmax, model.config.vocab_size, seed=7)
-    cache = DynamicCache(config=model.config)
-    hf_forward(model, tokens[:ctx], cache, device)
-    out: dict[int, float] = {}
-    for k in plan.extend_ks:
-        run = lambda k=k: hf_forward(model, tokens[ctx : ctx + k], cache, device)  # noqa: E731
-        out[k] = repeat_ms(clock, run, lambda: cache.crop(ctx), plan.warmup, plan.repeats)
-        log(f"transformers extend k={k:>3} on {ctx}: {out[k]:8.2f} ms")
-    return out
+# -- the phases ----------------------------------------------------------------------------
 
 
-def bench_transformers(path: Path, dtype: torch.dtype, device: torch.device, plan: Plan, clock: Clock) -> dict:
+@dataclass
+class Bench:
+    runner: ModelRunner
+    hf: torch.nn.Module
+    clock: Clock
+    plan: Plan
+    device: torch.device
+    samples: dict[str, list[float]] = field(default_factory=dict)  # raw ms per case, for the JSON
+
+    @property
+    def vocab(self) -> int:
+        return self.hf.config.vocab_size
+
+    def measure(self, cases: dict[str, Case], warmup: int, repeats: int) -> dict[str, float]:
+        times = interleaved(self.clock, cases, warmup, repeats)
+        self.samples.update(times)
+        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        for name, ms in medians.items():
+            log(f"  {name:<28} {ms:9.2f} ms")
+        return medians
+
+    def prefill(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Prefill tok/s per prompt length, runtime then transformers; one sequence per forward."""
+        log(f"prefill {self.plan.prefill_lens} tokens, 1 warmup + {self.plan.repeats} rounds")
+        rt, tf = {}, {}
+        for n in self.plan.prefill_lens:
+            tokens = random_tokens(n, self.vocab, seed=n)
+            seq = new_sequence(self.runner.pool, f"prefill-{n}", tokens, n)
+            cases = {
+                f"runtime prefill {n}": Case(
+                    partial(self.runner.forward, [(seq, n)]), partial(rewind, seq, tokens, 0, n)
+                ),
+                f"transformers prefill {n}": Case(partial(hf_prefill, self.hf, tokens, self.device)),
+            }
+            ms = self.measure(cases, warmup=1, repeats=self.plan.repeats)
+            release(self.runner.pool, [seq])
+            rt[n] = n * 1000 / ms[f"runtime prefill {n}"]
+            tf[n] = n * 1000 / ms[f"transformers prefill {n}"]
+        return rt, tf
+
+    def decode(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Decode step ms per batch size (runtime) and for one sequence (transformers), context ~512."""
+        p, pool, batches = self.plan, self.runner.pool, self.plan.decode_batches
+        seqs = []
+        for i in range(max(p.decode_batches)):
+            tokens = random_tokens(p.context, self.vocab, seed=1000 + i)
+            seq = new_sequence(pool, f"decode-{i}", tokens, p.decode_capacity())
+            self.runner.forward([(seq, p.context - 1)])
+            rewind(seq, tokens, p.context - 1, p.context)
+            seqs.append(seq)
+        hf_step = hf_decoder(self.hf, random_tokens(p.context, self.vocab, seed=1000), self.device)
+        log(f"decode: prefilled {len(seqs)} sequences of {p.context} tokens; {p.warmup} + {p.decode_steps} rounds")
+        cases = {f"runtime decode b={b}": Case(partial(runtime_decode_step, self.runner, seqs[:b])) for b in batches}
+        cases["transformers decode b=1"] = Case(hf_step)
+        ms = self.measure(cases, p.warmup, p.decode_steps)
+        release(pool, seqs)
+        return {b: ms[f"runtime decode b={b}"] for b in batches}, {1: ms["transformers decode b=1"]}
+
+    def extend(self) -> tuple[dict[int, float], dict[int, float]]:
+        """ms to compute k known tokens on top of `context` tokens of cached KV, in one forward."""
+        p = self.plan
+        ctx, kmax = p.context, max(p.extend_ks)
+        tokens = random_tokens(ctx + kmax, self.vocab, seed=7)
+        seq = new_sequence(self.runner.pool, "extend", tokens[:ctx], ctx + kmax)
+        self.runner.forward([(seq, ctx)])
+        cache = new_cache(self.hf)
+        hf_forward(self.hf, tokens[:ctx], cache, self.device)
+        log(f"extend k={p.extend_ks} on {ctx} cached tokens; {p.warmup} + {p.repeats} rounds")
+        rt, tf = {}, {}
+        for k in p.extend_ks:
+            rt_run = partial(self.runner.forward, [(seq, k)])
+            tf_run = partial(hf_forward, self.hf, tokens[ctx : ctx + k], cache, self.device)
+            cases = {
+                f"runtime extend {k}": Case(rt_run, partial(rewind, seq, tokens, ctx, ctx + k)),
+                f"transformers extend {k}": Case(tf_run, partial(crop, cache, ctx)),
+            }
+            ms = self.measure(cases, p.warmup, p.repeats)
+            rt[k], tf[k] = ms[f"runtime extend {k}"], ms[f"transformers extend {k}"]
+        release(self.runner.pool, [seq])
+        return rt, tf
+
+
+def build(path: Path, dtype: torch.dtype, device: torch.device, plan: Plan) -> Bench:
     from transformers import AutoModelForCausalLM
 
-    log(f"loading plain transformers model (sdpa) from {path}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    model = model.to(device).eval()
+    log(f"loading {path} twice: runtime (paged attention) and plain transformers (sdpa)")
+    model = load_model(path, dtype, str(device))
+    tokens = plan.pool_tokens(BLOCK_SIZE)
+    pool = KVPool.with_capacity(kv_layout(model), tokens=tokens, block_size=BLOCK_SIZE, dtype=dtype, device=device)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    return Bench(ModelRunner(model, pool), hf, Clock(device), plan, device)
+
+
+def run_all(bench: Bench) -> dict:
+    figures: dict[str, dict] = {"runtime": {}, "transformers": {}}
     with torch.inference_mode():
-        figures = {
-            "prefill_tok_s": hf_prefill(model, clock, plan, device),
-            "decode_ms": hf_decode(model, clock, plan, device),
-            "extend_ms": hf_extend(model, clock, plan, device),
-        }
-    del model
+        phases = (("prefill_tok_s", bench.prefill), ("decode_ms", bench.decode), ("extend_ms", bench.extend))
+        for name, phase in phases:
+            figures["runtime"][name], figures["transformers"][name] = phase()
     return figures
 
 
-# -- report -------------------------------------------------------------------------------
+# -- report ---------------------------------------------------------------------------------
 
 
 def checks(rt: dict, tf: dict) -> dict:
@@ -305,45 +342,71 @@ def checks(rt: dict, tf: dict) -> dict:
 
 
 def table_rows(rt: dict, tf: dict, ctx: int) -> list[tuple[str, str, str, str, str]]:
-    """(metric, runtime, transformers, runtime vs transformers, note) per line of the table."""
+    """(metric, runtime, transformers, runtime / transformers, note) per line of the table."""
     rows = []
     for n, v in rt["prefill_tok_s"].items():
-        base = tf["prefill_tok_s"].get(n)
-        rows.append((f"prefill {n} tokens (tok/s)", f"{v:.0f}", f"{base:.0f}", f"{v / base:.2f}x", "higher is better"))
-    b1 = rt["decode_ms"][1]
+        base = tf["prefill_tok_s"][n]
+        note = f"{n * 1000 / v:.0f} ms vs {n * 1000 / base:.0f} ms"
+        rows.append((f"prefill {n} tokens (tok/s)", f"{v:.0f}", f"{base:.0f}", f"{v / base:.2f}x", note))
+    b1, tf1 = rt["decode_ms"][1], tf["decode_ms"][1]
     for b, v in rt["decode_ms"].items():
         base = tf["decode_ms"].get(b)
-        vs = f"{v / base:.2f}x" if base else "-"
-        note = f"{v / b1:.2f}x b=1 step, {b * 1000 / v:.0f} tok/s"
-        rows.append((f"decode b={b} ctx~{ctx} (ms/step)", f"{v:.2f}", f"{base:.2f}" if base else "-", vs, note))
+        cells = (f"{base:.2f}", f"{v / base:.2f}x") if base else ("-", "-")
+        note = f"{v / b1:.2f}x b=1, {b * 1000 / v:.0f} tok/s"
+        if b > 1:
+            note += f"; tf one at a time {b * tf1:.0f} ms"
+        rows.append((f"decode b={b} ctx~{ctx} (ms/step)", f"{v:.2f}", *cells, note))
     for k, v in rt["extend_ms"].items():
         base = tf["extend_ms"][k]
-        rows.append((f"extend k={k} on {ctx} (ms)", f"{v:.2f}", f"{base:.2f}", f"{v / base:.2f}x", f"{k * 1000 / v:.0f} tok/s"))
+        note = f"{k * 1000 / v:.0f} tok/s"
+        rows.append((f"extend k={k} on {ctx} (ms)", f"{v:.2f}", f"{base:.2f}", f"{v / base:.2f}x", note))
     return rows
 
 
-def format_report(meta: dict, rt: dict, tf: dict, result: dict, ctx: int) -> str:
+def format_table(rows: list[tuple[str, ...]]) -> list[str]:
     header = ("metric", "runtime", "transformers", "rt/tf", "note")
-    rows = [header, *table_rows(rt, tf, ctx)]
+    rows = [header, *rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     align = [str.ljust, str.rjust, str.rjust, str.rjust, str.ljust]
-    lines = [
-        f"PDD runtime bench: {meta['model']}",
-        f"  {meta['dtype']} on {meta['device']}, {meta['threads']} threads, torch {meta['torch']}, "
-        f"transformers {meta['transformers']}{', quick' if meta['quick'] else ''}",
-        "",
-    ]
+    lines = []
     for i, row in enumerate(rows):
         lines.append("  ".join(align[j](cell, widths[j]) for j, cell in enumerate(row)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines.append("(rt/tf = runtime / transformers: above 1 is better for tok/s, worse for ms)")
+    return lines
+
+
+def noisy_cases(samples: dict[str, list[float]]) -> list[str]:
+    """Cases whose slowest sample took more than NOISY_SPREAD x their fastest."""
+    return [
+        f"{name}: {min(ts):.1f}..{max(ts):.1f} ms"
+        for name, ts in samples.items()
+        if len(ts) > 1 and max(ts) > NOISY_SPREAD * min(ts)
+    ]
+
+
+def format_report(meta: dict, figures: dict, result: dict, samples: dict[str, list[float]]) -> str:
+    rt, tf = figures["runtime"], figures["transformers"]
+    lines = [
+        f"PDD runtime bench: {meta['model']}",
+        (
+            f"  {meta['dtype']} on {meta['device']}, {meta['threads']} threads, torch {meta['torch']}, "
+            f"transformers {meta['transformers']}{', quick' if meta['quick'] else ''}; "
+            f"load average {meta['load_avg_1m_at_start']} at start"
+        ),
+        "",
+        *format_table(table_rows(rt, tf, meta["plan"]["context"])),
+        "",
+    ]
     a, b = result["a_decode_b8_over_b1"], result["b_decode_b1_runtime_over_transformers"]
     verdict = {True: "PASS", False: "FAIL"}
-    lines += [
-        "",
-        f"check (a) runtime decode b=8 / b=1 step      = {a['ratio']:.2f}x  (< {a['limit']}x)  {verdict[a['passed']]}",
-        f"check (b) runtime / transformers b=1 step    = {b['ratio']:.2f}x  (< {b['limit']}x)  {verdict[b['passed']]}",
-    ]
+    for label, c in (("(a) runtime decode b=8 / b=1 step  ", a), ("(b) runtime / transformers b=1 step", b)):
+        lines.append(f"check {label} = {c['ratio']:.2f}x  (< {c['limit']}x)  {verdict[c['passed']]}")
+    noisy = noisy_cases(samples)
+    if noisy:
+        lines += ["", f"warning: samples spread over {NOISY_SPREAD}x (machine noise?), consider a rerun:"]
+        lines += [f"  {line}" for line in noisy]
     return "\n".join(lines)
 
 
@@ -358,6 +421,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def metadata(args: argparse.Namespace, device: torch.device, plan: Plan) -> dict:
+    import transformers
+
+    return {
+        "model": str(args.model),
+        "device": str(device),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "quick": args.quick,
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+        "plan": asdict(plan),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -367,25 +446,14 @@ def main(argv: list[str] | None = None) -> int:
         args.model = provision_default_model(log=log)
     device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
     plan = Plan.quick() if args.quick else Plan()
-    clock = Clock(device)
-    rt = bench_runtime(args.model, dtype, device, plan, clock)
-    tf = bench_transformers(args.model, dtype, device, plan, clock)
-    result = checks(rt, tf)
-    import transformers
-
-    meta = {
-        "model": str(args.model),
-        "device": str(device),
-        "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "quick": args.quick,
-        "plan": plan.__dict__,
-    }
-    print(format_report(meta, rt, tf, result, plan.context))
+    meta = metadata(args, device, plan)
+    bench = build(args.model, dtype, device, plan)
+    figures = run_all(bench)
+    result = checks(figures["runtime"], figures["transformers"])
+    print(format_report(meta, figures, result, bench.samples))
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "runtime": rt, "transformers": tf, "checks": result}, indent=2))
+        payload = {"meta": meta, **figures, "checks": result, "samples_ms": bench.samples}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
         log(f"wrote {args.json}")
     return 0
 

@@ -32,10 +32,3 @@ def block_hashes(tokens: list[int], block_size: int, namespace: str = "", limit:
         out.append(parent)
     return out
 
-
-def leading_hits(flags: list[bool | int]) -> int:
-    """How many leading blocks are present (a prefix stops at the first miss)."""
-    for i, present in enumerate(flags):
-        if not present:
-            return i
-    return len(flags)
