@@ -85,6 +85,21 @@ class HandoffConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler's policy does when a request does not force a plan."""
+
+    default_pipeline: str = "p-rld-md"  # p-md | p-rld-md
+    default_handoff: str = "oneshot"  # oneshot | catchup
+    hit_weight: float = 1.0  # prefix hit vs load in instance choice
+
+    def __post_init__(self) -> None:
+        if self.default_pipeline not in ("p-md", "p-rld-md"):
+            raise ConfigError(f"scheduler.default_pipeline {self.default_pipeline!r} must be p-md or p-rld-md")
+        if self.default_handoff not in ("oneshot", "catchup"):
+            raise ConfigError(f"scheduler.default_handoff {self.default_handoff!r} must be oneshot or catchup")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str = "default"
     block_size: int = 16
@@ -98,6 +113,7 @@ class ClusterConfig:
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     instances: tuple[InstanceConfig, ...] = ()
 
     def instance(self, instance_id: str | None, role: str | None = None) -> InstanceConfig:
@@ -141,6 +157,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     wan = _build(WanConfig, raw.pop("wan", {}) or {}, f"{where}: wan")
     timeouts = _build(Timeouts, raw.pop("timeouts", {}) or {}, f"{where}: timeouts")
     handoff = _build(HandoffConfig, raw.pop("handoff", {}) or {}, f"{where}: handoff")
+    scheduler = _build(SchedulerConfig, raw.pop("scheduler", {}) or {}, f"{where}: scheduler")
     instances = tuple(_build(InstanceConfig, i, f"{where}: instance") for i in raw.pop("instances", []))
     env = {
         "nats_url": os.environ.get("PDD_NATS_URL"),
@@ -151,13 +168,16 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     for key, value in env.items():
         if value:
             raw[key] = int(value) if key == "port" else value
-    cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "handoff": handoff, "instances": instances}, where)
+    cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "handoff": handoff, "scheduler": scheduler,
+                                      "instances": instances}, where)
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")
     for role in ("prefill", "md"):
         if not cfg.of_role(role):
             raise ConfigError(f"{where}: needs at least one {role} instance")
+    if cfg.scheduler.default_pipeline == "p-rld-md" and not cfg.of_role("rld"):
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline="p-md"))
     return cfg
 
 

@@ -39,7 +39,8 @@ class DispatchError(Exception):
 class Scheduler:
     def __init__(self, cfg: ClusterConfig, policy: PolicyConfig | None = None) -> None:
         self.cfg = cfg
-        self.policy = policy or PolicyConfig()
+        s = cfg.scheduler
+        self.policy = policy or PolicyConfig(s.default_pipeline, s.default_handoff, s.hit_weight)
         self.bus: Bus | None = None
         self.registry: Registry | None = None
         self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
