@@ -4,6 +4,10 @@
     pdd up [--config FILE]        start NATS, Redis, the WAN emulator and every service on one host
     pdd serve ROLE --config FILE --instance ID
                                   run one service alone (per-datacenter deployment)
+    pdd bench [--workload W --modes M1,M2 --out DIR ...]
+                                  PDD and its baselines side by side (benchmarks/bench.py)
+    pdd bench handoff [--tokens 100 --reps 30]
+                                  KV over the WAN vs token ids + extend (benchmarks/handoff_micro.py)
 """
 
 from __future__ import annotations
@@ -31,6 +35,26 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_one(args.role, args.config, args.instance)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "handoff":
+        from benchmarks import handoff_micro
+
+        return handoff_micro.main(args)
+    from benchmarks import bench
+
+    return bench.main(args)
+
+
+def _add_bench(sub) -> None:
+    from benchmarks.args import add_bench_arguments, add_handoff_arguments
+
+    p = sub.add_parser("bench", help="benchmarks: modes side by side, or `bench handoff`")
+    p.add_argument("what", nargs="?", choices=["run", "handoff"], default="run")
+    add_bench_arguments(p)
+    add_handoff_arguments(p)
+    p.set_defaults(func=_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd", description="PDD: cross-datacenter P/RLD/MD LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None)
     serve.add_argument("--instance", default=None, help="instance id from the config (default: the first)")
     serve.set_defaults(func=_serve)
+    _add_bench(sub)
     return parser
 
 

@@ -8,9 +8,6 @@ import copy
 import torch
 
 from shared.runtime.engine import Engine
-from shared.runtime.kv_pool import KVPool
-from shared.runtime.models import kv_layout
-from shared.runtime.runner import ModelRunner
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
 
@@ -35,9 +32,7 @@ def make_engine(
     dtype: torch.dtype | None = None,
     **engine_kwargs,
 ) -> Engine:
-    dtype = dtype or next(model.parameters()).dtype
-    pool = KVPool(kv_layout(model), num_blocks, block_size, dtype)
-    return Engine(ModelRunner(model, pool), **engine_kwargs)
+    return Engine.for_model(model, num_blocks, block_size, dtype, **engine_kwargs)
 
 
 def greedy(n: int) -> SamplingParams:

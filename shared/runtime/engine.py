@@ -22,7 +22,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.runtime.kv_pool import PoolExhausted
+import torch
+
+from shared.runtime.kv_pool import KVPool, PoolExhausted
+from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
 from shared.runtime.sampling import sample_batch
@@ -62,6 +65,15 @@ class Engine:
         self.running: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished with hold_kv, blocks not yet released
         self.steps = 0
+
+    @classmethod
+    def for_model(
+        cls, model, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None, **kwargs
+    ) -> Engine:
+        """An engine with its own pool (in the model's dtype unless told) around `model`."""
+        dtype = dtype or next(model.parameters()).dtype
+        pool = KVPool(kv_layout(model), num_blocks, block_size, dtype, next(model.parameters()).device)
+        return cls(ModelRunner(model, pool), **kwargs)
 
     # -- commands -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
