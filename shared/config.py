@@ -1,7 +1,9 @@
 """Cluster configuration: frozen dataclasses from one YAML file plus `PDD_` environment overrides.
 
 Overrides: PDD_NATS_URL, PDD_REDIS_URL (use these servers instead of embedded ones),
-PDD_PORT (gateway port), PDD_MODEL (model folder, or "default").
+PDD_PORT (gateway port), PDD_MODEL (model folder, or "default"), PDD_ADVERTISE_HOST (the address
+other services dial to reach this one, where it differs from the bind address `host`, e.g. one
+container per service binding 0.0.0.0).
 Validation errors name the bad value and where it came from.
 """
 
@@ -103,7 +105,8 @@ class SchedulerConfig:
 class ClusterConfig:
     model: str = "default"
     block_size: int = 16
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where services listen
+    advertise_host: str = ""  # where others reach them ("" = host); PDD_ADVERTISE_HOST overrides
     port: int = 8000
     nats_url: str = ""  # "" = embedded nats-server on a free port
     redis_url: str = ""  # "" = embedded redis-server on a free port
@@ -124,6 +127,11 @@ class ClusterConfig:
 
     def of_role(self, role: str) -> list[InstanceConfig]:
         return [i for i in self.instances if i.role == role]
+
+    @property
+    def public_host(self) -> str:
+        """The address this process advertises for its listeners (KV receiver, WAN link)."""
+        return self.advertise_host or self.host
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
@@ -164,6 +172,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
         "redis_url": os.environ.get("PDD_REDIS_URL"),
         "port": os.environ.get("PDD_PORT"),
         "model": os.environ.get("PDD_MODEL"),
+        "advertise_host": os.environ.get("PDD_ADVERTISE_HOST"),
     }
     for key, value in env.items():
         if value:

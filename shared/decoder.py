@@ -52,7 +52,7 @@ class DecoderService(EngineService):
 
     async def setup(self) -> None:
         await super().setup()
-        self.info.kv_host = self.cfg.host
+        self.info.kv_host = self.cfg.public_host
         self.info.kv_port = await self.receiver.start(self.cfg.host, 0)
         await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
         self.spawn(self._publisher())

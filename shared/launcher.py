@@ -119,7 +119,8 @@ class Cluster:
                "PDD_REDIS_URL": self.cfg.redis_url, "PDD_PORT": str(self.cfg.port)}  # fmt: skip
         self.log(f"pdd: starting {name}")
         self.procs[name] = subprocess.Popen(
-            argv, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         logf.close()
 
@@ -155,29 +156,49 @@ class Cluster:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.get(name)
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, sig)
+            _signal_group(proc, sig)
             proc.wait(10)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for server in self.servers.values():
-            server.close()
-        self.procs.clear()
+        try:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    _signal_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for proc in self.procs.values():
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+        finally:
+            for server in self.servers.values():
+                server.close()
+            self.procs.clear()
 
     def __enter__(self) -> Cluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies (Linux), so a
+    killed test run or launcher leaves no server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def run_cluster(config_path: str | None) -> int:

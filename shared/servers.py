@@ -72,8 +72,11 @@ class EmbeddedServer:
         ]  # fmt: skip
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
+        from shared.launcher import die_with_parent
+
         self.proc = subprocess.Popen(
-            self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         wait_port("127.0.0.1", self.port, timeout, self.proc)
         return self

@@ -65,11 +65,12 @@ class Gateway:
         return flow
 
     async def release(self, flow: RequestFlow) -> None:
+        """Book-keeping first, then the (shielded) cleanup: a cancelled caller skips nothing."""
         if self.inflight.pop(flow.request_id, None) is None:
             return
-        await flow.close()
         self.metrics.inflight.set(len(self.inflight))
         self.metrics.observe(flow)
+        await flow.close()
 
     async def forget_request(self, request_id: str) -> None:
         try:

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from services.wanlink.link import WanLink
 from shared.bus import Bus
 from shared.config import ConfigError, load_config
+from shared.registry import Registry
 
 log = logging.getLogger("wanlink")
 
@@ -58,6 +59,9 @@ async def run(args: argparse.Namespace) -> None:
         port = await link.start(args.listen_host or cfg.host, args.listen_port)
         if args.ready_file:
             write_ready_file(args.ready_file, port)
+        if redis is not None:  # the scheduler sends src -> dst KV through this route
+            route_host = cfg.advertise_host or args.listen_host or cfg.host
+            await Registry(redis, cfg.heartbeat_ttl_s).set_route(cfg.wan.src_dc, cfg.wan.dst_dc, route_host, port)
         log.info("%s listening on %s:%d: %s", name, args.listen_host or cfg.host, port, link.describe())
         await stop.wait()
         log.info("%s: stopping", name)
