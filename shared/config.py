@@ -70,6 +70,7 @@ class Timeouts:
     control_s: float = 5.0  # every NATS request-reply
     kv_stall_s: float = 30.0  # a KV transfer with no progress for this long fails
     request_s: float = 600.0  # gateway gives up on a request with no token for this long
+    kv_retries: int = 2  # a failed KV push is retried this many times (the payload is kept)
 
 
 @dataclass(frozen=True)

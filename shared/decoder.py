@@ -55,6 +55,7 @@ class DecoderService(EngineService):
         self.info.kv_host = self.cfg.public_host
         self.info.kv_port = await self.receiver.start(self.cfg.host, 0)
         await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
+        await self.bus.serve(subjects.decode_drop(self.inst.id), Abort, self.on_drop)
         self.spawn(self._publisher())
         self.spawn(self._watchdog())
 
@@ -151,9 +152,15 @@ class DecoderService(EngineService):
         if state is not None:
             await self.worker.call(lambda e: e.abort(msg.request_id))
 
+    async def on_drop(self, msg: Abort) -> None:
+        """Only this decoder's copy is abandoned (its KV push failed); others carry the request."""
+        state = self.requests.pop(msg.request_id, None)
+        if state is not None and state.running:
+            await self.worker.call(lambda e: e.abort(msg.request_id))
+
     def _on_transfer_error(self, request_id: str, error: str) -> None:
-        if request_id in self.requests and not self.requests[request_id].running:
-            self.emit(TokenOutput(request_id, None, 0, FinishReason.ERROR, f"KV transfer failed: {error}"))
+        # The sender retries (and reports if it gives up); the deadline below is the backstop.
+        log.info("%s: KV transfer for %s broke off: %s", self.inst.id, request_id or "?", error)
 
     async def _watchdog(self) -> None:
         limit = self.cfg.timeouts.kv_stall_s * 2
@@ -162,10 +169,13 @@ class DecoderService(EngineService):
             now = time.monotonic()
             for rid, state in list(self.requests.items()):
                 if not state.running and now - state.accepted_at > limit:
-                    self.emit(TokenOutput(rid, None, 0, FinishReason.ERROR, f"KV did not arrive within {limit:.0f}s"))
+                    self.on_kv_deadline(rid, state, f"KV did not arrive within {limit:.0f}s")
             for rid, when in list(self.aborted.items()):
                 if now - when > 600:
                     del self.aborted[rid]
+
+    def on_kv_deadline(self, rid: str, state: DecodeState, error: str) -> None:
+        self.emit(TokenOutput(rid, None, 0, FinishReason.ERROR, error))
 
 
 def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:

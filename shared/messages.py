@@ -142,7 +142,8 @@ class Abort(Message):
 
 @dataclass
 class KVReady(Message):
-    """md -> rld: main-decode holds this request's prompt KV; hand the request over."""
+    """md -> rld: main-decode holds this request's prompt KV; hand the request over.
+    With `md == ""` (from prefill or main-decode): main-decode will not get it; finish on relay."""
 
     request_id: str
     md: str

@@ -7,6 +7,7 @@
     pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
     pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
     pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
+    pdd.decode.<instance>.drop      prefill -> a decoder   Abort (this decoder only: its copy failed)
     pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
     pdd.admin.<instance>.flush      operators -> any       Inspect -> InstanceState (drop unused cache)
     pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
@@ -30,6 +31,10 @@ def handoff_ready(rld_id: str) -> str:
 
 def handoff_chunk(md_id: str) -> str:
     return f"pdd.handoff.{md_id}.chunk"
+
+
+def decode_drop(instance_id: str) -> str:
+    return f"pdd.decode.{instance_id}.drop"
 
 
 def tokens(request_id: str) -> str:

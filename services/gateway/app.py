@@ -59,6 +59,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        gw.check_capacity()  # before reading or tokenizing anything: a full gateway answers at once
         body = await _body(request)
         parsed = parse_completion(body, served_model=gw.served_model, context_len=gw.context_len,
                                   count_tokens=gw.encode, vocab_size=gw.vocab_size)  # fmt: skip
@@ -66,6 +67,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        gw.check_capacity()
         body = await _body(request)
         parsed = parse_chat(body, served_model=gw.served_model, context_len=gw.context_len,
                             apply_template=gw.apply_chat_template)  # fmt: skip

@@ -55,10 +55,13 @@ class Gateway:
         return self.encode(text)
 
     # -- admission --------------------------------------------------------------------------
-    def admit(self, parsed: ParsedRequest) -> RequestFlow:
+    def check_capacity(self) -> None:
         if len(self.inflight) >= self.cfg.max_queue:
             raise APIError(429, f"{len(self.inflight)} requests in flight; try again shortly",
                            type="rate_limit_error", code="overloaded")  # fmt: skip
+
+    def admit(self, parsed: ParsedRequest) -> RequestFlow:
+        self.check_capacity()
         flow = RequestFlow(self, parsed)
         self.inflight[flow.request_id] = flow
         self.metrics.inflight.set(len(self.inflight))

@@ -52,6 +52,13 @@ class MainDecoder(DecoderService):
         plan = state.task.plan
         await self.bus.publish(subjects.handoff_ready(plan.rld), KVReady(plan.request_id, self.inst.id))
 
+    def on_kv_deadline(self, rid: str, state: DecodeState, error: str) -> None:
+        if not self.admits_as_shadow(state.task):
+            super().on_kv_deadline(rid, state, error)
+            return
+        self.requests.pop(rid, None)  # the relay is serving the user: it finishes the request
+        self.spawn(self.bus.publish(subjects.handoff_ready(state.task.plan.rld), KVReady(rid, md="")))
+
     # -- 3. handoff ---------------------------------------------------------------------
     async def on_chunk(self, chunk: HandoffChunk) -> Ack:
         rid = chunk.request_id

@@ -9,8 +9,11 @@ Lifecycle of a request here:
 4. The KV is pushed to every target concurrently (a relay-decoder in-DC, main-decode through
    the WAN link); neither path waits for the other. DONE carries the first token and the
    prefill timings.
-5. A failed push, or a failed prefill, sends an error to the gateway: the request fails
-   clearly, never hangs. Abort drops the sequence and cancels its transfers.
+5. A dropped or stalled push is retried (`kv_retries`). If main-decode's copy still cannot be
+   delivered while the relay has its own, the relay is told to finish the request and
+   main-decode to drop it: the user's stream goes on. Any other failure sends an error to the
+   gateway: the request fails clearly, never hangs. Abort drops the sequence and cancels its
+   transfers.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.kv_transport import KVTransferError, send_kv
-from shared.messages import Abort, Ack, KVTarget, PrefillTask, TokenChunk
+from shared.messages import Abort, Ack, KVReady, KVTarget, PrefillTask, TokenChunk
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVPayload, export_kv, layer_to_bytes
 from shared.runtime.sequence import Sequence
@@ -97,20 +100,41 @@ class Prefiller(EngineService):
         for target, payload in zip(task.targets, payloads):
             state.transfers.append(self.spawn(self._send(target, rid, payload, done)))
         results = await asyncio.gather(*state.transfers, return_exceptions=True)
-        errors = [str(r) for r in results if isinstance(r, Exception)]  # a cancel is an abort, not an error
-        if self.requests.pop(rid, None) is not None and errors:
-            await self._fail(rid, "; ".join(errors))
+        if self.requests.pop(rid, None) is None:
+            return  # aborted meanwhile
+        failed = [(t, r) for t, r in zip(task.targets, results) if isinstance(r, Exception)]  # cancel = abort
+        if failed:
+            await self._degrade(task, failed)
+
+    async def _degrade(self, task: PrefillTask, failed: list[tuple[KVTarget, Exception]]) -> None:
+        """Some pushes failed after their retries. If the relay has its copy and only main-decode's
+        failed, the relay finishes the request (the user's stream goes on); otherwise it fails."""
+        rid = task.request_id
+        roles = {t.role for t, _ in failed}
+        if roles == {"md"} and task.plan.rld and task.plan.pipeline == "p-rld-md":
+            log.warning("%s: %s: WAN push failed (%s); relay finishes it", self.inst.id, rid, failed[0][1])
+            await self.bus.publish(subjects.handoff_ready(task.plan.rld), KVReady(rid, md=""))
+            await self.bus.publish(subjects.decode_drop(task.plan.md), Abort(rid, reason="KV push failed"))
+            return
+        await self._fail(rid, "; ".join(str(e) for _, e in failed))
 
     async def _send(self, target: KVTarget, rid: str, payload: KVPayload, done: dict) -> int:
+        """Push one target's KV; a dropped or stalled connection is retried from the start."""
         layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v) for k, v in payload.layers])
         via = (target.via_host, target.via_port) if target.via_host else None
-        try:
-            return await send_kv(
-                target.host, target.port, rid, self.inst.id, payload.header.to_dict(), layers, done,
-                self.cfg.timeouts.kv_stall_s, via=via,
-            )  # fmt: skip
-        except KVTransferError as e:
-            raise KVTransferError(f"KV push to {target.instance_id} failed: {e}") from None
+        t = self.cfg.timeouts
+        for attempt in range(t.kv_retries + 1):
+            try:
+                return await send_kv(
+                    target.host, target.port, rid, self.inst.id, payload.header.to_dict(), layers, done,
+                    t.kv_stall_s, via=via,
+                )  # fmt: skip
+            except KVTransferError as e:
+                error = e
+                log.warning("%s: %s: KV push to %s failed (attempt %d): %s", self.inst.id, rid,
+                            target.instance_id, attempt + 1, e)  # fmt: skip
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise KVTransferError(f"KV push to {target.instance_id} failed: {error}")
 
     # -- 5. failure and abort -----------------------------------------------------------
     async def _fail(self, rid: str, error: str) -> None:

@@ -11,7 +11,8 @@ Lifecycle of a request here (the decode side is shared with main-decode, `shared
 4. If the final handoff fails, relay takes the request back (recomputing its tokens) and
    finishes it itself: the user's stream never breaks.
 5. `p-rld` (anomalous traffic) and requests that end before main-decode is ready finish here;
-   main-decode and prefill are then told to drop their copy.
+   main-decode and prefill are then told to drop their copy. So do requests whose KV could not
+   reach main-decode (`KVReady` with no md): the user's stream goes on from the relay.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class RelayDecoder(DecoderService):
         state = self.requests.get(msg.request_id)
         if state is None or msg.request_id in self.md_ready:
             return  # finished here already, or a duplicate
+        if not msg.md:  # main-decode will not get this request: finish it here
+            log.info("%s: %s: no main-decode copy; finishing on relay", self.inst.id, msg.request_id)
+            state.task.plan.md = ""
+            return
         self.md_ready.add(msg.request_id)
         if state.running:
             self.spawn(self._handoff(state))

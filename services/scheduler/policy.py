@@ -1,40 +1,63 @@
 """Scheduling policy: a pure function from plain data to a plan. No I/O, no torch, no NATS.
 
-`choose_plan(request, instances, config) -> Decision`
+`choose_plan(request, instances, config, wan_mbps=None) -> Decision`
 
-Rules (this revision):
-1. A forced pipeline/handoff (the request's `pdd` override) is honoured; otherwise the
-   configured default pipeline (`p-rld-md`) is used, or `p-md` when no relay is alive.
-2. Each role's instance is the alive one with the lowest cost, skipping any instance the
-   request already failed on (`avoid`). Cost trades load against prefix hit, as SGLang's
-   cache-aware router and Dynamo's KV router do: `load - hit_weight * hit_tokens / prompt_len`,
-   so a warm instance wins unless it is much busier.
-3. A decoder is sent only the KV it lacks: its start is its prefix hit (`md_cached_tokens`
-   for main-decode), whole blocks only.
-4. No alive instance of a needed role -> `NoCapacity` (the gateway answers 503).
-The scheduler, the benchmarks and any simulator call this same function.
+`instances` are the alive ones: an instance that missed its heartbeats has expired from the
+registry and is simply absent. `wan_mbps` is the live WAN estimate (`BandwidthEstimator`);
+None = the configured prior. The scheduler, the benchmarks and the simulator call this function.
+
+Pipeline (`config.default_pipeline == "auto"`; first rule that applies, `reason` in brackets):
+1. The request forces one (its `pdd` override) [forced].
+2. Anomalous traffic: long uncached input (prompt_len - best prefill/MD hit >=
+   `anomalous_min_uncached`) with a short output budget (max_tokens < `anomalous_max_output`)
+   runs on RLD alone, `p-rld`, and never crosses the WAN [anomalous]. Nothing else gets p-rld:
+   low-hit traffic finishing on RLD overloads the small pool and the pipeline oscillates.
+3. No relay alive -> `p-md` [no-relay-alive].
+4. Estimated TTFT through MD meets `ttft_slo_ms` (typically a high hit: little KV crosses) ->
+   `p-md` [slo-met-md].
+5. Oscillation guard (RLD admission control): the relay holds `rld_slots` requests or more
+   (running + waiting) -> `p-md`, paying the TTFT penalty rather than piling onto RLD
+   [rld-saturated]. With `guard=False` the request goes to RLD anyway.
+6. Otherwise `p-rld-md`: RLD streams while MD's KV is on the wire [slo-miss-relay].
+A pinned `default_pipeline` (`p-md`, `p-rld-md`: baselines and ablations) replaces 2-6 [default],
+falling back to `p-md` when no relay is alive [no-relay-alive].
+
+Handoff of `p-rld-md` (`handoff_reason` in brackets): the request's hint [forced], else a pinned
+`default_handoff` [default], else from RLD's live load and the expected backlog, i.e. the tokens
+RLD will have produced before MD can take over: (TTFT via MD - TTFT via RLD) / RLD step time.
+- RLD under pressure (running + waiting >= `rld_pressure` * `rld_slots`) -> one-shot, handing
+  off as early as possible so the slot frees at once [rld-pressure].
+- Backlog > `catchup_threshold` -> catch-up in chunks of `catchup_chunk` tokens: many small
+  extends on MD instead of one visible stall, RLD keeps streaming meanwhile [backlog].
+- Otherwise -> one-shot: one small extend is imperceptible [small-backlog].
+
+Instances: per role, the alive one with the lowest cost, never one the request already failed
+on (`avoid`). Cost trades load against prefix hit, as SGLang's cache-aware router and Dynamo's
+KV router do: `load - hit_weight * hit_tokens / prompt_len`, where load is the KV pool's used
+share + 0.1 per running or waiting request (the registry's `load` when those are unknown), +1
+when the instance lacks the free blocks this request needs. A decoder is sent only the KV it
+lacks: its start is its prefix hit (whole blocks). No alive instance of a needed role ->
+`NoCapacity` (the gateway answers 503).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
+
+__all__ = ["Decision", "InstanceView", "NoCapacity", "PlanEstimates", "PlanRequest", "PolicyConfig", "choose_plan"]
 
 PIPELINES = ("p-md", "p-rld-md", "p-rld")
 HANDOFFS = ("oneshot", "catchup")
 ROLES_OF = {"p-md": ("prefill", "md"), "p-rld-md": ("prefill", "rld", "md"), "p-rld": ("prefill", "rld")}
+QUEUE_WEIGHT = 0.1  # load per running or waiting request, as the registry's `load` counts it
+NO_ROOM_PENALTY = 1.0  # an instance that would have to evict or wait for blocks
 
 
 class NoCapacity(Exception):
     """No alive instance can take a role this request needs."""
-
-
-@dataclass(frozen=True)
-class InstanceView:
-    id: str
-    role: str
-    dc: str
-    load: float = 0.0
-    hit_tokens: int = 0  # prefix of this request the instance holds (from the Redis index)
 
 
 @dataclass(frozen=True)
@@ -44,14 +67,56 @@ class PlanRequest:
     max_tokens: int
     pipeline: str | None = None
     handoff: str | None = None
-    avoid: frozenset[str] = frozenset()
+    avoid: frozenset[str] = frozenset()  # instances this request already failed on
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    default_pipeline: str = "p-rld-md"
-    default_handoff: str = "oneshot"
-    hit_weight: float = 1.0
+    default_pipeline: str = "auto"  # auto | p-md | p-rld-md (pinned: baselines and ablations)
+    default_handoff: str = "auto"  # auto | oneshot | catchup
+    hit_weight: float = 1.0  # prefix hit vs load in instance choice
+    ttft_slo_ms: float = 1000.0
+    kv_bytes_per_token: int = 46_080  # SmolLM2-135M, fp32: 30 layers * 2 * 3 heads * 64 * 4 B
+    prefill_tok_s: float = 300.0  # prior until prefill reports a measured figure
+    wan_mbps: float = 1000.0  # prior until the bandwidth estimator has samples
+    wan_delay_ms: float = 10.0  # one way
+    local_mbps: float = 10_000.0  # in-DC KV path
+    decode_step_ms: float = 75.0  # prior until a decoder reports a measured step
+    anomalous_min_uncached: int = 2048  # the report's "very long input", scaled to an 8K-context model
+    anomalous_max_output: int = 500  # max_tokens below this counts as a short output
+    rld_slots: int = 32  # requests the relay pool should hold (its max_running)
+    catchup_chunk: int = 64  # tokens per catch-up chunk
+    catchup_threshold: int = 64  # backlog (tokens) above which catch-up beats one-shot
+    rld_pressure: float = 0.75  # share of rld_slots busy above which handoff is as early as possible
+    guard: bool = True  # oscillation guard: RLD admission control
+
+    def __post_init__(self) -> None:
+        if self.default_pipeline not in ("auto", "p-md", "p-rld-md"):
+            raise ValueError(f"default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
+        if self.default_handoff not in ("auto", *HANDOFFS):
+            raise ValueError(f"default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
+        positive = ("ttft_slo_ms", "kv_bytes_per_token", "prefill_tok_s", "wan_mbps", "local_mbps",
+                    "decode_step_ms", "rld_slots", "catchup_chunk")  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 < self.rld_pressure <= 1.0:
+            raise ValueError(f"rld_pressure must be in (0, 1], got {self.rld_pressure!r}")
+
+
+@dataclass(frozen=True)
+class PlanEstimates:
+    """The figures a decision rested on (for the `pdd` object and the benchmarks)."""
+
+    ttft_ms: dict[str, float] = field(default_factory=dict)  # candidate pipeline -> estimated TTFT
+    wan_mbps: float = 0.0
+    uncached_tokens: int = 0  # prompt_len - best prefill/MD hit
+    backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md)
+    rld_busy: int = 0  # relay's running + waiting when planned
+
+    def as_dict(self) -> dict:
+        return {"ttft_ms": dict(self.ttft_ms), "wan_mbps": self.wan_mbps, "uncached_tokens": self.uncached_tokens,
+                "backlog_tokens": self.backlog_tokens, "rld_busy": self.rld_busy}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -61,29 +126,119 @@ class Decision:
     instances: dict[str, str] = field(default_factory=dict)  # role -> instance id
     md_cached_tokens: int = 0
     starts: dict[str, int] = field(default_factory=dict)  # role -> first token the decoder needs
-    reason: str = ""
+    reason: str = ""  # why this pipeline
+    handoff_reason: str = ""  # why this handoff ("" when there is none)
+    chunk_tokens: int = 0  # catch-up chunk size; 0 unless handoff == "catchup"
+    estimates: PlanEstimates = field(default_factory=PlanEstimates)
+
+
+# -- instance choice ------------------------------------------------------------------------
+def instance_load(v: InstanceView) -> float:
+    if v.total_blocks <= 0 and not (v.running or v.waiting):
+        return v.load  # only the registry's single figure is known
+    used = 1.0 - v.free_blocks / v.total_blocks if v.total_blocks > 0 else 0.0
+    return used + QUEUE_WEIGHT * (v.running + v.waiting)
+
+
+def cost(v: InstanceView, req: PlanRequest, config: PolicyConfig) -> float:
+    hit = min(v.hit_tokens, req.prompt_len)
+    need = req.prompt_len - hit + (req.max_tokens if v.role != "prefill" else 0)
+    no_room = v.total_blocks > 0 and math.ceil(need / v.block_size) > v.free_blocks
+    return instance_load(v) + NO_ROOM_PENALTY * no_room - config.hit_weight * hit / max(req.prompt_len, 1)
 
 
 def cheapest(instances: list[InstanceView], role: str, req: PlanRequest, config: PolicyConfig) -> InstanceView:
     candidates = [i for i in instances if i.role == role and i.id not in req.avoid]
     if not candidates:
         raise NoCapacity(f"no alive {role} instance")
-    scale = config.hit_weight / max(req.prompt_len, 1)
-    return min(candidates, key=lambda i: (i.load - scale * i.hit_tokens, i.id))
+    return min(candidates, key=lambda i: (cost(i, req, config), i.id))
 
 
-def choose_plan(req: PlanRequest, instances: list[InstanceView], config: PolicyConfig) -> Decision:
-    pipeline, reason = config.default_pipeline, "default"
+# -- rules ----------------------------------------------------------------------------------
+def uncached_tokens(req: PlanRequest, instances: list[InstanceView]) -> int:
+    """What no prefill or MD instance holds: the KV that must be computed and would cross the WAN."""
+    hits = [i.hit_tokens for i in instances if i.role in ("prefill", "md") and i.id not in req.avoid]
+    return max(req.prompt_len - max(hits, default=0), 0)
+
+
+def is_anomalous(req: PlanRequest, uncached: int, config: PolicyConfig) -> bool:
+    return uncached >= config.anomalous_min_uncached and req.max_tokens < config.anomalous_max_output
+
+
+def rld_busy(rld: InstanceView) -> int:
+    return rld.running + rld.waiting
+
+
+def choose_pipeline(
+    req: PlanRequest, rld: InstanceView | None, ttft: dict[str, float], uncached: int, config: PolicyConfig
+) -> tuple[str, str]:
     if req.pipeline is not None:
-        pipeline, reason = req.pipeline, "forced"
-    elif "rld" in ROLES_OF[pipeline] and not any(i.role == "rld" and i.id not in req.avoid for i in instances):
-        pipeline, reason = "p-md", "no-relay-alive"
+        return req.pipeline, "forced"
+    if config.default_pipeline != "auto":
+        if config.default_pipeline == "p-rld-md" and rld is None:
+            return "p-md", "no-relay-alive"
+        return config.default_pipeline, "default"
+    if rld is not None and is_anomalous(req, uncached, config):
+        return "p-rld", "anomalous"
+    if rld is None:
+        return "p-md", "no-relay-alive"
+    if "p-md" not in ttft:
+        raise NoCapacity("no alive md instance")
+    if ttft["p-md"] <= config.ttft_slo_ms:
+        return "p-md", "slo-met-md"
+    if config.guard and rld_busy(rld) >= config.rld_slots:
+        return "p-md", "rld-saturated"
+    return "p-rld-md", "slo-miss-relay"
+
+
+def expected_backlog(req: PlanRequest, rld: InstanceView, ttft: dict[str, float], config: PolicyConfig) -> int:
+    """Tokens RLD streams before MD is ready to take over (MD's lag over the relay / RLD's step)."""
+    if "p-md" not in ttft or "p-rld-md" not in ttft:
+        return 0
+    lag_ms = max(ttft["p-md"] - ttft["p-rld-md"], 0.0)
+    return min(math.ceil(lag_ms / step_ms_of(rld, config)), req.max_tokens)
+
+
+def choose_handoff(req: PlanRequest, rld: InstanceView, backlog: int, config: PolicyConfig) -> tuple[str, str]:
+    if req.handoff is not None:
+        return req.handoff, "forced"
+    if config.default_handoff != "auto":
+        return config.default_handoff, "default"
+    if rld_busy(rld) >= config.rld_pressure * config.rld_slots:
+        return "oneshot", "rld-pressure"
+    if backlog > config.catchup_threshold:
+        return "catchup", "backlog"
+    return "oneshot", "small-backlog"
+
+
+# -- the plan -------------------------------------------------------------------------------
+def choose_plan(
+    req: PlanRequest, instances: list[InstanceView], config: PolicyConfig, wan_mbps: float | None = None
+) -> Decision:
+    wan = Link(wan_mbps or config.wan_mbps, config.wan_delay_ms)
+    prefill = cheapest(instances, "prefill", req, config)
+    decoders = {}
+    for role in ("rld", "md"):
+        try:
+            decoders[role] = cheapest(instances, role, req, config)
+        except NoCapacity:
+            pass
+    ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], config, wan).total_ms
+            for p, role in (("p-md", "md"), ("p-rld-md", "rld")) if role in decoders}  # fmt: skip
+    uncached = uncached_tokens(req, instances)
+    rld = decoders.get("rld")
+    pipeline, reason = choose_pipeline(req, rld, ttft, uncached, config)
     roles = ROLES_OF[pipeline]
-    picked = {role: cheapest(instances, role, req, config) for role in roles}
-    handoff = "none"
-    if "rld" in roles and "md" in roles:
-        handoff = req.handoff or config.default_handoff
+    for role in roles[1:]:
+        if role not in decoders:
+            raise NoCapacity(f"no alive {role} instance")
+    picked = {"prefill": prefill} | {role: decoders[role] for role in roles[1:]}
+    handoff, handoff_reason, backlog = "none", "", 0
+    if pipeline == "p-rld-md":
+        backlog = expected_backlog(req, decoders["rld"], ttft, config)
+        handoff, handoff_reason = choose_handoff(req, decoders["rld"], backlog, config)
     starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != "prefill"}
+    estimates = PlanEstimates(ttft, wan.mbps, uncached, backlog, rld_busy(rld) if rld else 0)
     return Decision(
         pipeline=pipeline,
         handoff=handoff,
@@ -91,4 +246,7 @@ def choose_plan(req: PlanRequest, instances: list[InstanceView], config: PolicyC
         md_cached_tokens=starts.get("md", 0),
         starts=starts,
         reason=reason,
+        handoff_reason=handoff_reason,
+        chunk_tokens=config.catchup_chunk if handoff == "catchup" else 0,
+        estimates=estimates,
     )

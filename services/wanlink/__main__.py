@@ -59,11 +59,14 @@ async def run(args: argparse.Namespace) -> None:
         port = await link.start(args.listen_host or cfg.host, args.listen_port)
         if args.ready_file:
             write_ready_file(args.ready_file, port)
+        refresher = None
         if redis is not None:  # the scheduler sends src -> dst KV through this route
             route_host = cfg.advertise_host or args.listen_host or cfg.host
-            await Registry(redis, cfg.heartbeat_ttl_s).set_route(cfg.wan.src_dc, cfg.wan.dst_dc, route_host, port)
+            refresher = asyncio.create_task(_keep_route(Registry(redis, cfg.heartbeat_ttl_s), cfg, route_host, port))
         log.info("%s listening on %s:%d: %s", name, args.listen_host or cfg.host, port, link.describe())
         await stop.wait()
+        if refresher is not None:
+            refresher.cancel()
         log.info("%s: stopping", name)
     finally:
         await link.stop()
@@ -71,6 +74,16 @@ async def run(args: argparse.Namespace) -> None:
             await bus.close()
         if redis is not None:
             await redis.aclose()
+
+
+async def _keep_route(registry: Registry, cfg, host: str, port: int) -> None:
+    """Register the route, and again every heartbeat: a restarted Redis gets it back."""
+    while True:
+        try:
+            await registry.set_route(cfg.wan.src_dc, cfg.wan.dst_dc, host, port)
+        except Exception as e:
+            log.warning("could not register the WAN route: %s", e)
+        await asyncio.sleep(cfg.heartbeat_s)
 
 
 def main(argv: list[str] | None = None) -> int:

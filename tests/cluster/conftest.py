@@ -22,7 +22,8 @@ from shared.messages import Inspect, InstanceState, WanControl, Ack
 @pytest.fixture(scope="session")
 def cluster():
     # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
-    with Cluster(port=0, handoff={"chunk_tokens": 12, "final_tokens": 3}) as c:
+    with Cluster(port=0, handoff={"chunk_tokens": 12, "final_tokens": 3}, max_queue=12,
+                 timeouts={"kv_stall_s": 5, "kv_retries": 1}) as c:  # fmt: skip
         yield c
 
 

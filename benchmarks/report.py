@@ -1,0 +1,189 @@
+"""Benchmark report: writes a run's results, its raw requests, a Markdown report and the plots.
+
+`write_report(out_dir, results, records)` writes, in `out_dir`:
+1. `results.json`   — `results` as given (`benchmarks.summary.build_results`);
+2. `requests.jsonl` — one request record per line, exactly as recorded;
+3. `report.md`      — tables with the modes side by side, ratios against the baselines
+   (`pd-wan`, `pd-local`) and the project's targets, each marked PASS or MISS (never asserted);
+4. `ttft_cdf.png`, `timeline.png`, `hit_buckets.png` (`benchmarks.plots`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.plots import plot_hit_buckets, plot_timeline, plot_ttft_cdf
+from benchmarks.summary import LATENCY_FIELDS, LOCAL_MODE, Record, by_mode, hit_buckets
+
+PDD_MODE = "pdd"
+WAN_MODE = "pd-wan"
+BASELINES = (WAN_MODE, LOCAL_MODE)
+
+# (name, baseline mode, measure(summary) -> float, bound on pdd / baseline)
+RATIO_TARGETS = (
+    ("TTFT P90 pdd / pd-wan", WAN_MODE, lambda s: s["ttft_ms"]["p90"], 0.5),
+    ("TTFT P99 pdd / pd-wan", WAN_MODE, lambda s: s["ttft_ms"]["p99"], 0.5),
+    ("WAN KV bytes pdd / pd-wan", WAN_MODE, lambda s: s["wan_kv_bytes"], 0.2),
+    ("TTFT P50 pdd / pd-local", LOCAL_MODE, lambda s: s["ttft_ms"]["p50"], 1.3),
+)
+# Our bound on RLD's share of pdd's output tokens: RLD must relay some (> 0), but MD must do the
+# bulk, or the small RLD pool becomes the bottleneck. The report measured 6.2% (64K in / 1K out).
+RLD_SHARE_MAX = 0.2
+
+RATIO_ROWS = (
+    ("TTFT P50", lambda s: s["ttft_ms"]["p50"]),
+    ("TTFT P90", lambda s: s["ttft_ms"]["p90"]),
+    ("TTFT P99", lambda s: s["ttft_ms"]["p99"]),
+    ("WAN KV bytes", lambda s: s["wan_kv_bytes"]),
+    ("goodput", lambda s: s["goodput_rps"]),
+    ("BCR", lambda s: s["bcr"]),
+)
+LATENCY_TITLES = {"ttft_ms": "TTFT", "ttst_ms": "Time to second token", "itl_ms": "Inter-token latency",
+                  "tpot_ms": "TPOT", "e2e_ms": "E2E", "max_gap_ms": "Largest gap per request"}  # fmt: skip
+
+
+def fmt(value: Any) -> str:
+    """Ints with thousands separators; floats: 1 decimal from 100, 2 from 1, else 3 significant digits."""
+    if isinstance(value, bool) or value is None:
+        return "n/a" if value is None else str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if abs(value) >= 100:
+            return f"{value:,.1f}"
+        return f"{value:.2f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table; cells go through `fmt`."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def rld_share(summary: dict[str, Any]) -> float:
+    """tokens_by_role.rld / (rld + md); 0.0 when neither produced tokens."""
+    rld, md = summary["tokens_by_role"]["rld"], summary["tokens_by_role"]["md"]
+    return rld / (rld + md) if rld + md else 0.0
+
+
+def _div(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def ratio_rows(modes: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """Rows "<metric> vs <baseline>": each mode's value / the baseline's, for each baseline present."""
+    return [[f"{name} vs {base}", *(_div(get(s), get(modes[base])) for s in modes.values())]
+            for base in BASELINES if base in modes for name, get in RATIO_ROWS]  # fmt: skip
+
+
+def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The project's targets with measured value, bound and "PASS"/"MISS" ([] without pdd and a baseline).
+
+    Ratio targets need pdd and their baseline; a ratio over a zero baseline is n/a and a MISS.
+    """
+    modes = results["modes"]
+    if PDD_MODE not in modes or not any(b in modes for b in BASELINES):
+        return []
+    out = []
+    for name, base, get, bound in RATIO_TARGETS:
+        if base in modes:
+            ratio = _div(get(modes[PDD_MODE]), get(modes[base]))
+            out.append({"target": name, "measured": ratio, "bound": f"<= {bound}",
+                        "ok": ratio is not None and ratio <= bound})  # fmt: skip
+    match = results["outputs_match_across_modes"]
+    out.append({"target": "outputs match across modes", "measured": match, "bound": "== 1.0", "ok": match == 1.0})
+    share = rld_share(modes[PDD_MODE])
+    out.append({"target": "RLD share of pdd output tokens", "measured": share,
+                "bound": f"> 0 and <= {RLD_SHARE_MAX} (report: 0.062)", "ok": 0 < share <= RLD_SHARE_MAX})  # fmt: skip
+    for t in out:
+        t["result"] = "PASS" if t["ok"] else "MISS"
+    return out
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+    settings = results.get("settings", {})
+    lines = ["# PDD benchmark report", ""]
+    lines += [f"- workload: `{json.dumps(results.get('workload', {}), sort_keys=True)}`"]
+    for key in ("slo", "prices", "instances", "duration_s"):
+        if key in settings:
+            lines.append(f"- {key}: `{json.dumps(settings[key], sort_keys=True)}`")
+    lines.append(f"- outputs match across modes: {fmt(results['outputs_match_across_modes'])}")
+    return lines
+
+
+def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
+    names = list(modes)
+    rows: list[list[Any]] = [
+        [key, *(s[key] for s in modes.values())]
+        for key in ("requests", "completed", "failed", "goodput_rps", "output_tok_s", "cost", "bcr")
+    ]
+    rows += [["WAN KV bytes", *(s["wan_kv_bytes"] for s in modes.values())]]
+    rows += [[f"{role.upper()} tokens", *(s["tokens_by_role"][role] for s in modes.values())] for role in ("rld", "md")]
+    rows += [["RLD share of output tokens", *(rld_share(s) for s in modes.values())]]
+    rows += [[f"prefix hit rate {side}", *(s["hit_rate"][side] for s in modes.values())] for side in ("prefill", "md")]
+    return ["## Requests, throughput, cost, WAN", "", table(["metric", *names], rows), "",
+            ("goodput_rps: requests meeting every SLO per second; cost: duration_h x (chips + WAN line) "
+             "per hour; bcr: goodput_rps / hourly hardware cost."), ""]  # fmt: skip
+
+
+def _latencies(modes: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["## Latency (ms, client side)", ""]
+    for key in LATENCY_FIELDS:
+        rows = [[stat, *(s[key][stat] for s in modes.values())] for stat in ("p50", "p90", "p99", "mean", "max")]
+        lines += [f"### {LATENCY_TITLES[key]}", "", table(["stat", *modes], rows), ""]
+    return lines
+
+
+def _ratios(modes: dict[str, dict[str, Any]]) -> list[str]:
+    rows = ratio_rows(modes)
+    if not rows:
+        return []
+    return ["## Ratios (mode / baseline)", "", table(["metric", *modes], rows), ""]
+
+
+def _buckets(buckets_by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = ["## By MD-side prefix hit (prefix_hit_tokens.md / prompt_tokens)", ""]
+    for mode, buckets in buckets_by_mode.items():
+        rows = [[b["bucket"], b["count"], b["ttft_ms"]["p50"], b["ttft_ms"]["p90"], b["mean_wan_kv_bytes"]]
+                if b["count"] else [b["bucket"], 0, "-", "-", "-"] for b in buckets]  # fmt: skip
+        lines += [f"### {mode}", "", table(["hit", "count", "TTFT P50", "TTFT P90", "mean WAN bytes"], rows), ""]
+    return lines
+
+
+def _targets(results: dict[str, Any]) -> list[str]:
+    targets = check_targets(results)
+    if not targets:
+        return []
+    rows = [[t["target"], t["measured"], t["bound"], t["result"]] for t in targets]
+    return ["## Targets", "", table(["target", "measured", "bound", "result"], rows), ""]
+
+
+def render_markdown(results: dict[str, Any], buckets_by_mode: dict[str, list[dict[str, Any]]]) -> str:
+    """The whole `report.md`."""
+    modes = results["modes"]
+    parts = [_header(results), [""], _targets(results), _overview(modes), _latencies(modes), _ratios(modes),
+             _buckets(buckets_by_mode)]  # fmt: skip
+    return "\n".join(line for part in parts for line in part)
+
+
+def write_report(out_dir: Path, results: dict[str, Any], records: list[Record]) -> list[Path]:
+    """Write results.json, requests.jsonl, report.md and the three PNGs; return their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    grouped = by_mode(records, list(results["modes"]))
+    buckets = {mode: hit_buckets(rs) for mode, rs in grouped.items()}
+    results_path = out_dir / "results.json"
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    requests_path = out_dir / "requests.jsonl"
+    requests_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report_path = out_dir / "report.md"
+    report_path.write_text(render_markdown(results, buckets))
+    shown = PDD_MODE if PDD_MODE in grouped else next(iter(grouped), "")
+    return [results_path, requests_path, report_path,
+            plot_ttft_cdf(out_dir / "ttft_cdf.png", grouped),
+            plot_timeline(out_dir / "timeline.png", grouped.get(shown, []), f"request timeline ({shown or 'no mode'})"),
+            plot_hit_buckets(out_dir / "hit_buckets.png", buckets)]  # fmt: skip

@@ -1,0 +1,219 @@
+"""Summary and report over hand-built request records: numbers checked by hand, files checked on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.plots import timeline_segments
+from benchmarks.report import check_targets, write_report
+from benchmarks.summary import (
+    HIT_BUCKETS,
+    build_results,
+    cost_rate_per_hour,
+    hit_buckets,
+    latency_stats,
+    outputs_match,
+    request_latencies,
+    summarize_mode,
+)
+
+STAT_KEYS = {"mean", "p50", "p90", "p99", "max"}
+LATENCY_KEYS = ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms")
+MODE_KEYS = {"requests", "completed", "failed", *LATENCY_KEYS, "goodput_rps", "output_tok_s", "wan_kv_bytes",
+             "tokens_by_role", "hit_rate", "cost", "bcr"}  # fmt: skip
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def make_record(rid: str, mode: str, sent: float, times: list[float], out: int, **kw: Any) -> dict[str, Any]:
+    """One request record as the bench writes it; kw overrides prompt/text/ok and pdd figures."""
+    ok = kw.get("ok", True)
+    pdd = {
+        "pipeline": "P->RLD->MD" if kw.get("rld", 0) else "P->MD",
+        "handoff": "one-shot",
+        "tokens_by_role": {"rld": kw.get("rld", 0), "md": out - kw.get("rld", 0)},
+        "wan_kv_bytes": kw.get("wan", 0),
+        "prefix_hit_tokens": {"prefill": kw.get("hit_p", 0), "md": kw.get("hit_md", 0)},
+        "timings_ms": kw.get("timings", {"queue": 1.0, "prefill": 20.0, "kv_local": 5.0, "kv_wan": 50.0}),
+    }
+    return {"request_id": rid, "mode": mode, "kind": "new", "session": "s", "turn": 0, "arrival_s": sent,
+            "sent_s": sent, "token_times_s": times if ok else [], "output_tokens": out if ok else 0,
+            "prompt_tokens": kw.get("prompt", 100), "text": kw.get("text", f"text-{rid}"), "ok": ok,
+            "error": "" if ok else "boom", "pdd": pdd if ok else {}}  # fmt: skip
+
+
+SETTINGS = {
+    "slo": {"ttft_ms": 400.0, "tpot_ms": 200.0},
+    "prices": {"chip_a": 2.0, "chip_b": 3.0, "wan_line": 5.0},
+    "instances": {"pdd": {"prefill": 2, "rld": 1, "md": 3}, "pd-wan": {"prefill": 2, "rld": 0, "md": 3},
+                  "pd-local": {"prefill": 2, "rld": 0, "md": 3}},
+    "duration_s": {"pdd": 1800.0, "pd-wan": 1800.0, "pd-local": 1800.0},
+}  # fmt: skip
+
+
+def pdd_records() -> list[dict[str, Any]]:
+    """A meets both SLOs; B misses TTFT; C has one token (TTFT only) and meets it; D misses TPOT; E failed."""
+    return [
+        make_record("A", "pdd", 0.0, [0.1, 0.2, 0.3], 3, rld=1, wan=1000, hit_p=90, hit_md=80),
+        make_record("B", "pdd", 1.0, [1.5, 1.6], 2, wan=3000, hit_p=50, hit_md=50),
+        make_record("C", "pdd", 2.0, [2.2], 1, wan=0, hit_p=100, hit_md=100),
+        make_record("D", "pdd", 3.0, [3.1, 3.5], 2, rld=2, wan=2000, hit_p=60, hit_md=20),
+        make_record("E", "pdd", 4.0, [], 5, ok=False),
+    ]
+
+
+def test_latency_stats_hand_computed() -> None:
+    assert latency_stats([5, 1, 4, 2, 3]) == pytest.approx({"mean": 3, "p50": 3, "p90": 4.6, "p99": 4.96, "max": 5})
+    assert latency_stats([7.0]) == {"mean": 7.0, "p50": 7.0, "p90": 7.0, "p99": 7.0, "max": 7.0}
+    assert latency_stats([]) == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+
+
+def test_request_latencies_from_client_times() -> None:
+    lat = request_latencies(make_record("r", "pdd", 1.0, [1.1, 1.15, 1.3], 3))
+    assert lat is not None
+    assert (lat.ttft_ms, lat.ttst_ms, lat.e2e_ms) == pytest.approx((100, 150, 300))
+    assert lat.gaps_ms == pytest.approx([50, 150])
+    assert lat.tpot_ms == pytest.approx(100)  # (300 - 100) / (3 - 1)
+    assert request_latencies(make_record("f", "pdd", 0.0, [0.1], 1, ok=False)) is None
+
+
+def test_summarize_mode_latencies_and_counts() -> None:
+    s = summarize_mode(pdd_records() + [make_record("X", "pd-wan", 0.0, [9.0], 1)], SETTINGS, "pdd")
+    assert set(s) == MODE_KEYS
+    assert (s["requests"], s["completed"], s["failed"]) == (5, 4, 1)
+    assert s["ttft_ms"]["p50"] == pytest.approx(150)  # [100, 100, 200, 500]
+    assert s["ttft_ms"]["mean"] == pytest.approx(225)
+    assert s["ttst_ms"]["p50"] == pytest.approx(500)  # [200, 500, 600]
+    assert s["itl_ms"]["mean"] == pytest.approx(175)  # pooled [100, 100, 100, 400]
+    assert s["tpot_ms"]["max"] == pytest.approx(400)  # [100, 100, 400]
+    assert s["max_gap_ms"]["p50"] == pytest.approx(100)  # per request [100, 100, 400]
+    assert s["e2e_ms"]["max"] == pytest.approx(600)
+    assert s["output_tok_s"] == pytest.approx(8 / 1800)
+    assert s["wan_kv_bytes"] == 6000
+    assert s["tokens_by_role"] == {"rld": 3, "md": 5}
+    assert s["hit_rate"] == pytest.approx({"prefill": 300 / 400, "md": 250 / 400})
+
+
+def test_goodput_counts_only_requests_meeting_every_slo() -> None:
+    s = summarize_mode(pdd_records(), SETTINGS, "pdd")
+    assert s["goodput_rps"] == pytest.approx(2 / 1800)  # A and C only
+    loose = {**SETTINGS, "slo": {"ttft_ms": 1000.0, "tpot_ms": 1000.0}}
+    assert summarize_mode(pdd_records(), loose, "pdd")["goodput_rps"] == pytest.approx(4 / 1800)
+
+
+def test_cost_and_bcr_formula() -> None:
+    assert cost_rate_per_hour(SETTINGS, "pdd") == pytest.approx((2 + 1) * 2.0 + 3 * 3.0 + 5.0)
+    assert cost_rate_per_hour(SETTINGS, "pd-wan") == pytest.approx(2 * 2.0 + 3 * 3.0 + 5.0)
+    assert cost_rate_per_hour(SETTINGS, "pd-local") == pytest.approx(5 * 2.0)  # all chip A, no line
+    s = summarize_mode(pdd_records(), SETTINGS, "pdd")
+    assert s["cost"] == pytest.approx(0.5 * 20.0)  # 1800 s = 0.5 h at 20 per hour
+    assert s["bcr"] == pytest.approx((2 / 1800) / 20.0)
+
+
+def test_duration_falls_back_to_record_span() -> None:
+    settings = {**SETTINGS, "duration_s": {}}
+    s = summarize_mode(pdd_records(), settings, "pdd")
+    assert s["goodput_rps"] == pytest.approx(2 / 4.0)  # first send 0.0 to last event 4.0 (E's send)
+
+
+def test_outputs_match_fraction() -> None:
+    def rec(rid: str, mode: str, text: str, ok: bool = True) -> dict[str, Any]:
+        return make_record(rid, mode, 0.0, [0.1], 1, text=text, ok=ok)
+
+    modes = ("pdd", "pd-wan", "pd-local")
+    same = {m: [rec("r1", m, "a"), rec("r5", m, "e")] for m in modes}
+    same["pdd"] += [rec("r2", "pdd", "b"), rec("r3", "pdd", "c"), rec("r4", "pdd", "d")]
+    same["pd-wan"] += [rec("r2", "pd-wan", "DIFFERENT"), rec("r3", "pd-wan", "c", ok=False), rec("r4", "pd-wan", "d")]
+    same["pd-local"] += [rec("r2", "pd-local", "b"), rec("r3", "pd-local", "c")]  # r4 missing here
+    assert outputs_match(same) == pytest.approx(2 / 3)  # r1, r5 match; r2 differs; r3, r4 not comparable
+    assert outputs_match({"pdd": [rec("r1", "pdd", "a")], "pd-wan": []}) == 0.0
+
+
+def test_hit_bucket_boundaries() -> None:
+    fractions = [0.0, 0.49, 0.5, 0.899, 0.9, 0.95, 0.979, 0.98, 0.99, 1.0]
+    records = [make_record(f"h{i}", "pdd", 0.0, [0.1 * (i + 1)], 1, prompt=1000, hit_md=round(f * 1000), wan=i)
+               for i, f in enumerate(fractions)]  # fmt: skip
+    buckets = hit_buckets(records + [make_record("bad", "pdd", 0.0, [], 1, ok=False)])
+    assert [b["bucket"] for b in buckets] == [label for label, _, _ in HIT_BUCKETS]
+    assert len(buckets) == 7 and buckets[-1]["bucket"] == "99-100%"
+    assert [b["count"] for b in buckets] == [2, 1, 1, 1, 2, 1, 2]
+    assert buckets[0]["ttft_ms"]["p50"] == pytest.approx(150)  # h0 100 ms, h1 200 ms
+    assert buckets[-1]["mean_wan_kv_bytes"] == pytest.approx((8 + 9) / 2)
+
+
+def test_timeline_segments_split_rld_and_md() -> None:
+    r = make_record("t", "pdd", 1.0, [1.1, 1.2, 1.5, 1.6], 4, rld=2,
+                    timings={"queue": 10.0, "prefill": 40.0, "kv_local": 5.0, "kv_wan": 300.0})  # fmt: skip
+    segs = {label: (lane, start, width) for label, lane, start, width in timeline_segments(r)}
+    assert segs["queue+prefill"] == (0, 0.0, 50.0)
+    assert segs["kv_local"] == (0, 50.0, 5.0) and segs["kv_wan"] == (1, 50.0, 300.0)
+    assert segs["RLD tokens"] == pytest.approx((0, 100, 100))
+    assert segs["handoff gap"] == pytest.approx((1, 200, 300))
+    assert segs["MD tokens"] == pytest.approx((1, 500, 100))
+
+
+def three_mode_records() -> list[dict[str, Any]]:
+    """pdd halves pd-wan's TTFT tail and sends a tenth of its WAN bytes; pd-local is the floor."""
+    out = []
+    for i in range(6):
+        hit = 990 if i % 3 else 100
+        out.append(make_record(f"q{i}", "pdd", i, [i + 0.2, i + 0.25, i + 0.3], 3, prompt=1000, hit_md=hit,
+                               rld=1 if hit < 500 else 0, wan=100, text=f"t{i}"))  # fmt: skip
+        out.append(make_record(f"q{i}", "pd-wan", i, [i + 0.2 + (2 if hit < 500 else 0), i + 2.5, i + 2.6], 3,
+                               prompt=1000, hit_md=hit, wan=1000, text=f"t{i}"))  # fmt: skip
+        out.append(make_record(f"q{i}", "pd-local", i, [i + 0.18, i + 0.23, i + 0.28], 3, prompt=1000,
+                               hit_md=hit, text=f"t{i}"))  # fmt: skip
+    return out
+
+
+def test_targets_pass_and_miss() -> None:
+    results = build_results({"name": "unit"}, SETTINGS, three_mode_records())
+    targets = {t["target"]: t for t in check_targets(results)}
+    assert targets["TTFT P90 pdd / pd-wan"]["result"] == "PASS"
+    assert targets["WAN KV bytes pdd / pd-wan"]["measured"] == pytest.approx(0.1)
+    assert targets["TTFT P50 pdd / pd-local"]["result"] == "PASS"
+    assert targets["outputs match across modes"]["result"] == "PASS"
+    assert targets["RLD share of pdd output tokens"]["measured"] == pytest.approx(2 / 18)
+    slow = {**results, "outputs_match_across_modes": 0.5}
+    assert {t["target"]: t["result"] for t in check_targets(slow)}["outputs match across modes"] == "MISS"
+    assert check_targets({**results, "modes": {"pdd": results["modes"]["pdd"]}}) == []
+
+
+def test_write_report_writes_every_file(tmp_path: Path) -> None:
+    records = three_mode_records()
+    results = build_results({"name": "unit"}, SETTINGS, records)
+    paths = write_report(tmp_path / "out", results, records)
+    names = {"results.json", "requests.jsonl", "report.md", "ttft_cdf.png", "timeline.png", "hit_buckets.png"}
+    assert {p.name for p in paths} == names and all(p.exists() for p in paths)
+
+    loaded = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(loaded) == {"workload", "settings", "modes", "outputs_match_across_modes"}
+    assert set(loaded["modes"]) == {"pdd", "pd-wan", "pd-local"}
+    for summary in loaded["modes"].values():
+        assert set(summary) == MODE_KEYS
+        assert all(set(summary[key]) == STAT_KEYS for key in LATENCY_KEYS)
+    assert loaded["outputs_match_across_modes"] == 1.0
+    lines = (tmp_path / "out" / "requests.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == records
+
+    report = (tmp_path / "out" / "report.md").read_text()
+    for row in ("TTFT P50 vs pd-wan", "TTFT P99 vs pd-local", "WAN KV bytes vs pd-wan", "goodput vs pd-local",
+                "BCR vs pd-wan", "## Targets", "PASS"):  # fmt: skip
+        assert row in report
+    for name in ("ttft_cdf.png", "timeline.png", "hit_buckets.png"):
+        data = (tmp_path / "out" / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+
+
+def test_write_report_survives_modes_without_data(tmp_path: Path) -> None:
+    records = [make_record("only", "pd-wan", 0.0, [], 1, ok=False)]
+    results = build_results({}, SETTINGS, records)  # pdd and pd-local ran but recorded nothing
+    assert results["modes"]["pdd"]["requests"] == 0 and results["modes"]["pdd"]["ttft_ms"]["p99"] == 0.0
+    paths = write_report(tmp_path, results, records)
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
+    report = (tmp_path / "report.md").read_text()
+    assert "TTFT P50 vs pd-wan" in report and "MISS" in report  # zero baselines: n/a ratios, never a crash
