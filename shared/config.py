@@ -114,6 +114,7 @@ class ClusterConfig:
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     max_queue: int = 64  # requests admitted and not finished, per gateway
+    max_migrations: int = 2  # times a request may move after the instance serving it died
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)

@@ -62,6 +62,7 @@ class Submit(Message):
     sampling: Sampling
     pipeline: str | None = None  # forced plan (observability contract), else the policy's choice
     handoff: str | None = None
+    avoid: list[str] = field(default_factory=list)  # instances this request must not use (they died)
 
 
 @dataclass

@@ -6,7 +6,11 @@
    put in index order and de-duplicated, detokenized incrementally, and cut at stop strings.
 3. The stream ends when the final chunk and every token before it have arrived; the last
    delta carries finish_reason and the `pdd` object.
-4. `close()` always runs: it unsubscribes, deletes the request state in Redis, and — if the
+4. While no token comes, the instances that may still be needed are checked each second; if
+   one died (its heartbeat expired), the request moves: the attempt is aborted and prompt +
+   tokens so far are resubmitted avoiding the dead instance (recompute, up to
+   `max_migrations`); the stream continues at the next index.
+5. `close()` always runs: it unsubscribes, deletes the request state in Redis, and — if the
    request did not finish (client gone, error, stop string hit early) — broadcasts an abort so
    every stage frees what it holds. Cleanup is shielded from the caller's cancellation.
 """
@@ -17,15 +21,16 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.detokenize import IncrementalDetokenizer, StopChecker
 from services.gateway.openai_api import APIError, ParsedRequest
 from services.gateway.reassembly import TokenReassembler
+from services.gateway.pdd_object import FlowStats, build_pdd, merge_stats
 from shared import subjects
 from shared.bus import BusTimeout
-from shared.messages import Abort, Plan, Submit, TokenChunk
+from shared.messages import Abort, Plan, Sampling, Submit, TokenChunk
 
 
 class StreamError(Exception):
@@ -39,57 +44,59 @@ class Delta:
     pdd: dict[str, Any] | None = None
 
 
-@dataclass
-class FlowStats:
-    arrived: float = field(default_factory=time.perf_counter)
-    first_token_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"rld": 0, "md": 0})
-    decoder_stats: dict[str, Any] = field(default_factory=dict)
-    completion_tokens: int = 0
-    last_rld_at: float = 0.0
-    handoff_gap_s: float = 0.0  # last relay token -> first main-decode token, as the user saw it
-
-
 class RequestFlow:
     def __init__(self, gateway, parsed: ParsedRequest) -> None:
         self.gw = gateway
         self.parsed = parsed
         self.request_id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.attempt_id = self.request_id  # the id the stages know; a migration starts a new one
+        self.offset = 0  # client index of the current attempt's token 0
+        self.generated: list[int] = []  # tokens the client has, in order
+        self.holders: set[str] = set()  # instances that may still be needed to finish it
+        self.avoid: set[str] = set()
         self.plan: Plan | None = None
         self.stats = FlowStats()
         self.finished = False
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub = None
 
+    # -- 1. submit ------------------------------------------------------------------------
     async def start(self) -> None:
-        self._sub = await self.gw.bus.nc.subscribe(subjects.tokens(self.request_id), cb=self._on_msg)
-        submit = Submit(self.request_id, self.parsed.prompt_ids, self.parsed.sampling, self.parsed.pipeline,
-                        self.parsed.handoff)  # fmt: skip
+        await self._submit(self.parsed.prompt_ids, self.parsed.sampling, self.parsed.pipeline)
+
+    async def _submit(self, prompt_ids: list[int], sampling: Sampling, pipeline: str | None) -> None:
+        self._sub = await self.gw.bus.nc.subscribe(subjects.tokens(self.attempt_id), cb=self._on_msg)
+        submit = Submit(self.attempt_id, prompt_ids, sampling, pipeline, self.parsed.handoff, sorted(self.avoid))
         try:
             self.plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
         except BusTimeout as e:
             raise APIError(503, f"scheduler unavailable: {e}", type="service_unavailable") from None
         if self.plan.error:
             raise APIError(self.plan.status, self.plan.error, type="service_unavailable")
+        self.holders = {i for i in (self.plan.prefill, self.plan.rld, self.plan.md) if i}
 
     async def _on_msg(self, msg) -> None:
         self._queue.put_nowait(TokenChunk.decode(msg.data))
 
+    # -- 2./3. tokens -> text ---------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[Delta]:
         reassembler = TokenReassembler()
         detok = IncrementalDetokenizer(self.gw.tokenizer)
         stops = StopChecker(list(self.parsed.sampling.stop))
-        final: TokenChunk | None = None
-        while final is None or reassembler.next_index < final.index + len(final.token_ids):
+        end: int | None = None  # client index just past the final token, once known
+        final_reason = None
+        while end is None or reassembler.next_index < end:
             chunk = await self._next_chunk()
+            if chunk is None or chunk.request_id != self.attempt_id:
+                continue  # a liveness tick, or a late chunk of an abandoned attempt
             if chunk.error:
                 raise StreamError(chunk.error)
             self._count(chunk)
             if chunk.finish_reason is not None:
-                final = chunk
-            new = reassembler.add(chunk.index, chunk.token_ids)
+                end, final_reason = self.offset + chunk.index + len(chunk.token_ids), chunk.finish_reason
+            new = reassembler.add(self.offset + chunk.index, chunk.token_ids)
             if new:
+                self.generated += new
                 self._record_tokens(len(new))
                 text, hit = stops.add(detok.add(new))
                 if hit:  # the decoders may still be running: close() aborts them
@@ -99,24 +106,57 @@ class RequestFlow:
                     yield Delta(text)
         text, hit = stops.add(detok.flush())
         self.finished = True
-        yield Delta(text + stops.flush(), "stop" if hit else final.finish_reason, self._pdd())
+        yield Delta(text + stops.flush(), "stop" if hit else final_reason, self._pdd())
 
-    async def _next_chunk(self) -> TokenChunk:
+    async def _next_chunk(self) -> TokenChunk | None:
+        """The next chunk, or None after a quiet second in which the holders were checked (and
+        the request moved if one of them died)."""
+        limit = self.gw.cfg.timeouts.request_s
         try:
-            return await asyncio.wait_for(self._queue.get(), self.gw.cfg.timeouts.request_s)
+            return await asyncio.wait_for(self._queue.get(), 1.0)
         except asyncio.TimeoutError:
-            raise StreamError(f"no token for {self.gw.cfg.timeouts.request_s:.0f}s") from None
+            pass
+        if time.perf_counter() - self.stats.last_progress > limit:
+            raise StreamError(f"no token for {limit:.0f}s")
+        dead = self.holders - await self.gw.alive_ids()
+        if dead:
+            await self._migrate(dead)
+        return None
+
+    # -- 4. an instance died: recompute elsewhere -------------------------------------------
+    async def _migrate(self, dead: set[str]) -> None:
+        """Abandon the attempt and resend prompt + generated tokens to other instances; their
+        KV is recomputed (prefix caches help) and the stream goes on at the next index."""
+        if self.stats.migrations >= self.gw.cfg.max_migrations:
+            raise StreamError(f"{', '.join(sorted(dead))} died and the migration limit is reached")
+        self.stats.migrations += 1
+        self.avoid |= dead
+        await self.gw.bus.publish(subjects.ABORT, Abort(self.attempt_id, reason=f"{sorted(dead)} died"))
+        await self._sub.unsubscribe()
+        await self.gw.forget_request(self.attempt_id)
+        sampling = replace(self.parsed.sampling, max_tokens=self.parsed.sampling.max_tokens - len(self.generated))
+        self.attempt_id = f"{self.request_id}.m{self.stats.migrations}"
+        self.offset = len(self.generated)
+        self.stats.last_progress = time.perf_counter()
+        try:
+            await self._submit(self.parsed.prompt_ids + self.generated, sampling, "p-md")
+        except APIError as e:
+            raise StreamError(f"could not move the request after {sorted(dead)} died: {e.message}") from None
 
     def _count(self, chunk: TokenChunk) -> None:
         s = self.stats
+        s.last_progress = time.perf_counter()
         if chunk.role in s.tokens_by_role:
             s.tokens_by_role[chunk.role] += len(chunk.token_ids)
         if chunk.token_ids and chunk.role == "rld":
             s.last_rld_at = time.perf_counter()
-        elif chunk.token_ids and chunk.role == "md" and s.last_rld_at and not s.handoff_gap_s:
-            s.handoff_gap_s = time.perf_counter() - s.last_rld_at
+            self.holders.discard(self.plan.prefill)
+        elif chunk.token_ids and chunk.role == "md":
+            self.holders -= {self.plan.prefill, self.plan.rld}  # handed over: only md is needed now
+            if s.last_rld_at and not s.handoff_gap_s:
+                s.handoff_gap_s = time.perf_counter() - s.last_rld_at
         if chunk.stats:
-            _merge(self.stats.decoder_stats, chunk.stats)
+            merge_stats(self.stats.decoder_stats, chunk.stats)
 
     def _record_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -128,6 +168,7 @@ class RequestFlow:
     def _pdd(self) -> dict[str, Any]:
         return build_pdd(self.request_id, self.plan, self.stats)
 
+    # -- 5. cleanup ---------------------------------------------------------------------------
     async def close(self) -> None:
         await asyncio.shield(self._cleanup())
 
@@ -135,51 +176,5 @@ class RequestFlow:
         if self._sub is not None:
             await self._sub.unsubscribe()
         if not self.finished and self.plan is not None:
-            await self.gw.bus.publish(subjects.ABORT, Abort(self.request_id))
-        await self.gw.forget_request(self.request_id)
-
-
-def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
-    for key, value in new.items():
-        if isinstance(value, dict):
-            _merge(into.setdefault(key, {}), value)
-        elif isinstance(value, (int, float)) and isinstance(into.get(key), (int, float)):
-            into[key] += value
-        else:
-            into[key] = value
-
-
-def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str, Any]:
-    """The observability contract: every field present, zero where a feature did not act."""
-    plan = plan or Plan(request_id)
-    d = stats.decoder_stats
-    timings = d.get("timings_ms", {})
-    now = time.perf_counter()
-    ttft = (stats.first_token_at - stats.arrived) * 1000 if stats.first_token_at else 0.0
-    times = stats.token_times
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return {
-        "request_id": request_id,
-        "pipeline": plan.pipeline,
-        "handoff": plan.handoff,
-        "plan_reason": plan.reason,
-        "instances": {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md},
-        "tokens_by_role": dict(stats.tokens_by_role),
-        "handoff_chunks": int(d.get("handoff_chunks", 0)),
-        "handoff_gap_ms": stats.handoff_gap_s * 1000,
-        "max_itl_ms": max(gaps) * 1000 if gaps else 0.0,
-        "wan_kv_bytes": int(d.get("wan_kv_bytes", 0)),
-        "local_kv_bytes": int(d.get("local_kv_bytes", 0)),
-        "prefix_hit_tokens": {k: int(d.get("prefix_hit_tokens", {}).get(k, 0)) for k in ("prefill", "md")},
-        "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
-        "recomputed_tokens": int(d.get("recomputed_tokens", 0)),  # planned prefix evicted meanwhile
-        "timings_ms": {
-            "queue": plan.queue_ms,
-            "prefill": float(timings.get("prefill", 0.0)),
-            "kv_local": float(timings.get("kv_local", 0.0)),
-            "kv_wan": float(timings.get("kv_wan", 0.0)),
-            "extend": float(timings.get("extend", 0.0)),
-            "ttft": ttft,
-            "e2e": (now - stats.arrived) * 1000,
-        },
-    }
+            await self.gw.bus.publish(subjects.ABORT, Abort(self.attempt_id))
+        await self.gw.forget_request(self.attempt_id)

@@ -81,6 +81,13 @@ class Gateway:
         except Exception as e:
             log.warning("could not delete request state %s: %s", request_id, e)
 
+    async def alive_ids(self) -> set[str]:
+        """Instances whose heartbeat is current; on a Redis hiccup, assume nobody died."""
+        try:
+            return {i.id for i in await self.registry.alive()}
+        except Exception:
+            return {i.id for i in self.cfg.instances}
+
     async def missing_roles(self) -> list[str]:
         try:
             alive = {i.role for i in await self.registry.alive()}

@@ -77,7 +77,8 @@ class Scheduler:
         alive = {i.id: i for i in await self.registry.alive()}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids)
         views = [InstanceView(i.id, i.role, i.dc, i.load, hits.get(i.id, 0)) for i in alive.values()]
-        req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff)
+        req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
+                          frozenset(sub.avoid))  # fmt: skip
         d = choose_plan(req, views, self.policy)
         plan = Plan(
             sub.request_id, pipeline=d.pipeline, handoff=d.handoff, prefill=d.instances.get("prefill", ""),

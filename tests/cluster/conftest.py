@@ -27,6 +27,27 @@ def cluster():
         yield c
 
 
+FLEET = [
+    {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
+    {"id": "prefill-1", "role": "prefill", "dc": "A", "kv_tokens": 8192},
+    {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096},
+    {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048},
+    {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048},
+]
+
+
+@pytest.fixture(scope="session")
+def fleet():
+    """Two prefill and two main-decode instances (small md pools, so eviction happens)."""
+    with Cluster(port=0, instances=FLEET, timeouts={"kv_stall_s": 10, "kv_retries": 1}) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def fleet_operator(fleet) -> Operator:
+    return Operator(fleet)
+
+
 @pytest.fixture(scope="session")
 def eos_ref(smol):
     """The reference model for API outputs: stock attention, stops at EOS like the server."""

@@ -92,3 +92,33 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
     expected = reference(smol_tokenizer(prompt)["input_ids"], 24)
     assert all(text == expected for text, _, _ in results)
     assert all(s.requests == [] for s in operator.idle().values())
+
+
+@pytest.mark.parametrize("kind", ["nats", "redis"])
+def test_services_ride_out_a_server_restart(cluster, model_id, operator, reference, smol_tokenizer, kind):
+    server = cluster.servers[kind]
+    server.stop()
+    time.sleep(1.0)
+    server.start()
+    prompt = f"After the {kind} restart, the sky is"
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    deadline, last = time.monotonic() + 30, None
+    while time.monotonic() < deadline:  # reconnects and re-registrations take a heartbeat or two
+        if httpx.get(cluster.url + "/health").status_code == 200:
+            last = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+            if last.status_code == 200:
+                break
+        time.sleep(0.5)
+    assert last is not None and last.status_code == 200, last and last.text
+    assert last.json()["choices"][0]["text"] == reference(smol_tokenizer(prompt)["input_ids"], 12)
+    if kind == "redis":  # the registry, the WAN route and the prefix index are rebuilt by the instances
+        import redis
+
+        r = redis.Redis.from_url(cluster.cfg.redis_url, decode_responses=True)
+        assert {k.split(":")[-1] for k in r.scan_iter("pdd:instance:*")} == {i.id for i in cluster.cfg.instances}
+        assert r.get(f"pdd:route:{cluster.cfg.wan.src_dc}:{cluster.cfg.wan.dst_dc}")
+        deadline = time.monotonic() + 5
+        while not r.scard("pdd:kv:md-0") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.scard("pdd:kv:md-0") > 0
+        r.close()

@@ -20,24 +20,16 @@ pytestmark = pytest.mark.slow
 
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2 fp32
 FRAMING = 4096  # frame headers, msgpack header and DONE: far below one token's KV
-INSTANCES = [
-    {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
-    {"id": "prefill-1", "role": "prefill", "dc": "A", "kv_tokens": 8192},
-    {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096},
-    {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048},
-    {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048},
-]
 
 
 @pytest.fixture(scope="module")
-def pcluster():
-    with Cluster(port=0, instances=INSTANCES) as c:
-        yield c
+def pcluster(fleet):
+    return fleet
 
 
 @pytest.fixture(scope="module")
-def pop(pcluster) -> Operator:
-    return Operator(pcluster)
+def pop(fleet_operator) -> Operator:
+    return fleet_operator
 
 
 def chat(cluster: Cluster, messages: list[dict], n: int, **extra) -> dict:

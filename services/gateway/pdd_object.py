@@ -1,0 +1,74 @@
+"""The `pdd` object: what the last chunk of every response reports about how it was served.
+
+The observability contract (benchmarks and tools rely on it): every field is present, with
+zero values where a feature did not act.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.messages import Plan
+
+
+@dataclass
+class FlowStats:
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"rld": 0, "md": 0})
+    decoder_stats: dict[str, Any] = field(default_factory=dict)
+    completion_tokens: int = 0
+    last_rld_at: float = 0.0
+    handoff_gap_s: float = 0.0  # last relay token -> first main-decode token, as the user saw it
+    last_progress: float = field(default_factory=time.perf_counter)
+    migrations: int = 0  # times the request moved to another decoder after an instance died
+
+
+def merge_stats(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict):
+            merge_stats(into.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)) and isinstance(into.get(key), (int, float)):
+            into[key] += value
+        else:
+            into[key] = value
+
+
+def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str, Any]:
+    """The observability contract: every field present, zero where a feature did not act."""
+    plan = plan or Plan(request_id)
+    d = stats.decoder_stats
+    timings = d.get("timings_ms", {})
+    now = time.perf_counter()
+    ttft = (stats.first_token_at - stats.arrived) * 1000 if stats.first_token_at else 0.0
+    times = stats.token_times
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {
+        "request_id": request_id,
+        "pipeline": plan.pipeline,
+        "handoff": plan.handoff,
+        "plan_reason": plan.reason,
+        "instances": {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md},
+        "tokens_by_role": dict(stats.tokens_by_role),
+        "handoff_chunks": int(d.get("handoff_chunks", 0)),
+        "handoff_gap_ms": stats.handoff_gap_s * 1000,
+        "max_itl_ms": max(gaps) * 1000 if gaps else 0.0,
+        "wan_kv_bytes": int(d.get("wan_kv_bytes", 0)),
+        "local_kv_bytes": int(d.get("local_kv_bytes", 0)),
+        "prefix_hit_tokens": {k: int(d.get("prefix_hit_tokens", {}).get(k, 0)) for k in ("prefill", "md")},
+        "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
+        "recomputed_tokens": int(d.get("recomputed_tokens", 0)),  # planned prefix evicted meanwhile
+        "migrations": stats.migrations,
+        "timings_ms": {
+            "queue": plan.queue_ms,
+            "prefill": float(timings.get("prefill", 0.0)),
+            "kv_local": float(timings.get("kv_local", 0.0)),
+            "kv_wan": float(timings.get("kv_wan", 0.0)),
+            "extend": float(timings.get("extend", 0.0)),
+            "ttft": ttft,
+            "e2e": (now - stats.arrived) * 1000,
+        },
+    }

@@ -1,0 +1,156 @@
+"""Pipeline choice, the anomalous filter, handoff mode and the oscillation guard, rule by rule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.scheduler.policy import NoCapacity, PolicyConfig, choose_plan
+from tests.scheduler.factories import fleet, request
+
+CFG = PolicyConfig()  # auto: SLO 1000 ms, 300 tok/s prefill, 1 Gbps WAN prior, 32 relay slots
+
+
+def warm_prefill_cold_md(**rld) -> list:
+    """P holds the prompt (2000 tokens, all but one block); MD's cache fell behind."""
+    return fleet(prefill_0={"hit_tokens": 1984}, rld_0=rld)
+
+
+# -- pipeline choice ------------------------------------------------------------------------
+def test_high_hit_goes_straight_to_main_decode():
+    d = choose_plan(request(2000), fleet(prefill_0={"hit_tokens": 1984}, md_0={"hit_tokens": 1984}), CFG)
+    assert (d.pipeline, d.reason, d.handoff) == ("p-md", "slo-met-md", "none")
+    assert d.estimates.ttft_ms["p-md"] <= CFG.ttft_slo_ms and d.starts == {"md": 1984}
+    assert set(d.estimates.ttft_ms) == {"p-md", "p-rld-md"}  # both candidates were estimated
+
+
+def test_low_hit_relays():
+    d = choose_plan(request(1500), fleet(), CFG)
+    assert (d.pipeline, d.reason) == ("p-rld-md", "slo-miss-relay")
+    assert d.estimates.ttft_ms["p-md"] > CFG.ttft_slo_ms
+    assert d.estimates.ttft_ms["p-rld-md"] < d.estimates.ttft_ms["p-md"]
+    assert d.instances == {"prefill": "prefill-0", "rld": "rld-0", "md": "md-0"}
+
+
+def test_the_live_wan_estimate_decides_when_md_lacks_the_prompt():
+    d = choose_plan(request(2000), warm_prefill_cold_md(), CFG)  # 92 MB at the 1 Gbps prior: ~0.9 s TTFT
+    assert (d.pipeline, d.reason, d.estimates.wan_mbps) == ("p-md", "slo-met-md", 1000.0)
+    d = choose_plan(request(2000), warm_prefill_cold_md(), CFG, wan_mbps=100.0)  # the link sagged
+    assert (d.pipeline, d.reason, d.estimates.wan_mbps) == ("p-rld-md", "slo-miss-relay", 100.0)
+
+
+def test_a_tighter_slo_relays_more():
+    views = fleet(prefill_0={"hit_tokens": 1984}, md_0={"hit_tokens": 1984})
+    assert choose_plan(request(2000), views, dataclasses.replace(CFG, ttft_slo_ms=100.0)).pipeline == "p-rld-md"
+
+
+def test_no_main_decoder_is_no_capacity_unless_anomalous():
+    views = fleet("prefill-0", "rld-0")
+    with pytest.raises(NoCapacity, match="md"):
+        choose_plan(request(1500), views, CFG)
+    assert choose_plan(request(3000, 100), views, CFG).pipeline == "p-rld"
+
+
+# -- anomalous traffic ----------------------------------------------------------------------
+def test_long_uncached_input_with_short_output_stays_on_relay():
+    d = choose_plan(request(3000, 100), fleet(), CFG)
+    assert (d.pipeline, d.reason, d.handoff) == ("p-rld", "anomalous", "none")
+    assert d.instances == {"prefill": "prefill-0", "rld": "rld-0"} and d.md_cached_tokens == 0
+    assert d.estimates.uncached_tokens == 3000
+
+
+@pytest.mark.parametrize(
+    "prompt_len, max_tokens, anomalous",
+    [(2048, 499, True), (2047, 499, False), (2048, 500, False), (8000, 1, True), (8000, 500, False)],
+)
+def test_anomalous_thresholds_both_sides(prompt_len, max_tokens, anomalous):
+    d = choose_plan(request(prompt_len, max_tokens), fleet(), CFG)
+    assert (d.pipeline == "p-rld") == anomalous and (d.reason == "anomalous") == anomalous
+
+
+@pytest.mark.parametrize("holder", ["prefill_0", "md_0"])
+def test_a_prefix_hit_on_prefill_or_md_makes_a_long_input_ordinary(holder):
+    d = choose_plan(request(3000, 100), fleet(**{holder: {"hit_tokens": 1000}}), CFG)
+    assert d.pipeline != "p-rld" and d.estimates.uncached_tokens == 2000
+
+
+def test_anomalous_thresholds_come_from_the_config():
+    cfg = dataclasses.replace(CFG, anomalous_min_uncached=512, anomalous_max_output=64)
+    assert choose_plan(request(600, 32), fleet(), cfg).pipeline == "p-rld"
+    assert choose_plan(request(600, 64), fleet(), cfg).pipeline == "p-rld-md"
+
+
+def test_anomalous_without_relay_and_forced_plans():
+    assert choose_plan(request(3000, 100), fleet("prefill-0", "md-0"), CFG).reason == "no-relay-alive"
+    d = choose_plan(request(3000, 100, pipeline="p-md"), fleet(), CFG)
+    assert (d.pipeline, d.reason) == ("p-md", "forced")
+
+
+def test_anomalous_traffic_goes_to_relay_even_when_it_is_saturated():
+    """It never floods the WAN; it holds a slot for fewer than `anomalous_max_output` tokens."""
+    assert choose_plan(request(3000, 100), fleet(rld_0={"running": 40}), CFG).pipeline == "p-rld"
+
+
+# -- handoff mode ---------------------------------------------------------------------------
+def test_small_backlog_with_headroom_is_one_shot():
+    d = choose_plan(request(1500), fleet(), CFG)  # MD lags RLD by ~0.5 s: ~7 tokens
+    assert (d.handoff, d.handoff_reason, d.chunk_tokens) == ("oneshot", "small-backlog", 0)
+    assert 0 < d.estimates.backlog_tokens <= CFG.catchup_threshold
+
+
+def test_big_backlog_with_headroom_catches_up_in_chunks():
+    d = choose_plan(request(2000), warm_prefill_cold_md(running=4), CFG, wan_mbps=100.0)  # MD lags ~7 s
+    assert (d.handoff, d.handoff_reason, d.chunk_tokens) == ("catchup", "backlog", 64)
+    assert d.estimates.backlog_tokens > CFG.catchup_threshold
+
+
+def test_backlog_is_capped_by_the_output_budget():
+    d = choose_plan(request(2000, 50), warm_prefill_cold_md(), CFG, wan_mbps=100.0)
+    assert d.estimates.backlog_tokens == 50 and d.handoff == "oneshot"
+
+
+def test_catchup_chunk_and_threshold_come_from_the_config():
+    cfg = dataclasses.replace(CFG, catchup_chunk=16, catchup_threshold=4)
+    d = choose_plan(request(1500), fleet(), cfg)
+    assert (d.handoff, d.chunk_tokens) == ("catchup", 16)
+
+
+def test_relay_pressure_hands_off_as_early_as_possible():
+    busy = warm_prefill_cold_md(running=20, waiting=4)  # 24 of 32 slots = the 0.75 pressure mark
+    d = choose_plan(request(2000), busy, CFG, wan_mbps=100.0)
+    assert (d.pipeline, d.handoff, d.handoff_reason) == ("p-rld-md", "oneshot", "rld-pressure")
+    assert d.estimates.backlog_tokens > CFG.catchup_threshold and d.estimates.rld_busy == 24
+    d = choose_plan(request(2000), warm_prefill_cold_md(running=23), CFG, wan_mbps=100.0)
+    assert d.handoff == "catchup"  # one slot below the mark
+
+
+def test_handoff_hint_and_pinned_handoff_win_over_the_rule():
+    d = choose_plan(request(2000, handoff="oneshot"), warm_prefill_cold_md(), CFG, wan_mbps=100.0)
+    assert (d.handoff, d.handoff_reason) == ("oneshot", "forced")
+    d = choose_plan(request(1500), fleet(), dataclasses.replace(CFG, default_handoff="catchup"))
+    assert (d.handoff, d.handoff_reason, d.chunk_tokens) == ("catchup", "default", 64)
+
+
+# -- oscillation guard (relay admission control) --------------------------------------------
+def test_saturated_relay_sends_low_hit_to_main_with_the_penalty():
+    d = choose_plan(request(1500), fleet(rld_0={"running": 30, "waiting": 2}), CFG)
+    assert (d.pipeline, d.reason) == ("p-md", "rld-saturated") and "rld" not in d.instances
+    assert d.estimates.ttft_ms["p-md"] > CFG.ttft_slo_ms  # the penalty, taken knowingly
+
+
+def test_without_the_guard_a_saturated_relay_is_used_anyway():
+    d = choose_plan(request(1500), fleet(rld_0={"running": 30, "waiting": 2}), dataclasses.replace(CFG, guard=False))
+    assert (d.pipeline, d.reason, d.handoff_reason) == ("p-rld-md", "slo-miss-relay", "rld-pressure")
+
+
+def test_one_slot_free_is_not_saturated_and_slots_come_from_the_config():
+    assert choose_plan(request(1500), fleet(rld_0={"running": 31}), CFG).pipeline == "p-rld-md"
+    small = dataclasses.replace(CFG, rld_slots=4)
+    assert choose_plan(request(1500), fleet(rld_0={"running": 4}), small).reason == "rld-saturated"
+
+
+def test_the_least_busy_relay_is_the_one_the_guard_checks():
+    views = fleet("prefill-0", "rld-0", "rld-1", "md-0", rld_0={"running": 32}, rld_1={"running": 10})
+    d = choose_plan(request(1500), views, CFG)
+    assert (d.pipeline, d.instances["rld"]) == ("p-rld-md", "rld-1")
