@@ -88,6 +88,7 @@ def stream_completion(url: str, body: dict, timeout: float = 120) -> tuple[str, 
                 break
             event = json.loads(data)
             events.append(event)
+            assert "error" not in event, f"the stream reported an error: {event['error']}"
             choice = event["choices"][0]
             text += choice.get("text") or choice.get("delta", {}).get("content") or ""
     assert events and "pdd" in events[-1], "the last chunk carries the pdd object"
