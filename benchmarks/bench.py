@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.modes import MODES, instance_counts, md_in_other_dc, mode_config
+from benchmarks.modes import MODES, SLO_TTFT_MS, instance_counts, md_in_other_dc, mode_config
 from benchmarks.report import write_report
 from benchmarks.runner import replay, warm_up
 from benchmarks.summary import build_results
@@ -29,7 +29,7 @@ from shared.launcher import Cluster
 from shared.runtime.models import load_tokenizer
 from shared.runtime.provision import provision_default_model
 
-SLO = {"ttft_ms": 2000.0, "tpot_ms": 400.0}  # for a 2-core CPU running SmolLM2
+SLO = {"ttft_ms": SLO_TTFT_MS, "tpot_ms": 400.0}
 PRICES = {"chip_a": 1.0, "chip_b": 1.25, "wan_line": 0.5}  # chip B at the report's 1.2-1.3x of A
 
 

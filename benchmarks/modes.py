@@ -6,7 +6,7 @@ decoder instances; only the feature under test differs.
     pd-local     P and D in one datacenter, no WAN at all: the floor
     pd-wan       naive cross-DC PD: the full KV of every request over the WAN, no RLD, no DRC
     pd-wan-drc   cross-DC PD with the decode-side RadixCache, no RLD
-    pdd          everything: RLD, DRC, the scheduler's choice of handoff
+    pdd          everything: RLD, DRC, the scheduler's own choice of pipeline and handoff
     pdd-oneshot  PDD with every handoff one-shot
     pdd-catchup  PDD with every handoff catch-up
 """
@@ -24,6 +24,7 @@ from shared.config import DEFAULT_CONFIG
 
 # Where an uncached agentic prompt's fp32 KV (20-70 MB) takes seconds to cross.
 BENCH_WAN = {"bandwidth_mbps": 200.0, "delay_ms": 20.0, "jitter_ms": 5.0}
+SLO_TTFT_MS = 2000.0  # for a 2-core CPU running SmolLM2; the scheduler plans against the same SLO
 
 
 def _instance(iid: str, role: str, dc: str, **extra: Any) -> dict[str, Any]:
@@ -42,10 +43,11 @@ def mode_config(mode: str, base: dict[str, Any] | None = None) -> dict[str, Any]
     scheduler = {"default_pipeline": "p-md", "default_handoff": "oneshot"}
     if mode.startswith("pdd"):
         instances.insert(1, _instance("rld-0", "rld", "A", kv_tokens=16384))
-        scheduler = {"default_pipeline": "p-rld-md",
-                     "default_handoff": "catchup" if mode == "pdd-catchup" else "oneshot"}  # fmt: skip
+        handoff = {"pdd": "auto", "pdd-oneshot": "oneshot", "pdd-catchup": "catchup"}[mode]
+        scheduler = {"default_pipeline": "auto", "default_handoff": handoff}
     cfg["instances"] = instances
-    cfg["scheduler"] = {**cfg.get("scheduler", {}), **scheduler}
+    cfg["scheduler"] = {**cfg.get("scheduler", {}), **scheduler, "ttft_slo_ms": SLO_TTFT_MS,
+                        "wan_mbps": cfg["wan"]["bandwidth_mbps"]}  # fmt: skip
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)
     return cfg

@@ -89,17 +89,28 @@ class HandoffConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler's policy does when a request does not force a plan."""
+    """The scheduler's policy knobs (services/scheduler/policy.py documents each rule).
+    `default_pipeline` / `default_handoff` "auto" let the policy decide; a fixed value pins it
+    (baselines and ablations)."""
 
-    default_pipeline: str = "p-rld-md"  # p-md | p-rld-md
-    default_handoff: str = "oneshot"  # oneshot | catchup
-    hit_weight: float = 1.0  # prefix hit vs load in instance choice
+    default_pipeline: str = "auto"  # auto | p-md | p-rld-md
+    default_handoff: str = "auto"  # auto | oneshot | catchup
+    hit_weight: float = 1.0  # prefix hit vs load when choosing instances
+    ttft_slo_ms: float = 1000.0  # p-md when its estimated TTFT meets this, else via the relay
+    prefill_tok_s: float = 300.0  # prior for prefill speed
+    wan_mbps: float = 1000.0  # prior until the WAN bandwidth estimator has samples
+    decode_step_ms: float = 75.0  # prior for one decode step
+    anomalous_min_uncached: int = 2048  # long uncached input ...
+    anomalous_max_output: int = 500  # ... with a short output budget runs p-rld
+    catchup_threshold: int = 64  # expected relay backlog (tokens) above which catch-up is used
+    rld_pressure: float = 0.75  # relay busy share above which handoff is as early as possible
+    guard: bool = True  # oscillation guard: a saturated relay takes no more low-hit requests
 
     def __post_init__(self) -> None:
-        if self.default_pipeline not in ("p-md", "p-rld-md"):
-            raise ConfigError(f"scheduler.default_pipeline {self.default_pipeline!r} must be p-md or p-rld-md")
-        if self.default_handoff not in ("oneshot", "catchup"):
-            raise ConfigError(f"scheduler.default_handoff {self.default_handoff!r} must be oneshot or catchup")
+        if self.default_pipeline not in ("auto", "p-md", "p-rld-md"):
+            raise ConfigError(f"scheduler.default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
+        if self.default_handoff not in ("auto", "oneshot", "catchup"):
+            raise ConfigError(f"scheduler.default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
 
 
 @dataclass(frozen=True)

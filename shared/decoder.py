@@ -25,7 +25,7 @@ import torch
 
 from shared import subjects
 from shared.kv_transport import KVReceiver, Transfer
-from shared.messages import Abort, Ack, DecodeTask, TokenChunk
+from shared.messages import Abort, Ack, DecodeTask, TokenChunk, WanSample
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVHeader, KVPayload, import_kv, layer_from_bytes
 from shared.runtime.sequence import FinishReason, Sequence
@@ -87,6 +87,8 @@ class DecoderService(EngineService):
         key = "wan_kv_bytes" if t.via_wan else "local_kv_bytes"
         state.stats[key] = state.stats.get(key, 0) + t.wire_bytes
         state.stats.setdefault("timings_ms", {})["kv_wan" if t.via_wan else "kv_local"] = t.elapsed_ms
+        if t.via_wan:
+            self.spawn(self.bus.publish(subjects.WAN_SAMPLE, WanSample(t.wire_bytes, t.elapsed_ms / 1000)))
         task = state.task
         seq = Sequence(task.request_id, list(task.prompt_ids) + [first], to_params(task.sampling))
         seq.prompt_len = len(task.prompt_ids)

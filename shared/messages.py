@@ -76,7 +76,10 @@ class Plan(Message):
     rld: str = ""
     md: str = ""
     md_cached_tokens: int = 0
-    reason: str = ""
+    reason: str = ""  # why this pipeline (policy.py)
+    handoff_reason: str = ""
+    chunk_tokens: int = 0  # catch-up chunk size (0: the relay's configured default)
+    estimates: dict[str, Any] = field(default_factory=dict)  # the figures the decision rested on
     queue_ms: float = 0.0
     error: str = ""
     status: int = 200  # HTTP status the gateway should use when error is set
@@ -180,6 +183,14 @@ class InstanceState(Message):
     free_blocks: int = 0
     total_blocks: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WanSample(Message):
+    """decoder -> scheduler: one KV transfer across the WAN, for the bandwidth estimate."""
+
+    nbytes: int
+    seconds: float
 
 
 @dataclass

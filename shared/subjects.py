@@ -4,6 +4,7 @@
     pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
     pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
     pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
+    pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
     pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
     pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
     pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
@@ -14,6 +15,7 @@
 """
 
 SUBMIT = "pdd.scheduler.submit"
+WAN_SAMPLE = "pdd.scheduler.wan_sample"
 ABORT = "pdd.abort"
 
 

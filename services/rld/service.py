@@ -84,6 +84,7 @@ class RelayDecoder(DecoderService):
         """Send chunks while relay keeps decoding; returns how many tokens md holds, or None
         when the request ended here meanwhile (or the handoff failed and relay carries on)."""
         rid, cfg = state.task.request_id, self.cfg.handoff
+        chunk_tokens = state.task.plan.chunk_tokens or cfg.chunk_tokens
         sent = 1  # prefill's first token travelled with the KV
         while True:
             generated = await self.worker.call(lambda e: _generated(e, rid))
@@ -91,7 +92,7 @@ class RelayDecoder(DecoderService):
                 return None
             if len(generated) - sent <= cfg.final_tokens:
                 return sent
-            chunk = HandoffChunk(rid, sent, generated[sent : sent + cfg.chunk_tokens])
+            chunk = HandoffChunk(rid, sent, generated[sent : sent + chunk_tokens])
             if not await self._send(state, chunk):
                 return None  # md is gone: relay keeps the request and finishes it
             sent += len(chunk.token_ids)

@@ -17,17 +17,22 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import signal
 import time
+from pathlib import Path
 
+from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.policy import InstanceView, NoCapacity, PlanRequest, PolicyConfig, choose_plan
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
-from shared.messages import Abort, Ack, DecodeTask, KVTarget, Plan, PrefillTask, Submit
+from shared.messages import Abort, Ack, DecodeTask, KVTarget, Plan, PrefillTask, Submit, WanSample
 from shared.prefix_hash import block_hashes
 from shared.registry import InstanceInfo, Registry, connect
+from shared.runtime.provision import default_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +41,33 @@ class DispatchError(Exception):
     pass
 
 
+def kv_bytes_per_token(cfg: ClusterConfig) -> int:
+    """KV bytes of one token as main-decode stores it, from the model's config.json."""
+    folder = Path(default_model_dir() if cfg.model == "default" else cfg.model)
+    m = json.loads((folder / "config.json").read_text())
+    head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
+    itemsize = 2 if cfg.of_role("md")[0].dtype == "bfloat16" else 4
+    return m["num_hidden_layers"] * 2 * m["num_key_value_heads"] * head_dim * itemsize
+
+
+def policy_config(cfg: ClusterConfig) -> PolicyConfig:
+    """The policy's knobs from the cluster config, plus the figures the cluster itself implies."""
+    knobs = dataclasses.asdict(cfg.scheduler)
+    rld_slots = sum(i.max_running for i in cfg.of_role("rld")) or 1
+    return PolicyConfig(**knobs, kv_bytes_per_token=kv_bytes_per_token(cfg), rld_slots=rld_slots,
+                        wan_delay_ms=cfg.wan.delay_ms, catchup_chunk=cfg.handoff.chunk_tokens)  # fmt: skip
+
+
+def _view(i: InstanceInfo, hit_tokens: int) -> InstanceView:
+    return InstanceView(i.id, i.role, i.dc, i.load, hit_tokens, running=i.running, waiting=i.waiting,
+                        free_blocks=i.free_blocks, total_blocks=i.total_blocks, block_size=i.block_size)  # fmt: skip
+
+
 class Scheduler:
     def __init__(self, cfg: ClusterConfig, policy: PolicyConfig | None = None) -> None:
         self.cfg = cfg
-        s = cfg.scheduler
-        self.policy = policy or PolicyConfig(s.default_pipeline, s.default_handoff, s.hit_weight)
+        self.policy = policy or policy_config(cfg)
+        self.wan = BandwidthEstimator(self.policy.wan_mbps, self.policy.wan_delay_ms)
         self.bus: Bus | None = None
         self.registry: Registry | None = None
         self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
@@ -53,10 +80,14 @@ class Scheduler:
         self.bus = await Bus.connect(self.cfg.nats_url, "scheduler")
         self.registry = Registry(connect(self.cfg.redis_url), self.cfg.heartbeat_ttl_s)
         await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
+        await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
         log.info("scheduler ready")
         await stop.wait()
         await self.bus.close()
         await self.registry.r.aclose()
+
+    async def on_wan_sample(self, sample: WanSample) -> None:
+        self.wan.add(sample.nbytes, sample.seconds, time.monotonic())
 
     async def on_submit(self, sub: Submit) -> Plan:
         if sub.request_id in self.plans:
@@ -76,14 +107,15 @@ class Scheduler:
     async def _plan_and_dispatch(self, sub: Submit) -> Plan:
         alive = {i.id: i for i in await self.registry.alive()}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids)
-        views = [InstanceView(i.id, i.role, i.dc, i.load, hits.get(i.id, 0)) for i in alive.values()]
+        views = [_view(i, hits.get(i.id, 0)) for i in alive.values()]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
                           frozenset(sub.avoid))  # fmt: skip
-        d = choose_plan(req, views, self.policy)
+        d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(time.monotonic()))
         plan = Plan(
             sub.request_id, pipeline=d.pipeline, handoff=d.handoff, prefill=d.instances.get("prefill", ""),
             rld=d.instances.get("rld", ""), md=d.instances.get("md", ""), md_cached_tokens=d.md_cached_tokens,
-            reason=d.reason,
+            reason=d.reason, handoff_reason=d.handoff_reason, chunk_tokens=d.chunk_tokens,
+            estimates=d.estimates.as_dict(),
         )  # fmt: skip
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         await asyncio.gather(*(self._dispatch_decode(sub, plan, inst) for inst in decoders))

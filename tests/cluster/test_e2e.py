@@ -30,7 +30,7 @@ def test_streamed_and_whole_outputs_equal_reference(cluster, model_id, reference
     assert whole["choices"][0]["text"] == expected
     text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
     assert text == expected
-    assert pdd["pipeline"] == "p-rld-md" and pdd["instances"] == {"prefill": "prefill-0", "rld": "rld-0", "md": "md-0"}
+    assert pdd["pipeline"] in ("p-md", "p-rld-md") and pdd["instances"]["md"] == "md-0"  # the policy's choice
     assert sum(pdd["tokens_by_role"].values()) == whole["usage"]["completion_tokens"]
 
 

@@ -1,0 +1,37 @@
+"""The scheduler's policy on live traffic: each class of request takes its pipeline, every
+decision is recorded in the pdd object and counted in /metrics, and outputs stay exact."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import completion, fresh_prompt
+
+pytestmark = pytest.mark.slow
+
+
+def test_mixed_workload_takes_the_expected_pipelines(cluster, model_id, reference, smol_tokenizer):
+    system = fresh_prompt(60, "session")
+    first = completion(cluster.url, {"model": model_id, "prompt": system + "\nQ1: hello?", "max_tokens": 8,
+                                     "temperature": 0})  # fmt: skip
+    cases = {
+        # a later turn of the conversation: nearly all cached, MD meets the TTFT SLO by itself
+        "high-hit": (system + "\nQ1: hello?" + first["choices"][0]["text"] + "\nQ2: and then?", 12, "p-md"),
+        # a new conversation: seconds of prefill, the relay hides the WAN
+        "low-hit": (fresh_prompt(420, "new"), 12, "p-rld-md"),
+        # long uncached input, short output: finishes on the relay, never crosses the WAN
+        "anomalous": (fresh_prompt(720, "doc"), 4, "p-rld"),
+    }
+    for name, (prompt, n, pipeline) in cases.items():
+        out = completion(cluster.url, {"model": model_id, "prompt": prompt, "max_tokens": n, "temperature": 0})
+        pdd = out["pdd"]
+        print(f"\n{name}: {out['usage']['prompt_tokens']} prompt tokens -> {pdd['pipeline']} ({pdd['plan_reason']}), "
+              f"estimated TTFT {pdd['plan_estimates'].get('ttft_ms')}")  # fmt: skip
+        assert pdd["pipeline"] == pipeline, (name, pdd["plan_reason"], pdd["plan_estimates"])
+        assert out["choices"][0]["text"] == reference(smol_tokenizer(prompt)["input_ids"], n), name
+        if pipeline == "p-rld":
+            assert pdd["plan_reason"] == "anomalous" and pdd["wan_kv_bytes"] == 0
+    metrics = httpx.get(cluster.url + "/metrics").text
+    for reason in ("anomalous",):
+        assert f'reason="{reason}"' in metrics
