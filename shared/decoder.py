@@ -80,6 +80,8 @@ class DecoderService(EngineService):
         state = self.requests.get(t.request_id)
         if state is None:
             return f"{self.inst.id} has no decode task for {t.request_id}"
+        if state.running:  # a retried push whose first attempt landed after all
+            return ""
         header = KVHeader(**t.kv)
         layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
         first = int(t.done["first_token"])
@@ -212,5 +214,10 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
         seq.num_computed, seq.imported = hit, (start, n)
     elif engine.cache is not None:  # KV is cached as it lands: the next turn hits at once
         engine.cache.insert(seq.token_ids[:n], seq.block_table[: n // pool.block_size], engine.namespace)
-    engine.add(seq)
+    try:
+        engine.add(seq)
+    except ValueError:
+        engine.pool.allocator.free(seq.block_table)
+        seq.block_table = []
+        raise
     return None

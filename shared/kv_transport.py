@@ -109,7 +109,8 @@ async def send_kv(
             writer.write(data)
             sent += len(data)
             await asyncio.wait_for(writer.drain(), stall_s)
-        kind, body = await read_frame(reader, stall_s)
+        # The last frames may still sit in buffers on a slow link: allow them 1 Mbps before the ACK.
+        kind, body = await read_frame(reader, stall_s + sent * 8 / 1e6)
         if kind != Frame.ACK:
             raise KVTransferError(f"expected ACK, got {kind.name}")
         ack = msgpack.unpackb(body)

@@ -17,6 +17,10 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 INSTANCE = "pdd:instance:"
 REQUEST = "pdd:request:"
@@ -71,7 +75,17 @@ return out
 
 
 def connect(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+    """A client that rides out a Redis restart: a command on a dropped connection is retried on
+    a fresh one instead of failing."""
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=5,
+        socket_connect_timeout=5,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionError],
+        health_check_interval=5,
+    )
 
 
 class Registry:

@@ -100,6 +100,10 @@ class Scheduler:
         except DispatchError as e:
             await self.bus.publish(subjects.ABORT, Abort(sub.request_id, reason=f"dispatch failed: {e}"))
             plan = Plan(sub.request_id, error=str(e), status=503)
+        except Exception as e:  # e.g. Redis unreachable: say so now rather than let the gateway time out
+            log.warning("planning %s failed: %s", sub.request_id, e)
+            await self.bus.publish(subjects.ABORT, Abort(sub.request_id, reason=f"planning failed: {e}"))
+            return Plan(sub.request_id, error=f"scheduler could not plan the request: {e}", status=503)
         plan.queue_ms = (time.monotonic() - t0) * 1000
         self._remember(plan)
         return plan

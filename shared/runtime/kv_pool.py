@@ -143,4 +143,9 @@ class KVPool:
         self.kv[layer, 1, slots] = v.to(self.dtype)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[layer, 0, slots], self.kv[layer, 1, slots]
+        """K and V at `slots` (any shape S), as `[*S, kv_heads, head_dim]`. A flat index_select
+        is several times faster than advanced indexing with a 2-D slot tensor."""
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, *self.kv.shape[-2:])
+        kv = self.kv[layer]
+        return kv[0].index_select(0, flat).view(shape), kv[1].index_select(0, flat).view(shape)

@@ -23,7 +23,7 @@ from shared.messages import Inspect, InstanceState, WanControl, Ack
 def cluster():
     # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
     with Cluster(port=0, handoff={"chunk_tokens": 12, "final_tokens": 3}, max_queue=12,
-                 timeouts={"kv_stall_s": 5, "kv_retries": 1}) as c:  # fmt: skip
+                 timeouts={"kv_stall_s": 5, "kv_retries": 1, "request_s": 90}) as c:  # fmt: skip
         yield c
 
 
@@ -39,7 +39,7 @@ FLEET = [
 @pytest.fixture(scope="session")
 def fleet():
     """Two prefill and two main-decode instances (small md pools, so eviction happens)."""
-    with Cluster(port=0, instances=FLEET, timeouts={"kv_stall_s": 10, "kv_retries": 1}) as c:
+    with Cluster(port=0, instances=FLEET, timeouts={"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}) as c:
         yield c
 
 
