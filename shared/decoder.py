@@ -167,7 +167,10 @@ class DecoderService(EngineService):
         log.info("%s: KV transfer for %s broke off: %s", self.inst.id, request_id or "?", error)
 
     async def _watchdog(self) -> None:
-        limit = self.cfg.timeouts.kv_stall_s * 2
+        # A backstop for a KV that never comes (prefill died before pushing). Prefill may queue
+        # and prefill long prompts first, so only the request deadline applies here; a transfer
+        # that starts and stalls is caught by the KV plane's own stall timeout.
+        limit = self.cfg.timeouts.request_s
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()

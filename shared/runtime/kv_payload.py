@@ -107,6 +107,9 @@ def layer_to_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
 def layer_from_bytes(header: KVHeader, data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
     if len(data) != header.layer_bytes:
         raise ValueError(f"KV layer frame has {len(data)} bytes, expected {header.layer_bytes}")
+    if not data:  # the receiver already held the whole prompt: nothing but the header travels
+        empty = torch.empty((header.num_tokens, header.kv_heads, header.head_dim), dtype=WIRE_DTYPES[header.dtype])
+        return empty, empty
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     both = raw.view(WIRE_DTYPES[header.dtype]).view(2, header.num_tokens, header.kv_heads, header.head_dim)
     return both[0], both[1]

@@ -87,6 +87,9 @@ def test_wire_bytes_round_trip(tiny, dtype):
         assert torch.equal(k, k2) and torch.equal(v, v2)
     with pytest.raises(ValueError, match="expected"):
         layer_from_bytes(payload.header, b"\0" * 10)
+    empty = export_kv(engine.pool, s.block_table, 20, 20)  # a decoder that holds everything
+    k, v = layer_from_bytes(empty.header, layer_to_bytes(*empty.layers[0]))
+    assert k.shape == (0, *k.shape[1:]) and v.numel() == 0
 
 
 def test_layout_mismatch_is_refused(tiny):

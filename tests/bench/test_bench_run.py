@@ -1,0 +1,58 @@
+"""`pdd bench` for real: each workload kind through real clusters (two or three requests per
+mode), and the files it writes with the results schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.bench.test_workloads import _trace_file
+
+pytestmark = pytest.mark.slow
+
+LATENCY = {"mean", "p50", "p90", "p99", "max"}
+MODE_KEYS = {"requests", "completed", "failed", "ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms",
+             "goodput_rps", "output_tok_s", "wan_kv_bytes", "tokens_by_role", "hit_rate", "cost", "bcr"}  # fmt: skip
+
+
+def _bench(out, workload: str, modes: str, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "shared.cli", "bench", "--workload", workload, "--modes", modes, "--out", str(out),
+           "--requests", "3", "--rate", "2", *extra]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "3/3" in run.stderr  # the progress bar reached the end
+    return json.loads((out / "results.json").read_text())
+
+
+def _check_schema(results: dict, modes: list[str], n: int) -> None:
+    assert set(results) == {"workload", "settings", "modes", "outputs_match_across_modes"}
+    assert list(results["modes"]) == modes
+    for mode, m in results["modes"].items():
+        assert set(m) == MODE_KEYS, mode
+        assert m["requests"] == n and m["completed"] == n and m["failed"] == 0, (mode, m)
+        for key in ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms"):
+            assert set(m[key]) == LATENCY
+        assert m["ttft_ms"]["p50"] > 0 and set(m["tokens_by_role"]) == {"rld", "md"}
+
+
+def test_agentic_pdd_against_naive_cross_dc(tmp_path):
+    results = _bench(tmp_path, "agentic", "pd-wan,pdd")
+    _check_schema(results, ["pd-wan", "pdd"], 3)
+    assert results["outputs_match_across_modes"] == 1.0
+    assert results["modes"]["pdd"]["wan_kv_bytes"] <= results["modes"]["pd-wan"]["wan_kv_bytes"]
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and all("pdd" in json.loads(line) for line in lines)
+    for name in ("report.md", "ttft_cdf.png", "timeline.png", "hit_buckets.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "vs pd-wan" in (tmp_path / "report.md").read_text()
+
+
+def test_random_and_trace_workloads(tmp_path):
+    _check_schema(_bench(tmp_path / "random", "random", "pd-local"), ["pd-local"], 3)
+    trace = _trace_file(tmp_path)
+    results = _bench(tmp_path / "trace", f"trace:{trace}", "pd-local", "--max-requests", "3", "--time-scale", "0.01")
+    _check_schema(results, ["pd-local"], 3)
+    assert results["workload"]["name"].startswith("trace")
