@@ -12,7 +12,7 @@ from tests.cluster.conftest import completion, fresh_prompt, stream_completion
 pytestmark = pytest.mark.slow
 
 PLANS = [("p-md", None), ("p-rld-md", "oneshot"), ("p-rld-md", "catchup"), ("p-rld", None)]
-PROMPTS = ["The capital of France is", "def quicksort(items):", "Water boils at"]
+PROMPTS = ["def quicksort(items):", "Water boils at"]
 
 
 def _body(model_id: str, prompt: str, n: int, pipeline: str, handoff: str | None, **extra) -> dict:

@@ -19,8 +19,10 @@ def _prefilled(engine, prompt: list[int], k: int) -> Sequence:
     return s
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "smol"])
-@pytest.mark.parametrize("k", [1, 16, 64, 100])
+CASES = [("tiny", k) for k in (1, 16, 64, 100)] + [("smol", k) for k in (1, 16, 64, 100)]
+
+
+@pytest.mark.parametrize("model_name, k", CASES)
 def test_extend_matches_decode_steps(request, model_name, k):
     model = request.getfixturevalue(model_name)
     ref = request.getfixturevalue(f"{model_name}_ref")
