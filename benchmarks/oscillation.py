@@ -31,7 +31,8 @@ def main() -> None:
           f"{a.residency_ms:.0f} ms each (offered relay load {r['offered_rld_load']:.1f}x):")
     for side in ("guard_off", "guard_on"):
         s = r[side]
-        print(f"  {side.replace('_', ' '):<9}  max RLD queue {s['max_rld_queue']:>4}   TTFT P50 {s['ttft_p50_ms']:>8.0f} ms"
+        print(f"  {side.replace('_', ' '):<9}  max RLD queue {s['max_rld_queue']:>4}   "
+              f"TTFT P50 {s['ttft_p50_ms']:>8.0f} ms"
               f"   P99 {s['ttft_p99_ms']:>8.0f} ms   plans {s['reasons']}")
 
 

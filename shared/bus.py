@@ -53,7 +53,7 @@ class Bus:
     async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
         try:
             reply = await self.nc.request(subject, msg.encode(), timeout=timeout)
-        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as e:
+        except (TimeoutError, NatsTimeout, NoRespondersError) as e:
             raise BusTimeout(f"no reply on {subject} within {timeout:.1f}s ({type(e).__name__})") from None
         return reply_type.decode(reply.data)
 

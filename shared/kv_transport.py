@@ -56,7 +56,7 @@ async def read_frame(reader: asyncio.StreamReader, timeout: float) -> tuple[Fram
         if length < 1 or length > MAX_FRAME:
             raise KVTransferError(f"bad frame length {length}")
         body = await asyncio.wait_for(reader.readexactly(length - 1), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise KVTransferError(f"KV transfer stalled: no data for {timeout:.1f}s") from None
     except asyncio.IncompleteReadError:
         raise KVTransferError("KV connection closed mid-transfer") from None
@@ -95,7 +95,7 @@ async def send_kv(
     """Push one transfer and wait for the receiver's ACK. Returns the bytes sent past any proxy."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(*(via or (host, port))), stall_s)
-    except (OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError) as e:
         raise KVTransferError(f"cannot connect to KV endpoint {via or (host, port)}: {e}") from None
     sent = 0
     try:
@@ -117,7 +117,7 @@ async def send_kv(
         if not ack.get("ok"):
             raise KVTransferError(f"receiver refused the KV: {ack.get('error')}")
         return sent
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise KVTransferError(f"KV transfer to {host}:{port} stalled for {stall_s:.1f}s") from None
     except (ConnectionError, OSError) as e:
         raise KVTransferError(f"KV connection to {host}:{port} failed: {e}") from None
@@ -125,7 +125,7 @@ async def send_kv(
         writer.close()
         try:
             await asyncio.wait_for(writer.wait_closed(), 1.0)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
 
 
@@ -194,7 +194,7 @@ class KVReceiver:
         try:
             writer.write(packed(Frame.ACK, {"ok": not error, "error": error}))
             await asyncio.wait_for(writer.drain(), self.stall_s)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
         finally:
             writer.close()

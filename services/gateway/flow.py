@@ -26,8 +26,8 @@ from typing import Any
 
 from services.gateway.detokenize import IncrementalDetokenizer, StopChecker
 from services.gateway.openai_api import APIError, ParsedRequest
-from services.gateway.reassembly import TokenReassembler
 from services.gateway.pdd_object import FlowStats, build_pdd, merge_stats
+from services.gateway.reassembly import TokenReassembler
 from shared import subjects
 from shared.bus import BusTimeout
 from shared.messages import Abort, Plan, Sampling, Submit, TokenChunk
@@ -114,7 +114,7 @@ class RequestFlow:
         limit = self.gw.cfg.timeouts.request_s
         try:
             return await asyncio.wait_for(self._queue.get(), 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if time.perf_counter() - self.stats.last_progress > limit:
             raise StreamError(f"no token for {limit:.0f}s")

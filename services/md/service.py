@@ -22,7 +22,7 @@ import asyncio
 import time
 
 from shared import subjects
-from shared.decoder import DecodeState, DecoderService
+from shared.decoder import DecoderService, DecodeState
 from shared.messages import Ack, DecodeTask, HandoffChunk, KVReady
 from shared.runtime.engine import Engine, TokenOutput
 

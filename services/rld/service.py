@@ -22,7 +22,7 @@ import time
 
 from shared import subjects
 from shared.bus import BusTimeout
-from shared.decoder import DecodeState, DecoderService
+from shared.decoder import DecoderService, DecodeState
 from shared.messages import Abort, Ack, HandoffChunk, KVReady
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.sequence import Sequence

@@ -27,7 +27,10 @@ log = logging.getLogger("wanlink")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.wanlink", description="The WAN emulator: a shaped, faultable TCP proxy for the KV plane A -> B.")
+    p = argparse.ArgumentParser(
+        prog="python -m services.wanlink",
+        description="The WAN emulator: a shaped, faultable TCP proxy for the KV plane A -> B.",
+    )
     p.add_argument("--config", help="cluster YAML (its `wan` section); default configs/single-host.yaml")
     p.add_argument("--listen-host", default="", help="default: the config's host")
     p.add_argument("--listen-port", type=int, default=0, help="0 = a free port (see --ready-file)")

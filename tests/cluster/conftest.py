@@ -4,9 +4,9 @@ end-to-end tests, plus a client that talks to it the way a user and an operator 
 from __future__ import annotations
 
 import asyncio
-import time
 import copy
 import json
+import time
 import uuid
 
 import httpx
@@ -16,7 +16,7 @@ import torch
 from shared import subjects
 from shared.bus import Bus
 from shared.launcher import Cluster
-from shared.messages import Inspect, InstanceState, WanControl, Ack
+from shared.messages import Ack, Inspect, InstanceState, WanControl
 
 
 @pytest.fixture(scope="session")

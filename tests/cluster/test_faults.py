@@ -85,7 +85,8 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
                 rejected.append((r.status_code, time.perf_counter() - t0, r.headers.get("retry-after"), r.json()))
         results = [f.result() for f in streams]
     latencies = sorted(r[1] for r in rejected)
-    print(f"\n{capacity} admitted; {len(rejected)} more told 429 in p50 {latencies[len(latencies) // 2] * 1000:.0f} ms, "
+    p50 = latencies[len(latencies) // 2]
+    print(f"\n{capacity} admitted; {len(rejected)} more told 429 in p50 {p50 * 1000:.0f} ms, "
           f"max {latencies[-1] * 1000:.0f} ms")
     assert all(r[0] == 429 and r[2] and r[3]["error"]["type"] == "rate_limit_error" for r in rejected)
     assert latencies[len(latencies) // 2] < 0.5

@@ -23,7 +23,8 @@ def _body(model_id: str, prompt: str, n: int, pipeline: str, handoff: str | None
 @pytest.mark.parametrize("pipeline, handoff", PLANS)
 def test_every_pipeline_equals_reference(cluster, model_id, reference, smol_tokenizer, pipeline, handoff):
     for prompt in PROMPTS:
-        text, pdd, _ = stream_completion(cluster.url + "/v1/completions", _body(model_id, prompt, 24, pipeline, handoff))
+        body = _body(model_id, prompt, 24, pipeline, handoff)
+        text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 24), (pipeline, handoff, prompt)
         assert pdd["pipeline"] == pipeline
         roles = pdd["tokens_by_role"]
@@ -63,7 +64,7 @@ def _slow_wan_run(cluster, operator, body: dict, mbps: float) -> tuple[str, dict
 
 
 def test_relay_hides_a_slow_wan(cluster, model_id, operator, reference, smol_tokenizer):
-    runs, texts = {}, {}
+    runs = {}
     for pipeline in ("p-md", "p-rld-md"):
         for speed in ("fast", "slow"):
             prompt = fresh_prompt(40, pipeline + speed)  # ~130 tokens: ~6 MB of KV, uncached
@@ -102,7 +103,7 @@ def test_mixed_concurrent_pipelines_complete_and_free_every_block(cluster, model
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(
             lambda j: stream_completion(cluster.url + "/v1/completions", _body(model_id, j[2], 20, j[0], j[1])), jobs))
-    for (pipeline, handoff, prompt), (text, pdd, _) in zip(jobs, results):
+    for (pipeline, handoff, prompt), (text, _, _) in zip(jobs, results):
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 20), (pipeline, handoff)
     for state in operator.idle(timeout=2.0).values():
         assert state.requests == [], state
