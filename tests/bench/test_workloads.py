@@ -166,8 +166,8 @@ def _trace_file(tmp_path: Path) -> Path:
     if SHARED_TRACE.exists():
         rows = [json.loads(line) for line in SHARED_TRACE.read_text().splitlines()[:20]]
     else:
-        rows = [{"timestamp": 250 * i, "input_length": 512 * (i % 5 + 1) + 100, "output_length": 10 + i,
-                 "hash_ids": list(range(10 * i, 10 * i + i % 5 + 2))} for i in range(20)]  # fmt: skip
+        rows = [{"timestamp": 250 * i, "input_length": 512 * (i % 5 + 3) + 100, "output_length": 10 + i,
+                 "hash_ids": list(range(10 * i, 10 * i + i % 5 + 3))} for i in range(20)]  # fmt: skip
     head = rows[0]["hash_ids"][:3]
     rows.append({"timestamp": rows[-1]["timestamp"] + 100, "input_length": 4 * 512, "output_length": 50,
                  "hash_ids": head + [10**6]})  # fmt: skip
