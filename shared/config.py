@@ -206,3 +206,16 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
 def to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     """Plain data (for YAML round trips, e.g. the launcher handing a config to its children)."""
     return dataclasses.asdict(cfg)
+
+
+def service_args(role: str, argv: list[str] | None = None) -> tuple[ClusterConfig, str | None]:
+    """`python -m services.<role> --config FILE [--instance ID]`: logging set up, config loaded."""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(prog=f"services.{role}")
+    parser.add_argument("--config", default=None, help="cluster YAML (default configs/single-host.yaml)")
+    parser.add_argument("--instance", default=None, help="instance id (roles with several instances)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    return load_config(args.config), args.instance

@@ -14,7 +14,7 @@ import time
 
 from shared import subjects
 from shared.bus import Bus
-from shared.config import ClusterConfig, InstanceConfig
+from shared.config import ClusterConfig, InstanceConfig, service_args
 from shared.messages import Abort, Inspect, InstanceState, Sampling
 from shared.registry import InstanceInfo, Registry, connect
 from shared.runtime.engine import Engine, TokenOutput
@@ -232,15 +232,5 @@ def _engine_load(engine: Engine) -> dict[str, int]:
 
 def service_main(service_cls: type[InstanceService], role: str, argv: list[str] | None = None) -> None:
     """`python -m services.<role> --config FILE [--instance ID]`."""
-    import argparse
-
-    from shared.config import load_config
-
-    parser = argparse.ArgumentParser(prog=f"services.{role}")
-    parser.add_argument("--config", default=None)
-    parser.add_argument("--instance", default=None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-    cfg = load_config(args.config)
-    inst = cfg.instance(args.instance, role)
-    asyncio.run(service_cls(cfg, inst).run())
+    cfg, instance = service_args(role, argv)
+    asyncio.run(service_cls(cfg, cfg.instance(instance, role)).run())
