@@ -84,11 +84,9 @@ class RadixCache:
             self.events.append(KVEvent("stored", stored))
         return len(stored)
 
-    def evictable(self) -> int:
-        return sum(1 for n in self._nodes() if self.allocator.refcount(n.block) == 1)
-
     def evict(self, num_blocks: int) -> int:
-        """Free up to `num_blocks` blocks, least recently used leaves first."""
+        """Free up to `num_blocks` blocks, least recently used leaves first. Each round scans the
+        tree (fine for the thousands of blocks a pool here holds; a heap would scale further)."""
         freed: list[_Node] = []
         while len(freed) < num_blocks:
             leaves = [n for n in self._nodes() if not n.children and self.allocator.refcount(n.block) == 1]
