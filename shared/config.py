@@ -35,6 +35,7 @@ class InstanceConfig:
     kv_tokens: int = 16384
     max_step_tokens: int = 512
     max_running: int = 32
+    max_waiting: int = 64  # requests held beyond max_running (queued, or KV on its way); past it, refused
     prefix_cache: bool = True  # radix cache of earlier requests' KV (the DRC on decoders)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,8 @@ class InstanceConfig:
             raise ConfigError(f"instance {self.id!r}: dtype {self.dtype!r} must be float32 or bfloat16")
         if self.threads < 1 or self.kv_tokens < 16:
             raise ConfigError(f"instance {self.id!r}: threads >= 1 and kv_tokens >= 16 required")
+        if self.max_running < 1 or self.max_waiting < 0:
+            raise ConfigError(f"instance {self.id!r}: max_running >= 1 and max_waiting >= 0 required")
 
 
 @dataclass(frozen=True)

@@ -66,12 +66,19 @@ class DecoderService(EngineService):
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
+    async def load(self) -> dict[str, int]:
+        """The engine's figures plus `pending`: tasks accepted whose KV has not landed. They are
+        committed here, so the scheduler's relay admission control counts them."""
+        return {**await super().load(), "pending": sum(not s.running for s in self.requests.values())}
+
     # -- 1. task ------------------------------------------------------------------------
     async def on_task(self, task: DecodeTask) -> Ack:
         rid = task.request_id
         if rid in self.aborted:
             return Ack(rid, ok=False, error="request was aborted")
         if rid not in self.requests:
+            if (full := self.refuse_if_full(rid)) is not None:
+                return full
             self.requests[rid] = DecodeState(task, time.monotonic())
         return Ack(rid)
 

@@ -84,6 +84,8 @@ class Cluster:
 
     # -- start ----------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> Cluster:
+        if self.procs:
+            raise RuntimeError("cluster already started (`with Cluster(...)` starts it; do not also call start())")
         try:
             self._start_servers()
             for spec in plan_processes(self.cfg, self.config_path):

@@ -122,6 +122,7 @@ class Ack(Message):
     request_id: str
     ok: bool = True
     error: str = ""
+    busy: bool = False  # refused for lack of room, not a fault: the client may retry (429)
 
 
 @dataclass

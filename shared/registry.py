@@ -38,6 +38,9 @@ class InstanceInfo:
     block_size: int = 16
     running: int = 0
     waiting: int = 0
+    pending: int = 0  # decoders: tasks accepted whose KV has not landed (they will run here)
+    held: int = 0  # requests the instance holds anything for
+    capacity: int = 0  # most it will hold (max_running + max_waiting); 0 = unbounded
     free_blocks: int = 0
     total_blocks: int = 0
     started_at: float = 0.0
@@ -94,8 +97,10 @@ class Registry:
         self.ttl_ms = int(ttl_s * 1000)
         self._prefix_script = None
 
-    async def heartbeat(self, info: InstanceInfo) -> None:
-        info.updated_at = time.time()
+    async def heartbeat(self, info: InstanceInfo, sampled_at: float | None = None) -> None:
+        """Publish `info` for `ttl_s`. `sampled_at`: when its load figures were read (default now);
+        the scheduler counts its dispatches after that moment on top of them."""
+        info.updated_at = sampled_at or time.time()
         key = INSTANCE + info.id
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={k: str(v) for k, v in dataclasses.asdict(info).items()})

@@ -15,7 +15,7 @@ import time
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig, InstanceConfig, service_args
-from shared.messages import Abort, Inspect, InstanceState, Sampling
+from shared.messages import Abort, Ack, Inspect, InstanceState, Sampling
 from shared.registry import InstanceInfo, Registry, connect
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_pool import KVPool
@@ -63,7 +63,8 @@ class InstanceService:
         self.inst = inst
         self.bus: Bus | None = None
         self.registry: Registry | None = None
-        self.info = InstanceInfo(id=inst.id, role=inst.role, dc=inst.dc, dtype=inst.dtype, block_size=cfg.block_size)
+        self.info = InstanceInfo(id=inst.id, role=inst.role, dc=inst.dc, dtype=inst.dtype, block_size=cfg.block_size,
+                                 capacity=inst.max_running + inst.max_waiting)  # fmt: skip
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -76,6 +77,14 @@ class InstanceService:
 
     def held_requests(self) -> list[str]:
         return []
+
+    def refuse_if_full(self, request_id: str) -> Ack | None:
+        """The bounded queue of this stage: a busy refusal once it holds `capacity` requests."""
+        held = len(self.held_requests())
+        if held < self.info.capacity:
+            return None
+        return Ack(request_id, ok=False, busy=True, error=f"{self.inst.id} is full ({held} requests held, "
+                   f"max_running {self.inst.max_running} + max_waiting {self.inst.max_waiting})")  # fmt: skip
 
     async def load(self) -> dict[str, int]:
         return {}
@@ -116,10 +125,11 @@ class InstanceService:
 
     async def _heartbeat(self) -> None:
         while True:
+            sampled_at = time.time()  # before the figures: a task landing meanwhile counts twice, never zero times
             for key, value in (await self.load()).items():
                 setattr(self.info, key, value)
             try:
-                await self.registry.heartbeat(self.info)
+                await self.registry.heartbeat(self.info, sampled_at)
             except Exception as e:  # Redis restarting: keep serving, retry next beat
                 log.warning("%s: heartbeat failed: %s", self.inst.id, e)
             await asyncio.sleep(self.cfg.heartbeat_s)
@@ -208,7 +218,7 @@ class EngineService(InstanceService):
         """Called on the event loop with each step's outputs, in step order."""
 
     async def load(self) -> dict[str, int]:
-        return await self.worker.call(_engine_load)
+        return {**await self.worker.call(_engine_load), "held": len(self.held_requests()), "tasks": len(self._tasks)}
 
 
 def _cache_events(engine: Engine, full: bool) -> list:

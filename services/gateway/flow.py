@@ -71,6 +71,8 @@ class RequestFlow:
             self.plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
         except BusTimeout as e:
             raise APIError(503, f"scheduler unavailable: {e}", type="service_unavailable") from None
+        if self.plan.status == 429:  # a stage's bounded queue is full everywhere: come back shortly
+            raise APIError(429, self.plan.error, type="rate_limit_error", code="overloaded")
         if self.plan.error:
             raise APIError(self.plan.status, self.plan.error, type="service_unavailable")
         self.holders = {i for i in (self.plan.prefill, self.plan.rld, self.plan.md) if i}

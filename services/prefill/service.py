@@ -61,6 +61,8 @@ class Prefiller(EngineService):
         rid = task.request_id
         if rid in self.seen:
             return Ack(rid, ok=rid in self.requests, error="" if rid in self.requests else "request was aborted")
+        if (full := self.refuse_if_full(rid)) is not None:
+            return full
         self._forget_old()
         self.seen[rid] = time.monotonic()
         self.requests[rid] = PrefillState(task, time.monotonic())

@@ -40,6 +40,9 @@ class InstanceView:
     hit_tokens: int = 0  # prefix of this request the instance holds (from the Redis index)
     running: int = 0
     waiting: int = 0
+    pending: int = 0  # decoders: requests committed to it whose KV has not landed yet
+    held: int = 0  # requests it holds, plus those dispatched since its last heartbeat
+    capacity: int = 0  # most requests it accepts; 0 = unbounded
     free_blocks: int = 0
     total_blocks: int = 0  # 0 = unknown (then `load` stands in for the KV pool figures)
     block_size: int = 16

@@ -12,12 +12,12 @@ Pipeline (`config.default_pipeline == "auto"`; first rule that applies, `reason`
    `anomalous_min_uncached`) with a short output budget (max_tokens < `anomalous_max_output`)
    runs on RLD alone, `p-rld`, and never crosses the WAN [anomalous]. Nothing else gets p-rld:
    low-hit traffic finishing on RLD overloads the small pool and the pipeline oscillates.
-3. No relay alive -> `p-md` [no-relay-alive].
+3. No relay alive -> `p-md` [no-relay-alive]; every relay full (see below) -> `p-md` [rld-full].
 4. Estimated TTFT through MD meets `ttft_slo_ms` (typically a high hit: little KV crosses) ->
    `p-md` [slo-met-md].
-5. Oscillation guard (RLD admission control): the relay holds `rld_slots` requests or more
-   (running + waiting) -> `p-md`, paying the TTFT penalty rather than piling onto RLD
-   [rld-saturated]. With `guard=False` the request goes to RLD anyway.
+5. Oscillation guard (RLD admission control): the relay is busy with `rld_slots` requests or
+   more (`rld_busy`: running, queued, or planned with the KV on its way) -> `p-md`, paying the
+   TTFT penalty rather than piling onto RLD [rld-saturated]. With `guard=False` the request goes to RLD anyway.
 6. Otherwise `p-rld-md`: RLD streams while MD's KV is on the wire [slo-miss-relay].
 A pinned `default_pipeline` (`p-md`, `p-rld-md`: baselines and ablations) replaces 2-6 [default],
 falling back to `p-md` when no relay is alive [no-relay-alive].
@@ -25,7 +25,7 @@ falling back to `p-md` when no relay is alive [no-relay-alive].
 Handoff of `p-rld-md` (`handoff_reason` in brackets): the request's hint [forced], else a pinned
 `default_handoff` [default], else from RLD's live load and the expected backlog, i.e. the tokens
 RLD will have produced before MD can take over: (TTFT via MD - TTFT via RLD) / RLD step time.
-- RLD under pressure (running + waiting >= `rld_pressure` * `rld_slots`) -> one-shot, handing
+- RLD under pressure (busy >= `rld_pressure` * `rld_slots`) -> one-shot, handing
   off as early as possible so the slot frees at once [rld-pressure].
 - Backlog > `catchup_threshold` -> catch-up in chunks of `catchup_chunk` tokens: many small
   extends on MD instead of one visible stall, RLD keeps streaming meanwhile [backlog].
@@ -34,10 +34,11 @@ RLD will have produced before MD can take over: (TTFT via MD - TTFT via RLD) / R
 Instances: per role, the alive one with the lowest cost, never one the request already failed
 on (`avoid`). Cost trades load against prefix hit, as SGLang's cache-aware router and Dynamo's
 KV router do: `load - hit_weight * hit_tokens / prompt_len`, where load is the KV pool's used
-share + 0.1 per running or waiting request (the registry's `load` when those are unknown), +1
+share + 0.1 per running, waiting or pending request (the registry's `load` when those are unknown), +1
 when the instance lacks the free blocks this request needs. A decoder is sent only the KV it
-lacks: its start is its prefix hit (whole blocks). No alive instance of a needed role ->
-`NoCapacity` (the gateway answers 503).
+lacks: its start is its prefix hit (whole blocks). An instance that holds `capacity` requests
+(max_running + max_waiting: the stage's bounded queue) is full and skipped. No alive instance of
+a needed role -> `NoCapacity` (the gateway answers 503); alive but all full -> `Saturated` (429).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from dataclasses import dataclass, field
 
 from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
 
-__all__ = ["Decision", "InstanceView", "NoCapacity", "PlanEstimates", "PlanRequest", "PolicyConfig", "choose_plan"]
+__all__ = ["Decision", "InstanceView", "NoCapacity", "PlanEstimates", "PlanRequest", "PolicyConfig", "Saturated",
+           "choose_plan"]  # fmt: skip
 
 PIPELINES = ("p-md", "p-rld-md", "p-rld")
 HANDOFFS = ("oneshot", "catchup")
@@ -57,7 +59,15 @@ NO_ROOM_PENALTY = 1.0  # an instance that would have to evict or wait for blocks
 
 
 class NoCapacity(Exception):
-    """No alive instance can take a role this request needs."""
+    """No alive instance can take a role this request needs (the gateway answers 503)."""
+
+    status = 503
+
+
+class Saturated(NoCapacity):
+    """Instances of a needed role are alive but every one is full (429: try again shortly)."""
+
+    status = 429
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ class PlanEstimates:
     wan_mbps: float = 0.0
     uncached_tokens: int = 0  # prompt_len - best prefill/MD hit
     backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md)
-    rld_busy: int = 0  # relay's running + waiting when planned
+    rld_busy: int = 0  # relay's busy count (see `rld_busy`) when planned
 
     def as_dict(self) -> dict:
         return {"ttft_ms": dict(self.ttft_ms), "wan_mbps": self.wan_mbps, "uncached_tokens": self.uncached_tokens,
@@ -134,10 +144,11 @@ class Decision:
 
 # -- instance choice ------------------------------------------------------------------------
 def instance_load(v: InstanceView) -> float:
-    if v.total_blocks <= 0 and not (v.running or v.waiting):
+    queued = v.running + v.waiting + v.pending
+    if v.total_blocks <= 0 and not queued:
         return v.load  # only the registry's single figure is known
     used = 1.0 - v.free_blocks / v.total_blocks if v.total_blocks > 0 else 0.0
-    return used + QUEUE_WEIGHT * (v.running + v.waiting)
+    return used + QUEUE_WEIGHT * queued
 
 
 def cost(v: InstanceView, req: PlanRequest, config: PolicyConfig) -> float:
@@ -147,11 +158,18 @@ def cost(v: InstanceView, req: PlanRequest, config: PolicyConfig) -> float:
     return instance_load(v) + NO_ROOM_PENALTY * no_room - config.hit_weight * hit / max(req.prompt_len, 1)
 
 
+def is_full(v: InstanceView) -> bool:
+    return v.capacity > 0 and v.held >= v.capacity
+
+
 def cheapest(instances: list[InstanceView], role: str, req: PlanRequest, config: PolicyConfig) -> InstanceView:
     candidates = [i for i in instances if i.role == role and i.id not in req.avoid]
     if not candidates:
         raise NoCapacity(f"no alive {role} instance")
-    return min(candidates, key=lambda i: (cost(i, req, config), i.id))
+    with_room = [i for i in candidates if not is_full(i)]
+    if not with_room:
+        raise Saturated(f"every {role} instance is full ({', '.join(sorted(i.id for i in candidates))})")
+    return min(with_room, key=lambda i: (cost(i, req, config), i.id))
 
 
 # -- rules ----------------------------------------------------------------------------------
@@ -166,7 +184,8 @@ def is_anomalous(req: PlanRequest, uncached: int, config: PolicyConfig) -> bool:
 
 
 def rld_busy(rld: InstanceView) -> int:
-    return rld.running + rld.waiting
+    """Requests the relay is committed to: running, queued, and planned whose KV is on its way."""
+    return rld.running + rld.waiting + rld.pending
 
 
 def choose_pipeline(
@@ -182,9 +201,7 @@ def choose_pipeline(
         return "p-rld", "anomalous"
     if rld is None:
         return "p-md", "no-relay-alive"
-    if "p-md" not in ttft:
-        raise NoCapacity("no alive md instance")
-    if ttft["p-md"] <= config.ttft_slo_ms:
+    if ttft.get("p-md", math.inf) <= config.ttft_slo_ms:  # no MD: the plan fails on its missing role
         return "p-md", "slo-met-md"
     if config.guard and rld_busy(rld) >= config.rld_slots:
         return "p-md", "rld-saturated"
@@ -217,21 +234,23 @@ def choose_plan(
 ) -> Decision:
     wan = Link(wan_mbps or config.wan_mbps, config.wan_delay_ms)
     prefill = cheapest(instances, "prefill", req, config)
-    decoders = {}
+    decoders, missing = {}, {}
     for role in ("rld", "md"):
         try:
             decoders[role] = cheapest(instances, role, req, config)
-        except NoCapacity:
-            pass
+        except NoCapacity as e:
+            missing[role] = e
     ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], config, wan).total_ms
             for p, role in (("p-md", "md"), ("p-rld-md", "rld")) if role in decoders}  # fmt: skip
     uncached = uncached_tokens(req, instances)
     rld = decoders.get("rld")
     pipeline, reason = choose_pipeline(req, rld, ttft, uncached, config)
+    if reason == "no-relay-alive" and isinstance(missing.get("rld"), Saturated):
+        reason = "rld-full"
     roles = ROLES_OF[pipeline]
     for role in roles[1:]:
         if role not in decoders:
-            raise NoCapacity(f"no alive {role} instance")
+            raise missing[role]
     picked = {"prefill": prefill} | {role: decoders[role] for role in roles[1:]}
     handoff, handoff_reason, backlog = "none", "", 0
     if pipeline == "p-rld-md":

@@ -10,8 +10,9 @@ Lifecycle of a request here:
    decoder sits in the other datacenter).
 4. The plan is recorded in Redis (`pdd:request:<id>`, removed by the gateway at the end) and
    returned to the gateway.
-5. If any dispatch fails, the request is aborted everywhere and the gateway gets an error plan
-   (503 when a role has no alive instance).
+5. If any dispatch fails, the request is aborted everywhere and the gateway gets an error plan:
+   503 when a role has no alive instance, 429 when every instance of a role is full (each stage
+   holds at most max_running + max_waiting requests and refuses more: bounded queues).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ log = logging.getLogger(__name__)
 
 
 class DispatchError(Exception):
-    pass
+    status = 503
+
+
+class Busy(DispatchError):
+    """An instance refused for lack of room (its bounded queue is full): 429, not a fault."""
+
+    status = 429
 
 
 def kv_bytes_per_token(cfg: ClusterConfig) -> int:
@@ -58,9 +65,31 @@ def policy_config(cfg: ClusterConfig) -> PolicyConfig:
                         wan_delay_ms=cfg.wan.delay_ms, catchup_chunk=cfg.handoff.chunk_tokens)  # fmt: skip
 
 
-def _view(i: InstanceInfo, hit_tokens: int) -> InstanceView:
+def _view(i: InstanceInfo, hit_tokens: int, unseen: int) -> InstanceView:
     return InstanceView(i.id, i.role, i.dc, i.load, hit_tokens, running=i.running, waiting=i.waiting,
+                        pending=i.pending + unseen, held=i.held + unseen, capacity=i.capacity,
                         free_blocks=i.free_blocks, total_blocks=i.total_blocks, block_size=i.block_size)  # fmt: skip
+
+
+class Dispatched:
+    """Decode tasks this scheduler sent that the target's last heartbeat cannot have counted yet.
+
+    Heartbeats are `heartbeat_s` apart, and a burst plans many requests in between: without this
+    every one of them sees the relay as it was at the last beat and the oscillation guard lets
+    them all through. A dispatch counts as `pending` on its instance until a heartbeat written
+    after it arrives (wall clock: the instance stamps `updated_at`, we stamp the dispatch).
+    """
+
+    def __init__(self) -> None:
+        self._at: dict[str, list[float]] = {}
+
+    def add(self, instance_id: str, at: float) -> None:
+        self._at.setdefault(instance_id, []).append(at)
+
+    def unseen(self, instance_id: str, heartbeat_at: float) -> int:
+        times = [t for t in self._at.get(instance_id, ()) if t > heartbeat_at]
+        self._at[instance_id] = times
+        return len(times)
 
 
 class Scheduler:
@@ -71,6 +100,7 @@ class Scheduler:
         self.bus: Bus | None = None
         self.registry: Registry | None = None
         self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
+        self.dispatched = Dispatched()
 
     async def run(self) -> None:
         stop = asyncio.Event()
@@ -95,11 +125,11 @@ class Scheduler:
         t0 = time.monotonic()
         try:
             plan = await self._plan_and_dispatch(sub)
-        except NoCapacity as e:
-            plan = Plan(sub.request_id, error=str(e), status=503)
-        except DispatchError as e:
+        except NoCapacity as e:  # Saturated: 429
+            plan = Plan(sub.request_id, error=str(e), status=e.status)
+        except DispatchError as e:  # Busy: 429
             await self.bus.publish(subjects.ABORT, Abort(sub.request_id, reason=f"dispatch failed: {e}"))
-            plan = Plan(sub.request_id, error=str(e), status=503)
+            plan = Plan(sub.request_id, error=str(e), status=e.status)
         except Exception as e:  # e.g. Redis unreachable: say so now rather than let the gateway time out
             log.warning("planning %s failed: %s", sub.request_id, e)
             await self.bus.publish(subjects.ABORT, Abort(sub.request_id, reason=f"planning failed: {e}"))
@@ -111,7 +141,7 @@ class Scheduler:
     async def _plan_and_dispatch(self, sub: Submit) -> Plan:
         alive = {i.id: i for i in await self.registry.alive()}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids)
-        views = [_view(i, hits.get(i.id, 0)) for i in alive.values()]
+        views = [_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
                           frozenset(sub.avoid))  # fmt: skip
         d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(time.monotonic()))
@@ -122,6 +152,8 @@ class Scheduler:
             estimates=d.estimates.as_dict(),
         )  # fmt: skip
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
+        for iid in d.instances.values():  # before any await: a request planned meanwhile must see these
+            self.dispatched.add(iid, time.time())
         await asyncio.gather(*(self._dispatch_decode(sub, plan, inst) for inst in decoders))
         prefill = alive[plan.prefill]
         targets = [await self._target(prefill, inst, d.starts[inst.role]) for inst in decoders]
@@ -159,7 +191,7 @@ class Scheduler:
         except BusTimeout as e:
             raise DispatchError(f"{instance_id} did not answer: {e}") from None
         if not ack.ok:
-            raise DispatchError(f"{instance_id} refused: {ack.error}")
+            raise (Busy if ack.busy else DispatchError)(f"{instance_id} refused: {ack.error}")
 
     async def _record(self, plan: Plan) -> None:
         fields = {"pipeline": plan.pipeline, "prefill": plan.prefill, "rld": plan.rld, "md": plan.md}

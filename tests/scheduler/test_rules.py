@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from services.scheduler.policy import NoCapacity, PolicyConfig, choose_plan
+from services.scheduler.policy import NoCapacity, PolicyConfig, Saturated, choose_plan
 from tests.scheduler.factories import fleet, request
 
 CFG = PolicyConfig()  # auto: SLO 1000 ms, 300 tok/s prefill, 1 Gbps WAN prior, 32 relay slots
@@ -150,7 +150,42 @@ def test_one_slot_free_is_not_saturated_and_slots_come_from_the_config():
     assert choose_plan(request(1500), fleet(rld_0={"running": 4}), small).reason == "rld-saturated"
 
 
+def test_requests_planned_onto_the_relay_count_before_their_kv_lands():
+    """A burst: the relay runs nothing yet, but 32 planned requests have their KV on the way."""
+    d = choose_plan(request(1500), fleet(rld_0={"pending": 32}), CFG)
+    assert (d.pipeline, d.reason, d.estimates.rld_busy) == ("p-md", "rld-saturated", 32)
+    views = fleet("prefill-0", "rld-0", "rld-1", "md-0", rld_0={"pending": 3}, rld_1={"running": 2})
+    assert choose_plan(request(1500), views, CFG).instances["rld"] == "rld-1"
+
+
 def test_the_least_busy_relay_is_the_one_the_guard_checks():
     views = fleet("prefill-0", "rld-0", "rld-1", "md-0", rld_0={"running": 32}, rld_1={"running": 10})
     d = choose_plan(request(1500), views, CFG)
     assert (d.pipeline, d.instances["rld"]) == ("p-rld-md", "rld-1")
+
+
+# -- bounded queues -------------------------------------------------------------------------
+def test_a_full_instance_is_skipped_for_one_with_room():
+    views = fleet("prefill-0", "prefill-1", "rld-0", "md-0", "md-1", md_0={"hit_tokens": 1400, "held": 8,
+                  "capacity": 8}, md_1={"held": 7, "capacity": 8})  # fmt: skip
+    d = choose_plan(request(1500), views, dataclasses.replace(CFG, default_pipeline="p-md"))
+    assert d.instances["md"] == "md-1"  # the warm one has no room left
+
+
+def test_every_instance_of_a_role_full_is_saturated_not_dead():
+    views = fleet(md_0={"held": 8, "capacity": 8})
+    with pytest.raises(Saturated, match="every md instance is full") as e:
+        choose_plan(request(1500), views, CFG)
+    assert e.value.status == 429
+    with pytest.raises(NoCapacity) as dead:
+        choose_plan(request(1500), fleet("prefill-0", "rld-0"), CFG)
+    assert dead.value.status == 503 and not isinstance(dead.value, Saturated)
+
+
+def test_a_full_relay_sends_the_request_to_main_decode():
+    d = choose_plan(request(1500), fleet(rld_0={"held": 4, "capacity": 4}), dataclasses.replace(CFG, guard=False))
+    assert (d.pipeline, d.reason) == ("p-md", "rld-full")
+
+
+def test_unbounded_instances_are_never_full():
+    assert choose_plan(request(1500), fleet(md_0={"held": 10_000}), CFG).instances["md"] == "md-0"
