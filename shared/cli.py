@@ -8,6 +8,11 @@
                                   PDD and its baselines side by side (benchmarks/bench.py)
     pdd bench handoff [--tokens 100 --reps 30]
                                   KV over the WAN vs token ids + extend (benchmarks/handoff_micro.py)
+    pdd sim [--config FILE --workload W --modes M1,M2 --out DIR ...]
+                                  the same modes, simulated on any fleet (sim/run.py)
+    pdd sim profile               measure this machine's chip profile (sim/measure.py)
+    pdd sim validate | experiments
+                                  simulator vs the real bench run; the report's experiments (docs/sim)
 """
 
 from __future__ import annotations
@@ -55,6 +60,32 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=_bench)
 
 
+def _sim(args: argparse.Namespace) -> int:
+    if args.what == "profile":
+        from sim import measure
+
+        return measure.main(args)
+    if args.what == "validate":
+        from sim import validate
+
+        return validate.main(args)
+    if args.what == "experiments":
+        from sim import experiments
+
+        return experiments.main(args)
+    from sim import run
+
+    return run.main(args)
+
+
+def _add_sim(sub) -> None:
+    from sim.run import add_sim_arguments
+
+    p = sub.add_parser("sim", help="simulate the modes on any fleet; `sim profile` measures this machine")
+    add_sim_arguments(p)
+    p.set_defaults(func=_sim)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd", description="PDD: cross-datacenter P/RLD/MD LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--instance", default=None, help="instance id from the config (default: the first)")
     serve.set_defaults(func=_serve)
     _add_bench(sub)
+    _add_sim(sub)
     return parser
 
 

@@ -1,0 +1,134 @@
+"""One simulated cluster in one mode: instances, links, and the scheduler's own policy.
+
+Lifecycle of a request (`SimCluster.run`):
+1. Sent at its arrival time, or, for a later turn of a session, when the turn before it has
+   finished (as `pdd bench`'s open-loop runner does).
+2. Planned by `choose_plan` — the scheduler's function itself, imported, never copied — on
+   live views of every instance: prefix hits from the block index, running / waiting /
+   pending counts, free KV blocks, measured step times and prefill throughput, and the WAN
+   bandwidth the estimator has learnt from finished transfers.
+3. Served by `sim.pipeline.Pipeline` (prefill, KV, decode, handoff).
+4. Finished: its later turns are released. A request no instance can take fails at once
+   (`NoCapacity`, the gateway's 503).
+Differences from the real scheduler: views are exact and current (the real one reads
+heartbeats up to a second old), and there is no control-plane cost besides the WAN delay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import defaultdict
+
+from services.scheduler.estimates import BandwidthEstimator, InstanceView
+from services.scheduler.policy import NoCapacity, PlanRequest, choose_plan
+from sim.cache import PrefixIndex
+from sim.config import SimConfig, policy_config
+from sim.decoder import POOL_BLOCK, DecodeInstance
+from sim.events import EventLoop
+from sim.link import DirectLink, SharedLink
+from sim.pipeline import Pipeline
+from sim.prefill import PrefillInstance
+from sim.request import RequestRun, SimRequest
+
+POLICY = choose_plan  # the scheduler's function object (tests assert it is the same one)
+VIEW_HAS_PENDING = "pending" in {f.name for f in dataclasses.fields(InstanceView)}
+
+
+class SimCluster:
+    def __init__(self, cfg: SimConfig, mode: str, block_tokens: int, horizon_ms: float, seed: int = 0) -> None:
+        self.cfg, self.mode = cfg, mode
+        self.loop = EventLoop()
+        self.index = PrefixIndex()
+        self.policy = policy_config(cfg, mode)
+        self.prefills: list[PrefillInstance] = []
+        self.decoders: list[DecodeInstance] = []
+        for g in cfg.groups(mode):
+            for k in range(g.count):
+                iid = f"{g.role}-{k}"
+                if g.role == "prefill":
+                    self.prefills.append(PrefillInstance(iid, g.dc, g.profile, self.loop, self.index, block_tokens))
+                else:
+                    self.decoders.append(DecodeInstance(iid, g.role, g.dc, g.profile, self.loop, self.index,
+                                                        block_tokens, g.prefix_cache))  # fmt: skip
+        w = cfg.wan
+        self.wan = SharedLink(self.loop, cfg.bandwidth(), float(w.get("delay_ms", 0.0)), float(w.get("jitter_ms", 0.0)),
+                              horizon_ms=horizon_ms, seed=seed)  # fmt: skip
+        self.local = DirectLink(self.loop, float(cfg.local["mbps"]), float(cfg.local.get("delay_ms", 0.0)))
+        self.estimator = BandwidthEstimator(self.policy.wan_mbps, float(w.get("delay_ms", 0.0)))
+        instances = {i.id: i for i in [*self.prefills, *self.decoders]}
+        self.pipeline = Pipeline(self.loop, instances, self.wan, self.local, self.estimator,
+                                 self.prefills[0].profile.kv_bytes_per_token, int(cfg.handoff["chunk_tokens"]),
+                                 int(cfg.handoff["final_tokens"]), self._finished)  # fmt: skip
+        self.runs: dict[str, RequestRun] = {}
+        self._waiters: dict[str, list[str]] = defaultdict(list)
+        self.samples: list[dict] = []  # periodic load figures (see `sample_every`)
+
+    # -- 2. what the policy sees ---------------------------------------------------------------
+    def views(self, req: SimRequest) -> list[InstanceView]:
+        hits = self.index.leading_hits(req.blocks)
+        out = [InstanceView(p.id, "prefill", p.dc, hit_tokens=req.hit_tokens(hits.get(p.id, 0)), running=int(p.busy),
+                            waiting=len(p.queue), queued_tokens=p.queued_tokens, prefill_tok_s=p.tok_s)
+               for p in self.prefills]  # fmt: skip
+        for d in self.decoders:
+            waiting, extra = len(d.waiting), {}
+            if VIEW_HAS_PENDING:
+                extra["pending"] = d.pending
+            else:
+                waiting += d.pending
+            out.append(InstanceView(d.id, d.role, d.dc, hit_tokens=req.hit_tokens(hits.get(d.id, 0)),
+                                    running=len(d.running), waiting=waiting, free_blocks=d.free_blocks,
+                                    total_blocks=d.total_blocks, block_size=POOL_BLOCK, step_ms=d.last_step_ms,
+                                    **extra))  # fmt: skip
+        return out
+
+    # -- 1, 3, 4. the request's life --------------------------------------------------------------
+    def run(self, requests: list[SimRequest], progress: bool = False, sample_every_ms: float = 0.0) -> list[RequestRun]:
+        self.runs = {r.request_id: RequestRun(r) for r in requests}
+        for r in requests:
+            if r.depends_on in self.runs:
+                self._waiters[r.depends_on].append(r.request_id)
+            else:
+                self.loop.at(r.arrival_ms, self._send, self.runs[r.request_id])
+        if sample_every_ms > 0:
+            self.loop.at(0.0, self._sample, sample_every_ms, requests[-1].arrival_ms if requests else 0.0)
+        report = (
+            (lambda t: print(f"\r  sim {self.mode}: t={t / 1000:,.0f}s", end="", file=sys.stderr)) if progress else None
+        )
+        self.loop.run(progress=report)
+        if progress:
+            print(file=sys.stderr)
+        return list(self.runs.values())
+
+    def _send(self, run: RequestRun) -> None:
+        run.sent_ms = self.loop.now
+        req = run.req
+        try:
+            d = POLICY(PlanRequest(req.request_id, req.prompt_len, req.output_len), self.views(req), self.policy,
+                       wan_mbps=self.estimator.mbps(self.loop.now / 1000.0))  # fmt: skip
+        except NoCapacity as e:
+            run.marks["failed"] = self.loop.now
+            run.reason = f"no capacity: {e}"
+            self._release(run)
+            return
+        self.pipeline.start(run, d)
+
+    def _finished(self, run: RequestRun) -> None:
+        self._release(run)
+
+    def _release(self, run: RequestRun) -> None:
+        for rid in self._waiters.pop(run.req.request_id, ()):
+            nxt = self.runs[rid]
+            self.loop.at(max(self.loop.now, nxt.req.arrival_ms), self._send, nxt)
+
+    def _sample(self, every_ms: float, until_ms: float) -> None:
+        rld = [d for d in self.decoders if d.role == "rld"]
+        self.samples.append({
+            "t_s": self.loop.now / 1000.0,
+            "rld_busy": sum(len(d.running) + len(d.waiting) + d.pending for d in rld),
+            "rld_slots": sum(d.profile.max_running for d in rld),
+            "wan_flows": self.wan.active,
+            "wan_mbps": self.wan.mbps,
+        })  # fmt: skip
+        if self.loop.now < until_ms:
+            self.loop.after(every_ms, self._sample, every_ms, until_ms)

@@ -1,0 +1,123 @@
+"""A simulated deployment, read from one YAML file (configs/sim/*.yaml).
+
+    profiles: [profiles.yaml, ...]   # chip profile files (relative to this file)
+    chips: {A: <profile>, B: <profile>}   # datacenter A (prefill + RLD) and B (main-decode)
+    roles: {rld: {kv_tokens: 16384}}      # per-role overrides of the chip profile
+    wan: {bandwidth_mbps, delay_ms, jitter_ms, swing, low, period_s, step, seed}
+    local: {mbps, delay_ms}               # in-DC KV path
+    handoff: {chunk_tokens, final_tokens}
+    scheduler: {...}                      # PolicyConfig knobs; each mode pins its own pipeline
+    fleets: {default: {prefill, rld, md}, <mode>: {...}}
+    slo: {ttft_ms, tpot_ms}
+    prices: {wan_line}                    # chip prices come from the profiles
+
+Modes mean what they mean in `pdd bench` (benchmarks/modes.py, whose `mode_config` this reads
+for each mode's pinned pipeline and handoff): pd-local puts MD on chip A in datacenter A with
+no WAN; pd-wan has no DRC; RLD exists only in the pdd modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.modes import mode_config
+from services.scheduler.policy import PolicyConfig
+from sim.link import BandwidthSchedule
+from sim.profiles import ChipProfile, load_profiles
+
+
+@dataclass(frozen=True)
+class Group:
+    role: str
+    dc: str
+    profile: ChipProfile
+    count: int
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    profiles: dict[str, ChipProfile]
+    chips: dict[str, str]
+    wan: dict[str, Any]
+    local: dict[str, Any] = field(default_factory=lambda: {"mbps": 10_000.0, "delay_ms": 0.05})
+    handoff: dict[str, int] = field(default_factory=lambda: {"chunk_tokens": 64, "final_tokens": 8})
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    fleets: dict[str, dict[str, int]] = field(default_factory=dict)
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    slo: dict[str, float] = field(default_factory=lambda: {"ttft_ms": 2000.0, "tpot_ms": 400.0})
+    prices: dict[str, float] = field(default_factory=dict)
+    path: str = ""
+
+    def chip(self, dc: str, role: str) -> ChipProfile:
+        name = self.chips[dc]
+        if name not in self.profiles:
+            raise ValueError(f"{self.path}: chips.{dc} = {name!r} is not a profile ({sorted(self.profiles)})")
+        return dataclasses.replace(self.profiles[name], **self.roles.get(role, {}))
+
+    def fleet(self, mode: str) -> dict[str, int]:
+        counts = {"prefill": 1, "rld": 1, "md": 1, **self.fleets.get("default", {}), **self.fleets.get(mode, {})}
+        if not mode.startswith("pdd"):
+            counts["rld"] = 0
+        return counts
+
+    def groups(self, mode: str) -> list[Group]:
+        counts = self.fleet(mode)
+        md_dc = "A" if mode == "pd-local" else "B"
+        groups = [Group("prefill", "A", self.chip("A", "prefill"), counts["prefill"]),
+                  Group("rld", "A", self.chip("A", "rld"), counts["rld"]),
+                  Group("md", md_dc, self.chip(md_dc, "md"), counts["md"], prefix_cache=mode != "pd-wan")]  # fmt: skip
+        return [g for g in groups if g.count > 0]
+
+    def bandwidth(self) -> BandwidthSchedule:
+        w = self.wan
+        return BandwidthSchedule(
+            float(w["bandwidth_mbps"]),
+            w.get("swing", "none"),
+            float(w.get("low", 1.0)),
+            float(w.get("period_s", 10.0)),
+            float(w.get("step", 0.2)),
+            int(w.get("seed", 0)),
+        )
+
+    def settings_prices(self) -> dict[str, float]:
+        return {"chip_a": self.chip("A", "prefill").price_per_hour, "chip_b": self.chip("B", "md").price_per_hour,
+                "wan_line": float(self.prices.get("wan_line", 0.0))}  # fmt: skip
+
+
+def policy_config(cfg: SimConfig, mode: str) -> PolicyConfig:
+    """The scheduler's knobs for `mode`, as services/scheduler/service.py derives them."""
+    pinned = mode_config(mode)["scheduler"]
+    groups = {g.role: g for g in cfg.groups(mode)}
+    md = groups["md"].profile
+    prefill = groups["prefill"].profile
+    rld_slots = groups["rld"].profile.max_running * groups["rld"].count if "rld" in groups else 1
+    priors = {"kv_bytes_per_token": prefill.kv_bytes_per_token, "prefill_tok_s": prefill.prefill_tok_s(),
+              "wan_mbps": float(cfg.wan["bandwidth_mbps"]), "wan_delay_ms": float(cfg.wan.get("delay_ms", 0.0)),
+              "local_mbps": float(cfg.local["mbps"]), "decode_step_ms": md.step_ms(1, 1024),
+              "rld_slots": rld_slots, "catchup_chunk": int(cfg.handoff["chunk_tokens"])}  # fmt: skip
+    knobs = {**priors, **cfg.scheduler, "default_pipeline": pinned["default_pipeline"],
+             "default_handoff": pinned["default_handoff"]}  # fmt: skip
+    return PolicyConfig(**knobs)
+
+
+def load_sim_config(path: str | Path) -> SimConfig:
+    path = Path(path)
+    raw = yaml.safe_load(path.read_text()) or {}
+    files = raw.pop("profiles", "profiles.yaml")
+    profiles = {}
+    for name in [files] if isinstance(files, str) else files:
+        profiles.update(load_profiles(path.parent / name))
+    known = {f.name for f in dataclasses.fields(SimConfig)} - {"profiles", "path"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}")
+    cfg = SimConfig(profiles=profiles, path=str(path), **raw)
+    for dc in ("A", "B"):
+        cfg.chip(dc, "md")  # names a real profile, or fail now with its name
+    return cfg

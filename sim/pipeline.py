@@ -1,0 +1,181 @@
+"""What happens to a planned request: prefill, KV on two paths, decoding, the RLD -> MD handoff.
+
+Lifecycle (`Pipeline.start` on a `Decision` from the scheduler's `choose_plan`):
+1. Prefill on the chosen instance (its prefix cache first), first token sampled.
+2. KV leaves on every path at once, each decoder getting only what it lacks (its prefix hit):
+   in-DC to RLD or to a same-DC decoder (`DirectLink`), across the WAN to MD in datacenter B
+   (`SharedLink`, shared with every other transfer). Export + import cost (`kv_io_ms`) is added
+   on landing. Finished WAN transfers feed the bandwidth estimator the policy reads.
+3. `p-md`: MD admits the request and streams it to the end. `p-rld`: RLD does.
+4. `p-rld-md`: RLD admits and streams at once; MD admits its copy as a shadow and tells RLD
+   (`KVReady`, a control message that pays the WAN delay). Then, token ids only:
+   - one-shot: RLD stops after its current step and sends every token as the final chunk;
+   - catch-up: while RLD's backlog is over `final_tokens`, it sends up to `chunk_tokens`, MD
+     extends them inside its next step and acks; then RLD stops and sends the rest.
+   The final chunk turns MD's shadow live: its next step extends the chunk and samples the
+   next token. If RLD streams every token before the handoff, MD's copy is dropped.
+5. Finish: the finishing decoder's DRC keeps prompt plus answer (`done_blocks`); `on_finish`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.scheduler.estimates import BandwidthEstimator
+from services.scheduler.policy import Decision
+from sim.decoder import DecodeInstance, Slot
+from sim.events import EventLoop
+from sim.link import DirectLink, SharedLink
+from sim.prefill import PrefillInstance
+from sim.request import RequestRun, RunState
+
+
+@dataclass
+class Handoff:
+    """One p-rld-md request's relay state: which slots, and how far MD has been brought."""
+
+    rld: DecodeInstance
+    md: DecodeInstance
+    rld_slot: Slot | None = None
+    md_slot: Slot | None = None
+    handed: int = 0  # tokens MD has been sent
+    started: bool = False
+
+
+@dataclass
+class Pipeline:
+    loop: EventLoop
+    instances: dict[str, PrefillInstance | DecodeInstance]
+    wan: SharedLink
+    local: DirectLink
+    estimator: BandwidthEstimator
+    kv_bytes_per_token: int
+    chunk_tokens: int
+    final_tokens: int
+    on_finish: Callable[[RequestRun], None]
+    handoffs: dict[str, Handoff] = field(default_factory=dict)
+
+    def start(self, run: RequestRun, d: Decision) -> None:
+        run.pipeline, run.handoff, run.reason, run.handoff_reason = d.pipeline, d.handoff, d.reason, d.handoff_reason
+        run.instances = dict(d.instances)
+        run.estimates = d.estimates.as_dict()
+        run.hit["md"] = d.md_cached_tokens
+        for role in ("rld", "md"):
+            if role in d.instances:
+                self.instances[d.instances[role]].pending += 1
+        if d.pipeline == "p-rld-md":
+            chunk = d.chunk_tokens or self.chunk_tokens
+            self.handoffs[run.req.request_id] = Handoff(self.instances[d.instances["rld"]],
+                                                        self.instances[d.instances["md"]])  # fmt: skip
+            run.marks["chunk"] = chunk
+        self.instances[d.instances["prefill"]].submit(run, lambda r: self._prefilled(r, d))
+
+    # -- 2. KV on every path ----------------------------------------------------------------
+    def _prefilled(self, run: RequestRun, d: Decision) -> None:
+        run.state = RunState.KV_IN_FLIGHT
+        prefill = self.instances[d.instances["prefill"]]
+        for role in ("rld", "md"):
+            if role in d.instances:
+                self._push(run, prefill, self.instances[d.instances[role]], d.starts.get(role, 0))
+
+    def _push(self, run: RequestRun, prefill: PrefillInstance, dec: DecodeInstance, start: int) -> None:
+        tokens = run.req.prompt_len - start
+        nbytes = tokens * self.kv_bytes_per_token
+        across = dec.dc != prefill.dc
+        link = self.wan if across else self.local
+        if across:
+            run.wan_bytes += nbytes
+        else:
+            run.local_bytes += nbytes
+        io_ms = prefill.profile.kv_io_ms(tokens)
+
+        def landed(at_ms: float, seconds: float) -> None:
+            if across:
+                self.estimator.add(nbytes, seconds, at_ms / 1000.0)
+            self.loop.after(io_ms, self._landed, run, dec, "kv_wan" if across else "kv_local")
+
+        link.send(nbytes, landed)
+
+    def _landed(self, run: RequestRun, dec: DecodeInstance, path: str) -> None:
+        run.marks[path] = self.loop.now
+        dec.pending -= 1
+        if run.state == RunState.FINISHED:  # the relay already streamed every token
+            return
+        h = self.handoffs.get(run.req.request_id)
+        if h is None:  # p-md or p-rld: this decoder streams to the end
+            dec.admit(Slot(run, run.req.prompt_len, on_finish=self._finished))
+        elif dec is h.rld:
+            if h.started:  # MD was ready first and took the whole request
+                return
+            run.state = RunState.DECODING_RLD
+            h.rld_slot = Slot(run, run.req.prompt_len, on_finish=self._finished, on_stop=self._rld_stopped)
+            dec.admit(h.rld_slot)
+        else:
+            h.md_slot = Slot(run, run.req.prompt_len, emit=False, on_finish=self._finished,
+                             on_extended=self._chunk_extended)  # fmt: skip
+            dec.admit(h.md_slot)
+            self.wan.send(0, lambda at, s: self._md_ready(run))  # KVReady crosses to RLD
+
+    # -- 4. the handoff -----------------------------------------------------------------------
+    def _md_ready(self, run: RequestRun) -> None:
+        h = self.handoffs[run.req.request_id]
+        if run.state == RunState.FINISHED:
+            h.md.drop(h.md_slot)
+            return
+        h.started = True
+        run.state = RunState.HANDING_OFF
+        if h.rld_slot is None:  # the relay never got going: MD takes the request whole
+            self._send_final(run, h, 0)
+        elif run.handoff == "catchup":
+            self._catchup_round(run, h)
+        else:
+            h.rld.request_stop(h.rld_slot)
+
+    def _catchup_round(self, run: RequestRun, h: Handoff) -> None:
+        if run.state == RunState.FINISHED:
+            h.md.drop(h.md_slot)
+            return
+        backlog = run.emitted - h.handed
+        if backlog <= self.final_tokens:
+            h.rld.request_stop(h.rld_slot)
+            return
+        chunk = min(backlog, int(run.marks.get("chunk", self.chunk_tokens)))
+        h.handed += chunk
+        run.handoff_chunks += 1
+        self.wan.send(0, lambda at, s: h.md.add_extend(h.md_slot, chunk, emit=False))
+
+    def _chunk_extended(self, slot: Slot, t: float) -> None:
+        run = slot.run
+        self.wan.send(0, lambda at, s: self._catchup_round(run, self.handoffs[run.req.request_id]))  # the ack
+
+    def _rld_stopped(self, slot: Slot, t: float) -> None:
+        run = slot.run
+        h = self.handoffs[run.req.request_id]
+        h.rld.cache.insert(run.req.blocks)
+        self._send_final(run, h, run.emitted - h.handed)
+
+    def _send_final(self, run: RequestRun, h: Handoff, rest: int) -> None:
+        h.handed += rest
+        run.handoff_chunks += 1
+
+        def final_at_md(at_ms: float, seconds: float) -> None:
+            run.marks["final_chunk"] = at_ms
+            run.state = RunState.DECODING_MD
+            h.md.add_extend(h.md_slot, rest, emit=True)
+
+        self.wan.send(0, final_at_md)
+
+    # -- 5. finish ------------------------------------------------------------------------------
+    def _finished(self, slot: Slot, t: float) -> None:
+        run = slot.run
+        if run.state == RunState.FINISHED:
+            return
+        run.state = RunState.FINISHED
+        run.marks["finish"] = t
+        on_md = run.pipeline == "p-md" or run.tokens_by_role["md"] > 0
+        self.instances[run.instances["md" if on_md else "rld"]].cache.insert(run.req.done_blocks)
+        h = self.handoffs.get(run.req.request_id)
+        if h is not None and not on_md and h.md_slot is not None:
+            h.md.drop(h.md_slot)  # the relay streamed every token: MD's copy goes
+        self.on_finish(run)

@@ -1,0 +1,96 @@
+"""The simulator against timings computed by hand on the trivial chip (tests/sim/factories.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import services.scheduler.policy as policy
+import sim.cluster
+from sim.events import EventLoop
+from sim.link import BandwidthSchedule, SharedLink
+from sim.run import simulate
+from tests.sim.factories import make_config, make_request
+
+
+def test_the_simulator_plans_with_the_schedulers_own_function(monkeypatch):
+    assert sim.cluster.POLICY is policy.choose_plan
+    calls = []
+    monkeypatch.setattr(
+        sim.cluster, "POLICY", lambda *a, **k: calls.append(a[0].request_id) or policy.choose_plan(*a, **k)
+    )
+    simulate(make_config(), "pdd", [make_request("a"), make_request("b", arrival_ms=1.0)])
+    assert calls == ["a", "b"]
+
+
+def test_p_md_one_prefill_one_wan_transfer_then_steps():
+    # prefill 100 tokens x 1 ms = [0, 100]; 100 x 1000 B at 1000 B/ms = 100 ms + 5 ms delay -> KV at 205;
+    # MD idle: token 0 at 205, then a 10 ms step per token.
+    [run], _ = simulate(make_config(), "pd-wan", [make_request(output=3)])
+    assert run.pipeline == "p-md"
+    assert run.token_times == pytest.approx([205.0, 215.0, 225.0])
+    assert run.wan_bytes == 100_000
+    assert run.marks["prefill_end"] == pytest.approx(100.0)
+
+
+def test_pd_local_keeps_the_kv_in_datacenter_a():
+    # in-DC: 100,000 B at 1,000,000 B/ms = 0.1 ms, no delay
+    [run], _ = simulate(make_config(), "pd-local", [make_request(output=2)])
+    assert run.token_times == pytest.approx([100.1, 110.1])
+    assert run.wan_bytes == 0 and run.local_bytes == 100_000
+
+
+def test_two_transfers_share_the_wan():
+    loop, done = EventLoop(), {}
+    link = SharedLink(loop, BandwidthSchedule(8.0), delay_ms=5.0)
+    link.send(100_000, lambda at, s: done.setdefault("big", at))
+    link.send(50_000, lambda at, s: done.setdefault("small", at))
+    loop.run()
+    # both at 500 B/ms: the small one has its bytes at 100 ms; the big one then has 50,000 B
+    # left at the full 1000 B/ms: 150 ms. Each plus the 5 ms delay.
+    assert done == pytest.approx({"small": 105.0, "big": 155.0})
+
+
+def test_one_shot_handoff_relay_streams_then_main_decode_extends():
+    cfg = make_config(scheduler={"ttft_slo_ms": 1.0})  # p-md misses the SLO: relay
+    [run], _ = simulate(cfg, "pdd-oneshot", [make_request(output=20)])
+    assert (run.pipeline, run.handoff) == ("p-rld-md", "oneshot")
+    # RLD: KV in-DC at 100.1, token 0 then one per 10 ms step. MD has its KV at 205 and says
+    # so (KVReady, 5 ms): at 210 RLD is mid-step; it stops after it, at 210.1, holding 12 tokens.
+    # The final chunk (12 ids) reaches MD at 215.1; one step extends them: 10 + 11 x 1 ms.
+    rld = [100.1 + 10 * k for k in range(12)]
+    md = [236.1 + 10 * k for k in range(8)]
+    assert run.token_times == pytest.approx(rld + md)
+    assert run.tokens_by_role == {"rld": 12, "md": 8}
+    assert run.marks["final_chunk"] == pytest.approx(215.1)
+
+
+def test_catch_up_hands_chunks_while_the_relay_keeps_streaming():
+    cfg = make_config(scheduler={"ttft_slo_ms": 1.0})
+    [run], _ = simulate(cfg, "pdd-catchup", [make_request(output=40)])
+    assert run.handoff == "catchup"
+    assert run.handoff_chunks >= 3  # chunks of 4 while the backlog is over 2, then the final one
+    assert run.tokens_by_role["rld"] + run.tokens_by_role["md"] == 40
+    gaps = [b - a for a, b in zip(run.token_times, run.token_times[1:])]
+    assert max(gaps) < 20.0  # no one-shot stall: every extend was small
+
+
+def test_relay_finishing_first_drops_main_decodes_copy():
+    cfg = make_config(scheduler={"ttft_slo_ms": 1.0})
+    [run], cluster = simulate(cfg, "pdd", [make_request(output=3)])
+    assert run.tokens_by_role == {"rld": 3, "md": 0}
+    md = next(d for d in cluster.decoders if d.role == "md")
+    assert not md.running and md.used_tokens == 0
+
+
+def test_drc_keeps_prompt_and_answer_for_the_next_turn():
+    first = make_request("t1", prompt=160, output=32)
+    second = dataclasses.replace(make_request("t2", prompt=224, output=4), blocks=first.done_blocks + (("t2", 0),) * 2,
+                                 depends_on="t1")  # fmt: skip
+    runs, _ = simulate(make_config(), "pd-wan-drc", [first, second])
+    assert runs[1].hit["md"] == 192  # 12 blocks: the first prompt and its answer
+    assert runs[1].wan_bytes == (224 - 192) * 1000
+    assert runs[1].sent_ms == pytest.approx(runs[0].token_times[-1])  # waits for the turn before
+    no_drc, _ = simulate(make_config(), "pd-wan", [first, second])
+    assert no_drc[1].hit["md"] == 0 and no_drc[1].wan_bytes == 224_000
