@@ -43,6 +43,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=int, default=1, help="trace: replay it this many times back to back")
     p.add_argument("--max-plot-requests", type=int, default=5000)
     p.add_argument("--no-tokenizer", action="store_true", help="agentic: estimate token counts (chars/3)")
+    p.add_argument("--real", default="docs/bench-agentic", help="validate: the real `pdd bench` run's folder")
     p.add_argument("--threads", type=int, default=1, help="profile: torch threads (the bench's instances use 1)")
     p.add_argument("--name", default="cpu-2core-smollm2-fp32", help="profile: its name in the YAML")
     p.add_argument("--profile-out", default="configs/sim/cpu-profile.yaml", help="profile: where to write it")
