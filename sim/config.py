@@ -52,6 +52,7 @@ class SimConfig:
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)
     slo: dict[str, float] = field(default_factory=lambda: {"ttft_ms": 2000.0, "tpot_ms": 400.0})
     prices: dict[str, float] = field(default_factory=dict)
+    drc: bool = True  # False: main-decode keeps no radix cache in any mode (an ablation)
     path: str = ""
 
     def chip(self, dc: str, role: str) -> ChipProfile:
@@ -69,9 +70,11 @@ class SimConfig:
     def groups(self, mode: str) -> list[Group]:
         counts = self.fleet(mode)
         md_dc = "A" if mode == "pd-local" else "B"
-        groups = [Group("prefill", "A", self.chip("A", "prefill"), counts["prefill"]),
-                  Group("rld", "A", self.chip("A", "rld"), counts["rld"]),
-                  Group("md", md_dc, self.chip(md_dc, "md"), counts["md"], prefix_cache=mode != "pd-wan")]  # fmt: skip
+        groups = [
+            Group("prefill", "A", self.chip("A", "prefill"), counts["prefill"]),
+            Group("rld", "A", self.chip("A", "rld"), counts["rld"]),
+            Group("md", md_dc, self.chip(md_dc, "md"), counts["md"], prefix_cache=mode != "pd-wan" and self.drc),
+        ]
         return [g for g in groups if g.count > 0]
 
     def bandwidth(self) -> BandwidthSchedule:

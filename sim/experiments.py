@@ -1,0 +1,185 @@
+"""`pdd sim experiments`: the report's four experiments at datacenter scale (docs/sim/README.md).
+
+1. `scale`: 88 chip-A intra-DC PD vs naive cross-DC PD vs PDD on 43 A + 32 B + a line, on the
+   Mooncake trace: cost, SLA goodput, BCR, TTFT P50/P90/P99, WAN bytes.
+2. `bathtub`: BCR of PDD over the 88-A baseline against the average prefix hit (`hitmix:H`).
+3. `oscillation`: PDD with the guard, without it, with `p-rld` for low-hit traffic, and
+   without DRC: relay load and the prefill-vs-MD hit gap over time.
+4. `wan_bytes`: WAN KV bytes with and without DRC at ~90% hit.
+Each writes its PNG and a JSON of its figures into `--out` (default docs/sim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after use("Agg")
+
+from benchmarks.summary import build_results
+from sim.config import SimConfig, load_sim_config
+from sim.records import record, settings
+from sim.run import simulate
+from sim.workload import hitmix, trace_requests
+
+TRACE = "../shared/data/mooncake_synthetic_trace.jsonl"
+FLEET = "configs/sim/report-fleet.yaml"
+
+
+def summarize(cfg: SimConfig, mode: str, requests, **kw) -> tuple[dict, object, list]:
+    runs, cluster = simulate(cfg, mode, requests, **kw)
+    results = build_results({}, settings(cfg, [mode], {mode: runs}, 0), [record(r, mode) for r in runs])
+    return results["modes"][mode], cluster, runs
+
+
+def scale(cfg: SimConfig, out: Path, trace: str) -> dict:
+    reqs = trace_requests(trace, block_tokens=512, time_scale=0.5, max_context=131072, loops=2)
+    rows = {}
+    for mode in ("pd-local", "pd-wan", "pd-wan-drc", "pdd"):
+        t0 = time.perf_counter()
+        s, _, _ = summarize(cfg, mode, reqs)
+        rate = cost_rate(cfg, mode)
+        rows[mode] = {"cost_per_hour": rate, "goodput_rps": s["goodput_rps"], "bcr": s["bcr"],
+                      "ttft_ms": s["ttft_ms"], "tpot_p50_ms": s["tpot_ms"]["p50"], "wan_kv_bytes": s["wan_kv_bytes"],
+                      "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
+                      "wall_s": time.perf_counter() - t0}  # fmt: skip
+        print(f"  scale {mode}: {len(reqs)} requests in {rows[mode]['wall_s']:.1f}s", file=sys.stderr)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    modes = list(rows)
+    axes[0].bar(modes, [rows[m]["cost_per_hour"] for m in modes], color="tab:gray")
+    axes[0].set_title("hardware cost per hour (chip-A hours)")
+    for k, p in enumerate(("p50", "p90", "p99")):
+        axes[1].bar([i + 0.27 * (k - 1) for i in range(len(modes))], [rows[m]["ttft_ms"][p] / 1000 for m in modes],
+                    0.27, label=p)  # fmt: skip
+    axes[1].set_xticks(range(len(modes)), modes)
+    axes[1].set_title("TTFT (s)")
+    axes[1].legend()
+    axes[2].bar(modes, [rows[m]["bcr"] for m in modes], color="tab:green")
+    axes[2].set_title("BCR (SLA goodput / hourly cost)")
+    fig.suptitle(f"88 A intra-DC vs 43 A + 32 B + line: Mooncake trace x2, {len(reqs)} requests")
+    _save(fig, out / "scale.png")
+    return {"requests": len(reqs), "modes": rows}
+
+
+def cost_rate(cfg: SimConfig, mode: str) -> float:
+    from benchmarks.summary import cost_rate_per_hour
+
+    return cost_rate_per_hour({"prices": cfg.settings_prices(), "instances": {mode: cfg.fleet(mode)}}, mode)
+
+
+def bathtub(cfg: SimConfig, out: Path) -> dict:
+    hits = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+    rows = []
+    for h in hits:
+        reqs = hitmix(1200, 0, 10.0, h, prompt_tokens=8192, output_tokens=256)
+        row = {"hit": h}
+        for mode in ("pd-local", "pd-wan", "pdd"):
+            s, cluster, _ = summarize(cfg, mode, reqs)
+            row[mode] = {"bcr": s["bcr"], "ttft_p90": s["ttft_ms"]["p90"], "wan_gbps": s["wan_kv_bytes"] * 8 / 1e9 /
+                         max(reqs[-1].arrival_ms / 1000, 1)}  # fmt: skip
+        rows.append(row)
+        print(f"  bathtub hit {h:.2f}: pdd/pd-local BCR {row['pdd']['bcr'] / max(row['pd-local']['bcr'], 1e-9):.2f}",
+              file=sys.stderr)  # fmt: skip
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    xs = [r["hit"] * 100 for r in rows]
+    for mode in ("pdd", "pd-wan"):
+        ax.plot(xs, [r[mode]["bcr"] / max(r["pd-local"]["bcr"], 1e-9) for r in rows], "o-", label=f"{mode} / pd-local")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("BCR relative to 88 A intra-DC")
+    ax.legend()
+    ax.set_title("The bathtub: benefit against average prefix hit (hitmix, 8K in / 256 out, 10 req/s)")
+    ax2.plot(xs, [r["pdd"]["wan_gbps"] for r in rows], "o-", color="tab:red", label="PDD WAN demand (Gbps, mean)")
+    ax2.plot(xs, [r["pdd"]["ttft_p90"] / 1000 for r in rows], "s-", color="tab:blue", label="PDD TTFT P90 (s)")
+    ax2.set_xlabel("average prefix hit (%)")
+    ax2.legend()
+    _save(fig, out / "bathtub.png")
+    return {"rows": rows}
+
+
+def oscillation(cfg: SimConfig, out: Path, trace: str) -> dict:
+    reqs = trace_requests(trace, block_tokens=512, time_scale=0.5, max_context=131072, max_requests=2500)
+    variants = {"PDD (guard, DRC)": cfg, "no guard": _sched(cfg, guard=False),
+                "p-rld for low-hit": _sched(cfg, anomalous_min_uncached=2048, anomalous_max_output=1_000_000),
+                "no DRC": dataclasses.replace(cfg, drc=False)}  # fmt: skip
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    figures = {}
+    for name, c in variants.items():
+        s, cluster, runs = summarize(c, "pdd", reqs, sample_every_ms=2000.0)
+        t = [x["t_s"] for x in cluster.samples]
+        ax.plot(t, [x["rld_busy"] / max(x["rld_slots"], 1) for x in cluster.samples], label=name, lw=1)
+        gap = _hit_gap(runs)
+        ax2.plot([g[0] for g in gap], [g[1] for g in gap], label=name, lw=1)
+        figures[name] = {
+            "ttft_ms": s["ttft_ms"],
+            "goodput_rps": s["goodput_rps"],
+            "wan_kv_bytes": s["wan_kv_bytes"],
+            "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
+            "hit_rate": s["hit_rate"],
+            "max_rld_load": max((x["rld_busy"] / x["rld_slots"] for x in cluster.samples), default=0),
+        }
+        print(f"  oscillation {name}: TTFT P90 {s['ttft_ms']['p90']:.0f} ms", file=sys.stderr)
+    ax.set_ylabel("RLD busy / slots")
+    ax.legend(fontsize=8)
+    ax.set_title("Relay load and hit-rate gap over time (Mooncake trace, report fleet)")
+    ax2.set_ylabel("prefill hit - MD hit (share of prompt, 60 s mean)")
+    ax2.set_xlabel("time (s)")
+    _save(fig, out / "oscillation.png")
+    return figures
+
+
+def _sched(cfg: SimConfig, **knobs) -> SimConfig:
+    return dataclasses.replace(cfg, scheduler={**cfg.scheduler, **knobs})
+
+
+def _hit_gap(runs, window_s: float = 60.0) -> list[tuple[float, float]]:
+    buckets: dict[int, list[float]] = {}
+    for r in runs:
+        gap = (r.hit["prefill"] - r.hit["md"]) / max(r.req.prompt_len, 1)
+        buckets.setdefault(int(r.sent_ms / 1000 // window_s), []).append(gap)
+    return [((k + 0.5) * window_s, sum(v) / len(v)) for k, v in sorted(buckets.items())]
+
+
+def wan_bytes(cfg: SimConfig, out: Path) -> dict:
+    reqs = hitmix(1500, 1, 10.0, 0.9, prompt_tokens=8192, output_tokens=256)
+    figures = {m: summarize(cfg, m, reqs)[0] for m in ("pd-wan", "pd-wan-drc", "pdd")}
+    gb = {m: s["wan_kv_bytes"] / 1e9 for m, s in figures.items()}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(list(gb), list(gb.values()), color=["tab:red", "tab:orange", "tab:green"])
+    for i, v in enumerate(gb.values()):
+        ax.text(i, v, f"{v:,.0f} GB ({v / gb['pd-wan']:.0%})", ha="center", va="bottom")
+    ax.set_ylabel("WAN KV bytes (GB)")
+    ax.set_title("WAN KV at ~90% prefix hit: DRC sends only the increment")
+    _save(fig, out / "wan_bytes.png")
+    return {m: {"wan_gb": gb[m], "md_hit": s["hit_rate"]["md"], "ttft_ms": s["ttft_ms"]} for m, s in figures.items()}
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = load_sim_config(args.config if args.config != "configs/sim/single-host-cpu.yaml" else FLEET)
+    out = Path(args.out if args.out != "sim-out" else "docs/sim")
+    out.mkdir(parents=True, exist_ok=True)
+    trace = args.workload[6:] if args.workload.startswith("trace:") else TRACE
+    results = {}
+    for name, fn in (
+        ("wan_bytes", lambda: wan_bytes(cfg, out)),
+        ("scale", lambda: scale(cfg, out, trace)),
+        ("oscillation", lambda: oscillation(cfg, out, trace)),
+        ("bathtub", lambda: bathtub(cfg, out)),
+    ):
+        t0 = time.perf_counter()
+        results[name] = fn()
+        print(f"pdd sim experiments: {name} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        (out / "experiments.json").write_text(json.dumps(results, indent=1, default=float))
+    return 0
