@@ -159,12 +159,14 @@ class DecoderService(EngineService):
     # -- 5. abort and deadlines ---------------------------------------------------------
     async def on_abort(self, msg: Abort) -> None:
         self.aborted[msg.request_id] = time.monotonic()
+        self.receiver.cancel(msg.request_id)  # its KV may be mid-way across the WAN: stop carrying it
         state = self.requests.pop(msg.request_id, None)
         if state is not None:
             await self.worker.call(lambda e: e.abort(msg.request_id))
 
     async def on_drop(self, msg: Abort) -> None:
         """Only this decoder's copy is abandoned (its KV push failed); others carry the request."""
+        self.receiver.cancel(msg.request_id)
         state = self.requests.pop(msg.request_id, None)
         if state is not None and state.running:
             await self.worker.call(lambda e: e.abort(msg.request_id))

@@ -11,11 +11,15 @@ Wire format, one frame = `u32 length (big endian) | u8 type | body[length - 1]`:
 
 A transfer whose peer makes no progress for `stall_s` fails on both sides (never a hang): the
 sender raises `KVTransferError`, the receiver drops what it had and reports nothing committed.
+A transfer that ends any other way than with its ACK (a failure, or the sender's task cancelled
+by an abort) resets its socket, and `KVReceiver.cancel` resets a receiving one: data still in
+buffers is dropped rather than carried on to the end across a slow WAN.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -81,6 +85,17 @@ class Transfer:
     elapsed_ms: float = 0.0  # first header byte read -> DONE read
 
 
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Cut a socket now: buffered data is dropped and the peer gets a reset."""
+    sock = writer.get_extra_info("socket")
+    try:
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    writer.transport.abort()
+
+
 async def send_kv(
     host: str,
     port: int,
@@ -97,7 +112,7 @@ async def send_kv(
         reader, writer = await asyncio.wait_for(asyncio.open_connection(*(via or (host, port))), stall_s)
     except (TimeoutError, OSError) as e:
         raise KVTransferError(f"cannot connect to KV endpoint {via or (host, port)}: {e}") from None
-    sent = 0
+    sent, acked = 0, False
     try:
         if via is not None:
             writer.write(packed(Frame.ROUTE, {"host": host, "port": port, "request_id": request_id}))
@@ -114,6 +129,7 @@ async def send_kv(
         if kind != Frame.ACK:
             raise KVTransferError(f"expected ACK, got {kind.name}")
         ack = msgpack.unpackb(body)
+        acked = True
         if not ack.get("ok"):
             raise KVTransferError(f"receiver refused the KV: {ack.get('error')}")
         return sent
@@ -122,11 +138,14 @@ async def send_kv(
     except (ConnectionError, OSError) as e:
         raise KVTransferError(f"KV connection to {host}:{port} failed: {e}") from None
     finally:
-        writer.close()
-        try:
-            await asyncio.wait_for(writer.wait_closed(), 1.0)
-        except (TimeoutError, OSError):
-            pass
+        if not acked:  # failed or cancelled mid-way: drop what is still buffered, tell the peer now
+            reset(writer)
+        else:
+            writer.close()
+            try:
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+            except (TimeoutError, OSError):
+                pass
 
 
 Handler = Callable[[Transfer], Awaitable[str]]  # returns "" when committed, else an error
@@ -167,6 +186,7 @@ class KVReceiver:
         self.on_error = on_error  # (request_id or "", message) for transfers that failed mid-way
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
+        self._receiving: dict[str, asyncio.StreamWriter] = {}  # request id -> its connection, mid-transfer
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
@@ -177,16 +197,27 @@ class KVReceiver:
         if self.server is not None:
             self.server.close()
 
+    def cancel(self, request_id: str) -> bool:
+        """Cut the request's transfer if one is arriving (it was aborted): True if one was."""
+        writer = self._receiving.pop(request_id, None)
+        if writer is not None:
+            reset(writer)
+        return writer is not None
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         transfer = None
         try:
             transfer = await _receive_header(reader, self.stall_s)
+            self._receiving[transfer.request_id] = writer
             await _receive_body(reader, transfer, self.stall_s)
-        except (KVTransferError, KeyError, ValueError) as e:
+        except (KVTransferError, KeyError, ValueError, ConnectionError) as e:
             if self.on_error:
                 self.on_error(transfer.request_id if transfer else "", str(e))
             writer.close()
             return
+        finally:
+            if transfer is not None and self._receiving.get(transfer.request_id) is writer:
+                del self._receiving[transfer.request_id]
         try:
             error = await self.handler(transfer)
         except Exception as e:  # the handler's failure is the sender's answer, not a crash

@@ -170,7 +170,7 @@ class EngineService(InstanceService):
 
     async def setup(self) -> None:
         engine, self.tokenizer = await asyncio.to_thread(build_engine, self.cfg, self.inst)
-        self.worker = EngineWorker(engine, self.on_outputs, threads=self.inst.threads)
+        self.worker = EngineWorker(engine, self.on_outputs, threads=self.inst.threads, observe=_engine_load)
         self.worker.start()
         await self.registry.clear_kv(self.inst.id)  # a restarted instance holds nothing yet
         self.spawn(self._index_loop())
@@ -218,7 +218,8 @@ class EngineService(InstanceService):
         """Called on the event loop with each step's outputs, in step order."""
 
     async def load(self) -> dict[str, int]:
-        return {**await self.worker.call(_engine_load), "held": len(self.held_requests()), "tasks": len(self._tasks)}
+        """As of the last step boundary: never waits for the engine (heartbeats go on mid-step)."""
+        return {**self.worker.figures, "held": len(self.held_requests()), "tasks": len(self._tasks)}
 
 
 def _cache_events(engine: Engine, full: bool) -> list:

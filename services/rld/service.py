@@ -42,6 +42,9 @@ class RelayDecoder(DecoderService):
         await super().setup()
         await self.bus.serve(subjects.handoff_ready(self.inst.id), KVReady, self.on_ready)
 
+    async def load(self) -> dict[str, int]:
+        return {**await super().load(), "handing": len(self.handing)}
+
     async def after_admit(self, state: DecodeState, first: int, done: str | None) -> None:
         await super().after_admit(state, first, done)
         if state.task.request_id in self.md_ready:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import struct
 from dataclasses import dataclass
 from typing import Protocol
 
 import msgpack
 
 from services.wanlink.shaper import DelayLine
-from shared.kv_transport import Frame, KVTransferError, read_frame
+from shared.kv_transport import Frame, KVTransferError, read_frame, reset
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +93,6 @@ async def read_route(reader: asyncio.StreamReader, timeout: float) -> Route:
     if not isinstance(route.host, str) or not isinstance(route.port, int) or not isinstance(route.request_id, str):
         raise KVTransferError(f"bad ROUTE frame: {raw!r}")
     return route
-
-
-def reset(writer: asyncio.StreamWriter) -> None:
-    """Cut a socket now: buffered data is dropped and the peer gets a reset."""
-    sock = writer.get_extra_info("socket")
-    try:
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    writer.transport.abort()
 
 
 Side = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -5,6 +5,10 @@ NATS and TCP. So the engine, its pool and its sequences belong to one thread. Th
 never touches them directly: it calls `await worker.call(fn)`, and `fn(engine)` runs on the
 engine thread between two steps. Outputs of each step come back to the loop through
 `on_outputs`, in step order.
+
+`figures` is what `observe(engine)` returned at the last step boundary (load, free blocks...).
+It is replaced whole, never mutated, so the loop reads it without waiting for a step: a
+heartbeat must not stall behind a long prefill chunk, or the instance looks dead.
 """
 
 from __future__ import annotations
@@ -25,10 +29,15 @@ log = logging.getLogger(__name__)
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, on_outputs: Callable[[list[TokenOutput]], Any], threads: int = 1) -> None:
+    def __init__(
+        self, engine: Engine, on_outputs: Callable[[list[TokenOutput]], Any], threads: int = 1,
+        observe: Callable[[Engine], dict[str, Any]] | None = None,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.on_outputs = on_outputs
         self.threads = threads
+        self.observe = observe
+        self.figures: dict[str, Any] = observe(engine) if observe else {}
         self._cond = threading.Condition()
         self._commands: list[tuple[Callable[[Engine], Any], asyncio.Future]] = []
         self._stopped = False
@@ -76,9 +85,15 @@ class EngineWorker:
         try:
             result = fn(self.engine)
         except BaseException as e:  # handed to the awaiting coroutine
+            self._observe()
             self._loop.call_soon_threadsafe(_set_exception, future, e)
         else:
+            self._observe()  # before the caller resumes: it may read the figures its command changed
             self._loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _observe(self) -> None:
+        if self.observe is not None:
+            self.figures = self.observe(self.engine)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -88,6 +103,7 @@ class EngineWorker:
             log.exception("engine step failed; failing its running sequences")
             outputs = self.engine.fail_running("engine step failed")
         self.last_step_ms = (time.perf_counter() - t0) * 1000
+        self._observe()
         if outputs:
             self._loop.call_soon_threadsafe(self.on_outputs, outputs)
 
