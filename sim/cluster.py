@@ -11,7 +11,8 @@ Lifecycle of a request (`SimCluster.run`):
 4. Finished: its later turns are released. A request no instance can take fails at once
    (`NoCapacity`, the gateway's 503).
 Differences from the real scheduler: views are exact and current (the real one reads
-heartbeats up to a second old), and there is no control-plane cost besides the WAN delay.
+heartbeats up to a second old); the control plane's cost is one `request_overhead_ms` per
+request (sim/host.py), paid between sending and planning.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sim.cache import PrefixIndex
 from sim.config import SimConfig, policy_config
 from sim.decoder import POOL_BLOCK, DecodeInstance
 from sim.events import EventLoop
+from sim.host import SharedHost
 from sim.link import DirectLink, SharedLink
 from sim.pipeline import Pipeline
 from sim.prefill import PrefillInstance
@@ -41,16 +43,18 @@ class SimCluster:
         self.loop = EventLoop()
         self.index = PrefixIndex()
         self.policy = policy_config(cfg, mode)
+        self.host = SharedHost(cfg.host_spec())
         self.prefills: list[PrefillInstance] = []
         self.decoders: list[DecodeInstance] = []
         for g in cfg.groups(mode):
             for k in range(g.count):
                 iid = f"{g.role}-{k}"
                 if g.role == "prefill":
-                    self.prefills.append(PrefillInstance(iid, g.dc, g.profile, self.loop, self.index, block_tokens))
+                    self.prefills.append(PrefillInstance(iid, g.dc, g.profile, self.loop, self.index, block_tokens,
+                                                         self.host))  # fmt: skip
                 else:
                     self.decoders.append(DecodeInstance(iid, g.role, g.dc, g.profile, self.loop, self.index,
-                                                        block_tokens, g.prefix_cache))  # fmt: skip
+                                                        block_tokens, self.host, g.prefix_cache))  # fmt: skip
         w = cfg.wan
         self.wan = SharedLink(self.loop, cfg.bandwidth(), float(w.get("delay_ms", 0.0)), float(w.get("jitter_ms", 0.0)),
                               horizon_ms=horizon_ms, seed=seed)  # fmt: skip
@@ -67,7 +71,7 @@ class SimCluster:
     # -- 2. what the policy sees ---------------------------------------------------------------
     def views(self, req: SimRequest) -> list[InstanceView]:
         hits = self.index.leading_hits(req.blocks)
-        out = [InstanceView(p.id, "prefill", p.dc, hit_tokens=req.hit_tokens(hits.get(p.id, 0)), running=int(p.busy),
+        out = [InstanceView(p.id, "prefill", p.dc, hit_tokens=req.hit_tokens(hits.get(p.id, 0)), running=p.running,
                             waiting=len(p.queue), queued_tokens=p.queued_tokens, prefill_tok_s=p.tok_s)
                for p in self.prefills]  # fmt: skip
         for d in self.decoders:
@@ -102,6 +106,13 @@ class SimCluster:
 
     def _send(self, run: RequestRun) -> None:
         run.sent_ms = self.loop.now
+        overhead = self.host.spec.request_overhead_ms
+        if overhead > 0:  # gateway, scheduler, Redis, NATS, SSE: once per request, before the plan
+            self.loop.after(overhead, self._plan, run)
+        else:
+            self._plan(run)
+
+    def _plan(self, run: RequestRun) -> None:
         req = run.req
         try:
             d = POLICY(PlanRequest(req.request_id, req.prompt_len, req.output_len), self.views(req), self.policy,

@@ -10,6 +10,8 @@
     fleets: {default: {prefill, rld, md}, <mode>: {...}}
     slo: {ttft_ms, tpot_ms}
     prices: {wan_line}                    # chip prices come from the profiles
+    host: {cores, background_cores, request_overhead_ms, cold_start_ms, interleave_prefill}
+                                          # sim/host.py; absent: every instance on its own chip
 
 Modes mean what they mean in `pdd bench` (benchmarks/modes.py, whose `mode_config` this reads
 for each mode's pinned pipeline and handoff): pd-local puts MD on chip A in datacenter A with
@@ -27,6 +29,7 @@ import yaml
 
 from benchmarks.modes import mode_config
 from services.scheduler.policy import PolicyConfig
+from sim.host import HostSpec
 from sim.link import BandwidthSchedule
 from sim.profiles import ChipProfile, load_profiles
 
@@ -53,6 +56,7 @@ class SimConfig:
     slo: dict[str, float] = field(default_factory=lambda: {"ttft_ms": 2000.0, "tpot_ms": 400.0})
     prices: dict[str, float] = field(default_factory=dict)
     drc: bool = True  # False: main-decode keeps no radix cache in any mode (an ablation)
+    host: dict[str, Any] = field(default_factory=dict)
     path: str = ""
 
     def chip(self, dc: str, role: str) -> ChipProfile:
@@ -76,6 +80,9 @@ class SimConfig:
             Group("md", md_dc, self.chip(md_dc, "md"), counts["md"], prefix_cache=mode != "pd-wan" and self.drc),
         ]
         return [g for g in groups if g.count > 0]
+
+    def host_spec(self) -> HostSpec:
+        return HostSpec.from_dict(self.host)
 
     def bandwidth(self) -> BandwidthSchedule:
         w = self.wan
@@ -123,4 +130,5 @@ def load_sim_config(path: str | Path) -> SimConfig:
     cfg = SimConfig(profiles=profiles, path=str(path), **raw)
     for dc in ("A", "B"):
         cfg.chip(dc, "md")  # names a real profile, or fail now with its name
+    cfg.host_spec()  # a bad host value fails now, named
     return cfg

@@ -11,7 +11,10 @@ Lifecycle of a request here:
 4. A sequence leaves when its request has all its tokens (`on_finish`: the DRC keeps prompt
    plus answer) or when a handoff stopped it (`on_stop`: RLD lets go at a step boundary).
 
-Steps are continuous batching: step time = `profile.step_ms(batch, context, extra)`. Steps are
+Steps are continuous batching: step time = `profile.step_ms(batch, context, extra)`, times the
+shared host's slowdown at the step's start (sim/host.py; 1 unless the host is shared). A KV that
+lands mid-step waits for the step's end, as the real import waits for the engine thread (half a
+step on average). Steps are
 events on the shared loop, but a step that ends before the loop's next event runs inline in a
 tight loop: nothing can observe the decoder in between, so the result is the same as one event
 per step, at a fraction of the cost. KV: each running sequence reserves its prompt plus its
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 from sim.cache import BlockCache, PrefixIndex
 from sim.events import EventLoop
+from sim.host import SharedHost
 from sim.profiles import ChipProfile
 from sim.request import RequestRun
 
@@ -51,8 +55,10 @@ class Slot:
 
 class DecodeInstance:
     def __init__(self, iid: str, role: str, dc: str, profile: ChipProfile, loop: EventLoop, index: PrefixIndex,
-                 block_tokens: int, prefix_cache: bool = True) -> None:  # fmt: skip
+                 block_tokens: int, host: SharedHost, prefix_cache: bool = True) -> None:  # fmt: skip
         self.id, self.role, self.dc, self.profile, self.loop = iid, role, dc, profile, loop
+        self.host = host
+        self.cold = host.spec.cold_start_ms > 0  # the first KV import pays the process's warm-up
         self.block_tokens = block_tokens
         self.cache_blocks = profile.kv_tokens // block_tokens if prefix_cache else 0
         self.cache = BlockCache(iid, self.cache_blocks, index)
@@ -74,6 +80,14 @@ class DecodeInstance:
     @property
     def free_blocks(self) -> int:
         return max(self.profile.kv_tokens - self.used_tokens, 0) // POOL_BLOCK
+
+    def import_ms(self, tokens: int) -> float:
+        """Host-side cost of importing `tokens` of KV here (the first import also warms the process)."""
+        ms = self.profile.kv_io_ms(tokens)
+        if self.cold:
+            self.cold = False
+            ms += self.host.spec.cold_start_ms
+        return ms
 
     # -- commands -----------------------------------------------------------------------------
     def admit(self, slot: Slot) -> None:
@@ -148,10 +162,12 @@ class DecodeInstance:
         batch = [s for s in self.running if s.emit or s.extend or s.stop]
         if not batch:
             self.step_end = None
+            self.host.set_busy(self.id, False)
             return False
+        self.host.set_busy(self.id, True)
         context = sum(s.ctx for s in batch)
         extra = sum(max(s.extend - 1, 0) if s.emit else s.extend for s in batch)
-        ms = self.profile.step_ms(len(batch), context, extra)
+        ms = self.profile.step_ms(len(batch), context, extra) * self.host.slowdown()
         self._batch, self.last_step_ms = batch, ms
         self.busy_ms += ms
         self.steps += 1

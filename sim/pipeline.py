@@ -4,8 +4,9 @@ Lifecycle (`Pipeline.start` on a `Decision` from the scheduler's `choose_plan`):
 1. Prefill on the chosen instance (its prefix cache first), first token sampled.
 2. KV leaves on every path at once, each decoder getting only what it lacks (its prefix hit):
    in-DC to RLD or to a same-DC decoder (`DirectLink`), across the WAN to MD in datacenter B
-   (`SharedLink`, shared with every other transfer). Export + import cost (`kv_io_ms`) is added
-   on landing. Finished WAN transfers feed the bandwidth estimator the policy reads.
+   (`SharedLink`, shared with every other transfer). Export + import cost (`kv_io_ms`, plus
+   a fresh decoder process's `cold_start_ms`) is added on landing. Finished WAN transfers
+   feed the bandwidth estimator the policy reads.
 3. `p-md`: MD admits the request and streams it to the end. `p-rld`: RLD does.
 4. `p-rld-md`: RLD admits and streams at once; MD admits its copy as a shadow and tells RLD
    (`KVReady`, a control message that pays the WAN delay). Then, token ids only:
@@ -88,7 +89,7 @@ class Pipeline:
             run.wan_bytes += nbytes
         else:
             run.local_bytes += nbytes
-        io_ms = prefill.profile.kv_io_ms(tokens)
+        io_ms = dec.import_ms(tokens)  # export + import (+ a fresh decoder's warm-up), on landing
 
         def landed(at_ms: float, seconds: float) -> None:
             if across:

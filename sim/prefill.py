@@ -7,8 +7,11 @@ Lifecycle of a request here:
    at least one token is always computed, to sample the first token.
 3. Done after `profile.prefill_ms(new, cached)`: the prompt's blocks enter the cache, the
    measured throughput is updated, and the caller's callback pushes the KV out.
-One prompt at a time: the real engine batches chunks of several prompts, which on a
-compute-bound prefill changes the order of work more than its total.
+One prompt at a time by default. With the host's `interleave_prefill` (sim/host.py) every
+submitted prompt starts at once (its cache matched then) and all share the instance's speed:
+the real engine batches chunks of several prompts per forward, so two cold prompts sent 1 s
+apart both compute their system prompt and both finish late. The work runs on a `Processor`,
+so a shared host's contention slows it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 
 from sim.cache import BlockCache, PrefixIndex
 from sim.events import EventLoop
+from sim.host import Processor, SharedHost
 from sim.profiles import ChipProfile
 from sim.request import RequestRun, RunState
 
@@ -28,8 +32,10 @@ class PrefillInstance:
     role = "prefill"
 
     def __init__(self, iid: str, dc: str, profile: ChipProfile, loop: EventLoop, index: PrefixIndex,
-                 block_tokens: int) -> None:  # fmt: skip
+                 block_tokens: int, host: SharedHost) -> None:  # fmt: skip
         self.id, self.dc, self.profile, self.loop = iid, dc, profile, loop
+        self.proc = Processor(loop, host, iid)
+        self.interleave = host.spec.interleave_prefill
         self.cache = BlockCache(iid, profile.kv_tokens // block_tokens, index)
         self.queue: deque[tuple[RequestRun, Callable[[RequestRun], None], int]] = deque()
         self.busy = False
@@ -42,8 +48,12 @@ class PrefillInstance:
         uncached = run.req.prompt_len - run.req.hit_tokens(self.cache.match(run.req.blocks))
         self.queue.append((run, on_done, uncached))
         self.queued_tokens += uncached
-        if not self.busy:
+        if self.interleave or not self.busy:
             self._start()
+
+    @property
+    def running(self) -> int:
+        return len(self.proc.jobs)
 
     def _start(self) -> None:
         if not self.queue:
@@ -60,7 +70,7 @@ class PrefillInstance:
         run.marks["prefill_start"] = self.loop.now
         self.busy = True
         ms = self.profile.prefill_ms(req.prompt_len - hit, hit)
-        self.loop.after(ms, self._done, run, on_done, ms, estimate)
+        self.proc.start(ms, lambda: self._done(run, on_done, ms, estimate))
 
     def _done(self, run: RequestRun, on_done: Callable[[RequestRun], None], ms: float, estimate: int) -> None:
         req = run.req
@@ -68,8 +78,10 @@ class PrefillInstance:
         self.busy_ms += ms
         self.cache.insert(req.blocks)
         new = req.prompt_len - run.hit["prefill"]
-        if ms > 0 and new >= 64:  # tiny prefills say more about overhead than throughput
-            self.tok_s = (1 - EWMA) * self.tok_s + EWMA * new / ms * 1000.0
+        took = self.loop.now - run.marks["prefill_start"]  # what the instance measures: shared, slowed
+        if took > 0 and new >= 64:  # tiny prefills say more about overhead than throughput
+            self.tok_s = (1 - EWMA) * self.tok_s + EWMA * new / took * 1000.0
         run.marks["prefill_end"] = self.loop.now
         on_done(run)
-        self._start()
+        if not self.interleave:
+            self._start()
