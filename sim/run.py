@@ -12,6 +12,7 @@ plots are skipped above `--max-plot-requests`), computed by the same summary cod
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -44,11 +45,14 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-plot-requests", type=int, default=5000)
     p.add_argument("--no-tokenizer", action="store_true", help="agentic: estimate token counts (chars/3)")
     p.add_argument("--real", default="docs/bench-agentic", help="validate: the real `pdd bench` run's folder")
+    p.add_argument("--calibrate", action="store_true",
+                   help="validate: fit the config's host: costs to --real instead (sim/calibrate.py)")
     p.add_argument("--threads", type=int, default=1, help="profile: torch threads (the bench's instances use 1)")
     p.add_argument("--name", default="cpu-2core-smollm2-fp32", help="profile: its name in the YAML")
     p.add_argument("--profile-out", default="configs/sim/cpu-profile.yaml", help="profile: where to write it")
 
 
+@functools.cache
 def tokenizer_or_none(disabled: bool = False):
     """SmolLM2's tokenizer when the model folder is already provisioned (token counts as the bench)."""
     if disabled:

@@ -1,6 +1,6 @@
 """`pdd sim validate`: the simulator against a real `pdd bench` run on this host.
 
-1. Read the real run (results.json + requests.jsonl): its workload (generator, request count,
+1. Read the real run (results.json, and requests.jsonl when it kept one): its workload (generator, request count,
    seed, rate), its modes, and each request's actual output length (the simulator cannot know
    where the model stopped, so it is given the lengths the model produced).
 2. Rebuild the same workload with the same generator and seed, simulate each mode on the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.summary import request_latencies
 from benchmarks.workloads import load_workload
-from sim.config import load_sim_config
+from sim.config import SimConfig, load_sim_config
 from sim.run import run_modes, tokenizer_or_none
 from sim.workload import from_bench
 
@@ -81,24 +81,42 @@ def plot(path: Path, real_records: list[dict], sim_records: list[dict]) -> None:
     plt.close(fig)
 
 
-def main(args: argparse.Namespace) -> int:
-    real_dir = Path(args.real)
+def load_real(real_dir: Path) -> tuple[dict, list[dict]]:
+    """A real run's results.json and, when it kept them, its per-request records."""
     real = json.loads((real_dir / "results.json").read_text())
-    real_records = [json.loads(line) for line in (real_dir / "requests.jsonl").read_text().splitlines() if line]
+    path = real_dir / "requests.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return real, records
+
+
+def simulate_real(real: dict, real_records: list[dict], cfg: SimConfig, progress: bool = True) -> tuple[dict, list]:
+    """The real run's workload (same generator, seed, rate) on `cfg`, every one of its modes.
+
+    Output lengths are the real ones when the run kept its records, else the generator's
+    (`max_tokens`; the model stops early on few of them)."""
     w = real["workload"]
     outputs = {r["request_id"]: int(r["output_tokens"]) for r in real_records if r["ok"]}
     tokenizer = tokenizer_or_none()
     wl = load_workload(w["name"], n_requests=w["requests"], seed=w["seed"], rate_rps=w["params"].get("rate_rps", 0.5),
                        tokenizer=tokenizer)  # fmt: skip
     requests = from_bench(wl, tokenizer, outputs)
-    modes = list(real["modes"])
-    simulated, sim_records = run_modes(load_sim_config(args.config), modes, requests, wl.describe(), w["seed"])
+    return run_modes(cfg, list(real["modes"]), requests, wl.describe(), w["seed"], progress)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from sim.calibrate import main as calibrate
+
+        return calibrate(args)
+    real, real_records = load_real(Path(args.real))
+    simulated, sim_records = simulate_real(real, real_records, load_sim_config(args.config))
     rows = compare(real, simulated)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = f"pdd sim validate --real {args.real} --config {args.config} --out {args.out}"
     (out / "validation.md").write_text(markdown(rows, cmd))
     (out / "validation.json").write_text(json.dumps({"rows": rows, "simulated": simulated}, indent=1))
-    plot(out / "validation_ttft.png", real_records, sim_records)
+    if real_records:
+        plot(out / "validation_ttft.png", real_records, sim_records)
     print(markdown(rows, cmd))
     return 0
