@@ -137,6 +137,7 @@ class SimCluster:
         self.samples.append({
             "t_s": self.loop.now / 1000.0,
             "rld_busy": sum(len(d.running) + len(d.waiting) + d.pending for d in rld),
+            "rld_waiting": sum(len(d.waiting) for d in rld),
             "rld_slots": sum(d.profile.max_running for d in rld),
             "wan_flows": self.wan.active,
             "wan_mbps": self.wan.mbps,

@@ -3,8 +3,9 @@
 1. `scale`: 88 chip-A intra-DC PD vs naive cross-DC PD vs PDD on 43 A + 32 B + a line, on the
    Mooncake trace: cost, SLA goodput, BCR, TTFT P50/P90/P99, WAN bytes.
 2. `bathtub`: BCR of PDD over the 88-A baseline against the average prefix hit (`hitmix:H`).
-3. `oscillation`: PDD with the guard, without it, with `p-rld` for low-hit traffic, and
-   without DRC: relay load and the prefill-vs-MD hit gap over time.
+3. `oscillation` (sim/oscillation.py): a small relay pool; PDD with the guard, without it,
+   with `p-rld` for low-hit traffic, and without DRC: relay load, the prefill-vs-MD hit gap
+   and TTFT over time.
 4. `wan_bytes`: WAN KV bytes with and without DRC at ~90% hit.
 Each writes its PNG and a JSON of its figures into `--out` (default docs/sim).
 """
@@ -12,7 +13,6 @@ Each writes its PNG and a JSON of its figures into `--out` (default docs/sim).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # after use("Agg")
 
 from benchmarks.summary import build_results
 from sim.config import SimConfig, load_sim_config
+from sim.oscillation import oscillation
 from sim.records import record, settings
 from sim.run import simulate
 from sim.workload import hitmix, trace_requests
@@ -103,49 +104,6 @@ def bathtub(cfg: SimConfig, out: Path) -> dict:
     return {"rows": rows}
 
 
-def oscillation(cfg: SimConfig, out: Path, trace: str) -> dict:
-    reqs = trace_requests(trace, block_tokens=512, time_scale=0.5, max_context=131072, max_requests=2500)
-    variants = {"PDD (guard, DRC)": cfg, "no guard": _sched(cfg, guard=False),
-                "p-rld for low-hit": _sched(cfg, anomalous_min_uncached=2048, anomalous_max_output=1_000_000),
-                "no DRC": dataclasses.replace(cfg, drc=False)}  # fmt: skip
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    figures = {}
-    for name, c in variants.items():
-        s, cluster, runs = summarize(c, "pdd", reqs, sample_every_ms=2000.0)
-        t = [x["t_s"] for x in cluster.samples]
-        ax.plot(t, [x["rld_busy"] / max(x["rld_slots"], 1) for x in cluster.samples], label=name, lw=1)
-        gap = _hit_gap(runs)
-        ax2.plot([g[0] for g in gap], [g[1] for g in gap], label=name, lw=1)
-        figures[name] = {
-            "ttft_ms": s["ttft_ms"],
-            "goodput_rps": s["goodput_rps"],
-            "wan_kv_bytes": s["wan_kv_bytes"],
-            "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
-            "hit_rate": s["hit_rate"],
-            "max_rld_load": max((x["rld_busy"] / x["rld_slots"] for x in cluster.samples), default=0),
-        }
-        print(f"  oscillation {name}: TTFT P90 {s['ttft_ms']['p90']:.0f} ms", file=sys.stderr)
-    ax.set_ylabel("RLD busy / slots")
-    ax.legend(fontsize=8)
-    ax.set_title("Relay load and hit-rate gap over time (Mooncake trace, report fleet)")
-    ax2.set_ylabel("prefill hit - MD hit (share of prompt, 60 s mean)")
-    ax2.set_xlabel("time (s)")
-    _save(fig, out / "oscillation.png")
-    return figures
-
-
-def _sched(cfg: SimConfig, **knobs) -> SimConfig:
-    return dataclasses.replace(cfg, scheduler={**cfg.scheduler, **knobs})
-
-
-def _hit_gap(runs, window_s: float = 60.0) -> list[tuple[float, float]]:
-    buckets: dict[int, list[float]] = {}
-    for r in runs:
-        gap = (r.hit["prefill"] - r.hit["md"]) / max(r.req.prompt_len, 1)
-        buckets.setdefault(int(r.sent_ms / 1000 // window_s), []).append(gap)
-    return [((k + 0.5) * window_s, sum(v) / len(v)) for k, v in sorted(buckets.items())]
-
-
 def wan_bytes(cfg: SimConfig, out: Path) -> dict:
     reqs = hitmix(1500, 1, 10.0, 0.9, prompt_tokens=8192, output_tokens=256)
     figures = {m: summarize(cfg, m, reqs)[0] for m in ("pd-wan", "pd-wan-drc", "pdd")}
@@ -171,13 +129,17 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out if args.out != "sim-out" else "docs/sim")
     out.mkdir(parents=True, exist_ok=True)
     trace = args.workload[6:] if args.workload.startswith("trace:") else TRACE
-    results = {}
+    path = out / "experiments.json"
+    results = json.loads(path.read_text()) if path.exists() else {}  # a partial rerun keeps the others
+    only = set(args.only.split(",")) if args.only else None
     for name, fn in (
         ("wan_bytes", lambda: wan_bytes(cfg, out)),
         ("scale", lambda: scale(cfg, out, trace)),
         ("oscillation", lambda: oscillation(cfg, out, trace)),
         ("bathtub", lambda: bathtub(cfg, out)),
     ):
+        if only is not None and name not in only:
+            continue
         t0 = time.perf_counter()
         results[name] = fn()
         print(f"pdd sim experiments: {name} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)

@@ -45,6 +45,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-plot-requests", type=int, default=5000)
     p.add_argument("--no-tokenizer", action="store_true", help="agentic: estimate token counts (chars/3)")
     p.add_argument("--real", default="docs/bench-agentic", help="validate: the real `pdd bench` run's folder")
+    p.add_argument("--only", default="", help="experiments: a subset, e.g. oscillation,bathtub")
     p.add_argument("--calibrate", action="store_true",
                    help="validate: fit the config's host: costs to --real instead (sim/calibrate.py)")
     p.add_argument("--threads", type=int, default=1, help="profile: torch threads (the bench's instances use 1)")
