@@ -60,7 +60,9 @@ class Bus:
     async def serve(
         self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]], queue: str = ""
     ) -> None:
-        """Subscribe; each message runs `handler` in its own task; a returned message is the reply."""
+        """Subscribe; each message runs `handler` in its own task; a returned message is the reply.
+        Returns once the server has the subscription: a service that then announces itself (its
+        heartbeat) is reachable, never answered "no responders"."""
 
         async def on_msg(raw: Msg) -> None:
             task = asyncio.create_task(self._handle(raw, msg_type, handler))
@@ -68,6 +70,7 @@ class Bus:
             task.add_done_callback(self._tasks.discard)
 
         await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        await self.nc.flush()
 
     async def _handle(self, raw: Msg, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]]) -> None:
         try:

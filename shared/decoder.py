@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from shared.kv_transport import KVReceiver, Transfer
 from shared.messages import Abort, Ack, DecodeTask, TokenChunk, WanSample
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVHeader, KVPayload, import_kv, layer_from_bytes
+from shared.runtime.kv_pool import PoolExhausted
 from shared.runtime.sequence import FinishReason, Sequence
 from shared.service import EngineService, to_params
 
@@ -40,6 +42,8 @@ class DecodeState:
     accepted_at: float
     stats: dict[str, Any] = field(default_factory=dict)
     running: bool = False
+    parked: tuple[Sequence, KVPayload, int] | None = None  # KV landed; waits in host memory for room
+    error: str = ""
 
 
 class DecoderService(EngineService):
@@ -49,6 +53,9 @@ class DecoderService(EngineService):
         self.aborted: dict[str, float] = {}  # request id -> when; tasks arriving late are refused
         self.receiver = KVReceiver(self.on_transfer, cfg.timeouts.kv_stall_s, self._on_transfer_error)
         self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self.parked: deque[str] = deque()  # requests whose KV waits for pool room, in arrival order
+        self._admitting = asyncio.Lock()
+        self._room = asyncio.Event()  # set when blocks may have been freed
 
     async def setup(self) -> None:
         await super().setup()
@@ -58,6 +65,7 @@ class DecoderService(EngineService):
         await self.bus.serve(subjects.decode_drop(self.inst.id), Abort, self.on_drop)
         self.spawn(self._publisher())
         self.spawn(self._watchdog())
+        self.spawn(self._unparker())
 
     async def teardown(self) -> None:
         await self.receiver.stop()
@@ -102,20 +110,53 @@ class DecoderService(EngineService):
         seq = Sequence(task.request_id, list(task.prompt_ids) + [first], to_params(task.sampling))
         seq.prompt_len = len(task.prompt_ids)
         seq.shadow = self.admits_as_shadow(task)
-        payload = KVPayload(header, layers)
-        try:
-            done = await self.worker.call(lambda e: _admit(e, seq, payload))
-            state.stats.setdefault("prefix_hit_tokens", {})["md" if self.role == "md" else "rld"] = seq.cached_tokens
-            if seq.imported is not None:
-                state.stats["recomputed_tokens"] = seq.imported[0] - seq.num_computed
-                log.info("%s: %s: prefix evicted since the plan; recomputing %d tokens", self.inst.id,
-                         task.request_id, state.stats["recomputed_tokens"])  # fmt: skip
-        except Exception as e:  # e.g. the pool is exhausted: the request fails, nothing is held
-            self.emit(TokenOutput(task.request_id, None, 0, FinishReason.ERROR, f"{self.inst.id}: {e}"))
-            return str(e)
+        state.parked = (seq, KVPayload(header, layers), first)
+        self.parked.append(task.request_id)
+        await self._admit_parked()
+        return state.error  # "" = committed: running, or parked until the pool has room
+
+    async def _admit_parked(self) -> None:
+        """Import parked KV and join the batch, oldest first, while the pool has room.
+
+        Admission reserves a request's whole budget. When running requests hold the pool, the
+        KV that landed waits here in host memory (bounded: at most `max_waiting` requests beyond
+        `max_running` are accepted) and is admitted as they finish, instead of failing.
+        """
+        async with self._admitting:
+            while self.parked:
+                state = self.requests.get(self.parked[0])
+                if state is None or state.parked is None:  # aborted meanwhile
+                    self.parked.popleft()
+                    continue
+                seq, payload, first = state.parked
+                try:
+                    done = await self.worker.call(lambda e, s=seq, kv=payload: _admit(e, s, kv))
+                except PoolExhausted:
+                    return  # retried when a running request frees its blocks
+                except Exception as e:  # cannot ever fit, bad KV...: the request fails, nothing is held
+                    state.error = f"{self.inst.id}: {e}"
+                    done = None
+                self.parked.popleft()
+                state.parked = None
+                if state.error:
+                    self.emit(TokenOutput(seq.seq_id, None, 0, FinishReason.ERROR, state.error))
+                    continue
+                self._admitted(state, seq)
+                await self.after_admit(state, first, done)
+
+    def _admitted(self, state: DecodeState, seq: Sequence) -> None:
         state.running = True
-        await self.after_admit(state, first, done)
-        return ""
+        state.stats.setdefault("prefix_hit_tokens", {})["md" if self.role == "md" else "rld"] = seq.cached_tokens
+        if seq.imported is not None:
+            state.stats["recomputed_tokens"] = seq.imported[0] - seq.num_computed
+            log.info("%s: %s: prefix evicted since the plan; recomputing %d tokens", self.inst.id, seq.seq_id,
+                     state.stats["recomputed_tokens"])  # fmt: skip
+
+    async def _unparker(self) -> None:
+        while True:
+            await self._room.wait()
+            self._room.clear()
+            await self._admit_parked()
 
     def admits_as_shadow(self, task: DecodeTask) -> bool:
         """Whether this decoder follows another one's tokens before it decodes (md in p-rld-md)."""
@@ -127,6 +168,8 @@ class DecoderService(EngineService):
 
     # -- 3./4. tokens out ---------------------------------------------------------------
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        if self.parked and any(out.finish_reason is not None for out in outputs):
+            self._room.set()
         for out in outputs:
             if out.seq_id not in self.requests:
                 continue
@@ -163,6 +206,7 @@ class DecoderService(EngineService):
         state = self.requests.pop(msg.request_id, None)
         if state is not None:
             await self.worker.call(lambda e: e.abort(msg.request_id))
+            self._room.set()
 
     async def on_drop(self, msg: Abort) -> None:
         """Only this decoder's copy is abandoned (its KV push failed); others carry the request."""
@@ -170,6 +214,7 @@ class DecoderService(EngineService):
         state = self.requests.pop(msg.request_id, None)
         if state is not None and state.running:
             await self.worker.call(lambda e: e.abort(msg.request_id))
+            self._room.set()
 
     def _on_transfer_error(self, request_id: str, error: str) -> None:
         # The sender retries (and reports if it gives up); the deadline below is the backstop.
@@ -217,9 +262,10 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
         seq.block_table += engine.allocate(pool.blocks_for(n) - len(seq.block_table))
         with torch.inference_mode():
             import_kv(pool, seq.block_table, payload)
-    except BaseException:
+    except BaseException:  # as it was before the call: a parked request retries from scratch
         engine.pool.allocator.free(seq.block_table)
         seq.block_table = []
+        seq.num_computed = seq.cached_tokens = 0
         raise
     seq.num_computed = n
     if hit < start:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,9 @@ class Cluster:
         Path(self.config_path).write_text(yaml.safe_dump(settings, sort_keys=False))
 
     def start_process(self, name: str) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the forking thread exits: the child would die with it
+            raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
         spec = self.specs[name]
         extra = ["--ready-file", str(self.run_dir / "wanlink.port")] if spec.role == "wanlink" else []
         argv = serve_argv(spec.role, self.config_path, None) + list(spec.argv[5:]) + extra
@@ -194,7 +198,8 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM when the process that started it dies (Linux), so a
-    killed test run or launcher leaves no server behind."""
+    killed test run or launcher leaves no server behind. Linux ties this to the *thread* that
+    forked, so `Cluster` starts processes from the main thread only (see `start_process`)."""
     try:
         import ctypes
 

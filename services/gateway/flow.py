@@ -9,7 +9,8 @@
 4. While no token comes, the instances that may still be needed are checked each second; if
    one died (its heartbeat expired), the request moves: the attempt is aborted and prompt +
    tokens so far are resubmitted avoiding the dead instance (recompute, up to
-   `max_migrations`); the stream continues at the next index.
+   `max_migrations`); the stream continues at the next index. If every survivor is full
+   (429), the move retries with backoff rather than failing a stream already admitted.
 5. `close()` always runs: it unsubscribes, deletes the request state in Redis, and — if the
    request did not finish (client gone, error, stop string hit early) — broadcasts an abort so
    every stage frees what it holds. Cleanup is shielded from the caller's cancellation.
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -66,16 +68,25 @@ class RequestFlow:
 
     async def _submit(self, prompt_ids: list[int], sampling: Sampling, pipeline: str | None) -> None:
         self._sub = await self.gw.bus.nc.subscribe(subjects.tokens(self.attempt_id), cb=self._on_msg)
-        submit = Submit(self.attempt_id, prompt_ids, sampling, pipeline, self.parsed.handoff, sorted(self.avoid))
         try:
-            self.plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
+            self.plan = await self._plan(Submit(self.attempt_id, prompt_ids, sampling, pipeline, self.parsed.handoff,
+                                                sorted(self.avoid)))  # fmt: skip
+        except BaseException:
+            await self._sub.unsubscribe()
+            self._sub = None
+            raise
+        self.holders = {i for i in (self.plan.prefill, self.plan.rld, self.plan.md) if i}
+
+    async def _plan(self, submit: Submit) -> Plan:
+        try:
+            plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
         except BusTimeout as e:
             raise APIError(503, f"scheduler unavailable: {e}", type="service_unavailable") from None
-        if self.plan.status == 429:  # a stage's bounded queue is full everywhere: come back shortly
-            raise APIError(429, self.plan.error, type="rate_limit_error", code="overloaded")
-        if self.plan.error:
-            raise APIError(self.plan.status, self.plan.error, type="service_unavailable")
-        self.holders = {i for i in (self.plan.prefill, self.plan.rld, self.plan.md) if i}
+        if plan.status == 429:  # a stage's bounded queue is full everywhere: come back shortly
+            raise APIError(429, plan.error, type="rate_limit_error", code="overloaded")
+        if plan.error:
+            raise APIError(plan.status, plan.error, type="service_unavailable")
+        return plan
 
     async def _on_msg(self, msg) -> None:
         self._queue.put_nowait(TokenChunk.decode(msg.data))
@@ -137,13 +148,19 @@ class RequestFlow:
         await self._sub.unsubscribe()
         await self.gw.forget_request(self.attempt_id)
         sampling = replace(self.parsed.sampling, max_tokens=self.parsed.sampling.max_tokens - len(self.generated))
-        self.attempt_id = f"{self.request_id}.m{self.stats.migrations}"
         self.offset = len(self.generated)
         self.stats.last_progress = time.perf_counter()
-        try:
-            await self._submit(self.parsed.prompt_ids + self.generated, sampling, "p-md")
-        except APIError as e:
-            raise StreamError(f"could not move the request after {sorted(dead)} died: {e.message}") from None
+        deadline, wait_s = time.perf_counter() + self.gw.cfg.timeouts.request_s, 0.1
+        for retry in itertools.count():  # the survivors may be full for a moment: an admitted stream waits
+            self.attempt_id = f"{self.request_id}.m{self.stats.migrations}" + (f".r{retry}" if retry else "")
+            try:
+                await self._submit(self.parsed.prompt_ids + self.generated, sampling, "p-md")
+                return
+            except APIError as e:
+                if e.status != 429 or time.perf_counter() + wait_s > deadline:
+                    raise StreamError(f"could not move the request after {sorted(dead)} died: {e.message}") from None
+            await asyncio.sleep(wait_s)
+            wait_s = min(wait_s * 2, 2.0)
 
     def _count(self, chunk: TokenChunk) -> None:
         s = self.stats

@@ -42,6 +42,14 @@ class DispatchError(Exception):
     status = 503
 
 
+class Unreachable(DispatchError):
+    """The instance did not answer at all: dead, with its heartbeat not yet expired."""
+
+    def __init__(self, instance_id: str, message: str) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
+
+
 class Busy(DispatchError):
     """An instance refused for lack of room (its bounded queue is full): 429, not a fault."""
 
@@ -101,6 +109,7 @@ class Scheduler:
         self.registry: Registry | None = None
         self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
         self.dispatched = Dispatched()
+        self.unreachable: dict[str, float] = {}  # instance -> when it failed to answer (wall clock)
 
     async def run(self) -> None:
         stop = asyncio.Event()
@@ -124,7 +133,7 @@ class Scheduler:
             return self.plans[sub.request_id]
         t0 = time.monotonic()
         try:
-            plan = await self._plan_and_dispatch(sub)
+            plan = await self._plan_around_the_dead(sub)
         except NoCapacity as e:  # Saturated: 429
             plan = Plan(sub.request_id, error=str(e), status=e.status)
         except DispatchError as e:  # Busy: 429
@@ -138,8 +147,28 @@ class Scheduler:
         self._remember(plan)
         return plan
 
+    async def _plan_around_the_dead(self, sub: Submit, tries: int = 3) -> Plan:
+        """An instance killed a moment ago is still in the registry until its heartbeat expires:
+        one that does not answer its task is left out and the request planned again."""
+        for attempt in range(tries):
+            try:
+                return await self._plan_and_dispatch(sub)
+            except Unreachable as e:
+                log.warning("%s: %s; planning %s again without it", e.instance_id, e, sub.request_id)
+                self.unreachable[e.instance_id] = time.time()
+                if attempt == tries - 1:
+                    raise
+
+    def _answering(self, i: InstanceInfo) -> bool:
+        """False for an instance that failed to answer and has not heartbeated since."""
+        failed_at = self.unreachable.get(i.id)
+        if failed_at is not None and i.updated_at > failed_at:
+            del self.unreachable[i.id]  # it is back (restarted)
+            return True
+        return failed_at is None
+
     async def _plan_and_dispatch(self, sub: Submit) -> Plan:
-        alive = {i.id: i for i in await self.registry.alive()}
+        alive = {i.id: i for i in await self.registry.alive() if self._answering(i)}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids)
         views = [_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
@@ -154,11 +183,19 @@ class Scheduler:
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         for iid in d.instances.values():  # before any await: a request planned meanwhile must see these
             self.dispatched.add(iid, time.time())
-        await asyncio.gather(*(self._dispatch_decode(sub, plan, inst) for inst in decoders))
-        prefill = alive[plan.prefill]
-        targets = [await self._target(prefill, inst, d.starts[inst.role]) for inst in decoders]
-        task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan)
-        await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
+        acks = await asyncio.gather(*(self._dispatch_decode(sub, plan, inst) for inst in decoders),
+                                    return_exceptions=True)  # fmt: skip
+        try:
+            if failed := [e for e in acks if isinstance(e, BaseException)]:
+                raise failed[0]
+            prefill = alive[plan.prefill]
+            targets = [await self._target(prefill, inst, d.starts[inst.role]) for inst in decoders]
+            task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan)
+            await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
+        except Unreachable:  # planned again: the decoders that took it let go (not an abort, which sticks)
+            for inst in decoders:
+                await self.bus.publish(subjects.decode_drop(inst.id), Abort(sub.request_id, reason="re-planned"))
+            raise
         await self._record(plan)
         return plan
 
@@ -189,7 +226,7 @@ class Scheduler:
         try:
             ack = await self.bus.request(subject, msg, Ack, self.cfg.timeouts.control_s)
         except BusTimeout as e:
-            raise DispatchError(f"{instance_id} did not answer: {e}") from None
+            raise Unreachable(instance_id, f"{instance_id} did not answer: {e}") from None
         if not ack.ok:
             raise (Busy if ack.busy else DispatchError)(f"{instance_id} refused: {ack.error}")
 

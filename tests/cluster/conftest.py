@@ -31,14 +31,15 @@ FLEET = [
     {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
     {"id": "prefill-1", "role": "prefill", "dc": "A", "kv_tokens": 8192},
     {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096},
-    {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048},
-    {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048},
+    {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
+    {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
 ]
 
 
 @pytest.fixture(scope="session")
 def fleet():
-    """Two prefill and two main-decode instances (small md pools, so eviction happens)."""
+    """Two prefill and two main-decode instances (small md pools, so eviction happens; at most
+    12 requests each, so a burst finds the stage full)."""
     with Cluster(port=0, instances=FLEET, timeouts={"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}) as c:
         yield c
 

@@ -116,21 +116,42 @@ def test_client_disconnect_frees_every_stage(cluster, model_id, operator):
     assert operator.request_keys() == []
 
 
+CHAT = "/v1/chat/completions"
+
+
 @pytest.mark.parametrize(
     "payload, status, param",
     [
-        (b"{not json", 400, None),
-        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        (b"{not json", 400, None),  # malformed JSON
+        (b'{"prompt": "\xff\xfe bad bytes"}', 400, None),  # invalid UTF-8
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),  # unknown model
+        ({"max_tokens": 4}, 400, "prompt"),  # missing prompt
+        ({"prompt": ""}, 400, "prompt"),  # empty prompt
+        ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),  # wrong types
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 100_000}, 400, "max_tokens"),  # over the context
+        ({"prompt": "hello " * 9000, "max_tokens": 4}, 400, "prompt"),  # prompt over the context
+        ({"prompt": "hello " * 4000, "max_tokens": 4500}, 400, "max_tokens"),  # prompt + max_tokens over it
         ({"prompt": "x", "temperature": 7}, 400, "temperature"),
-        ({"prompt": "hello " * 9000, "max_tokens": 4}, 400, "prompt"),
-        ({"max_tokens": 4}, 400, "prompt"),
+        ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "stop": 5}, 400, "stop"),  # bad stop
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"prompt": "x", "pdd": {"route": "p-md"}}, 400, "pdd.route"),  # unknown pdd override
+        ({"prompt": "x", "pdd": {"pipeline": "p-fast"}}, 400, "pdd.pipeline"),
+        (b'{"prompt": "' + b"x" * (5 << 20) + b'"}', 413, None),  # huge body
+        ((CHAT, {"max_tokens": 4}), 400, "messages"),  # missing messages
+        ((CHAT, {"messages": []}), 400, "messages"),
+        ((CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}), 400, "messages[0].role"),
+        ((CHAT, {"messages": "hello"}), 400, "messages"),
     ],
 )
 def test_bad_input_is_a_clear_4xx_and_leaves_nothing(cluster, operator, payload, status, param):
+    path, payload = payload if isinstance(payload, tuple) else ("/v1/completions", payload)
     kwargs = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
-    r = httpx.post(cluster.url + "/v1/completions", headers={"content-type": "application/json"}, timeout=30,
-                   **kwargs)  # fmt: skip
+    r = httpx.post(cluster.url + path, headers={"content-type": "application/json"}, timeout=30, **kwargs)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]

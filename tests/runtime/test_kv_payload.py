@@ -97,3 +97,30 @@ def test_layout_mismatch_is_refused(tiny):
     payload, _ = _prefill_and_export(tiny, [5, 6, 7, 8])
     with pytest.raises(ValueError, match="layout"):
         import_kv(other.pool, other.pool.allocator.allocate(1), payload)
+
+
+def test_kv_that_finds_the_pool_full_waits_and_then_decodes_exactly(tiny, tiny_ref):
+    """The decoder's admission (shared.decoder._admit) on a full pool raises PoolExhausted and
+    leaves the sequence and pool as they were (with a cached prefix matched), so the parked KV
+    is admitted later, once the running request finishes, and decodes exactly."""
+    from shared.decoder import _admit
+    from shared.runtime.kv_pool import PoolExhausted
+    from shared.runtime.radix_cache import RadixCache
+
+    [shared_prefix, tail, other] = random_prompts(tiny.config.vocab_size, [32, 20, 60], seed=13)
+    prompt = shared_prefix + tail
+    payload, first = _prefill_and_export(tiny, prompt, start=32)
+    receiver = make_engine(tiny, num_blocks=9, block_size=16)  # the hog takes every block the prefix leaves
+    receiver.cache = RadixCache(receiver.pool.allocator, 16)
+    receiver.add(Sequence("warm", list(shared_prefix), greedy(1)))  # leaves [0, 32) in the cache
+    run_to_completion(receiver)
+    receiver.add(Sequence("hog", list(other), greedy(40)))  # 100 tokens reserved: 7 blocks
+    receiver.step()
+    parked = Sequence("d", list(prompt) + [first], greedy(10), prompt_len=len(prompt))
+    with pytest.raises(PoolExhausted):
+        _admit(receiver, parked, payload)
+    assert (parked.block_table, parked.num_computed, parked.cached_tokens) == ([], 0, 0)
+    run_to_completion(receiver)  # the hog finishes and frees its blocks
+    assert _admit(receiver, parked, payload) is None and parked.cached_tokens == 32
+    assert [first] + run_to_completion(receiver)["d"] == reference_generate(tiny_ref, prompt, 10)
+    assert receiver.pool.num_free_blocks + receiver.cache.num_blocks == receiver.pool.num_blocks
