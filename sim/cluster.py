@@ -4,20 +4,21 @@ Lifecycle of a request (`SimCluster.run`):
 1. Sent at its arrival time, or, for a later turn of a session, when the turn before it has
    finished (as `pdd bench`'s open-loop runner does).
 2. Planned by `choose_plan` — the scheduler's function itself, imported, never copied — on
-   live views of every instance: prefix hits from the block index, running / waiting /
-   pending counts, free KV blocks, measured step times and prefill throughput, and the WAN
-   bandwidth the estimator has learnt from finished transfers.
+   views of every instance (sim/views.py): prefix hits from the block index, running /
+   waiting / pending counts and free KV blocks — live, or from heartbeats `heartbeat_s` apart
+   plus the dispatches since, as the real registry gives them — optionally the measured step
+   times and prefill throughput the real heartbeat does not carry, and the WAN bandwidth the
+   estimator has learnt from finished transfers.
 3. Served by `sim.pipeline.Pipeline` (prefill, KV, decode, handoff).
 4. Finished: its later turns are released. A request no instance can take fails at once
    (`NoCapacity`, the gateway's 503).
-Differences from the real scheduler: views are exact and current (the real one reads
-heartbeats up to a second old); the control plane's cost is one `request_overhead_ms` per
-request (sim/host.py), paid between sending and planning.
+Differences from the real scheduler: unless a config's `views:` asks for heartbeats, views are
+exact and current; the control plane's cost is one `request_overhead_ms` per request
+(sim/host.py), paid between sending and planning.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections import defaultdict
 
@@ -25,16 +26,16 @@ from services.scheduler.estimates import BandwidthEstimator, InstanceView
 from services.scheduler.policy import NoCapacity, PlanRequest, choose_plan
 from sim.cache import PrefixIndex
 from sim.config import SimConfig, policy_config
-from sim.decoder import POOL_BLOCK, DecodeInstance
+from sim.decoder import DecodeInstance
 from sim.events import EventLoop
 from sim.host import SharedHost
 from sim.link import DirectLink, SharedLink
 from sim.pipeline import Pipeline
 from sim.prefill import PrefillInstance
 from sim.request import RequestRun, SimRequest
+from sim.views import HeartbeatViews
 
 POLICY = choose_plan  # the scheduler's function object (tests assert it is the same one)
-VIEW_HAS_PENDING = "pending" in {f.name for f in dataclasses.fields(InstanceView)}
 
 
 class SimCluster:
@@ -67,24 +68,12 @@ class SimCluster:
         self.runs: dict[str, RequestRun] = {}
         self._waiters: dict[str, list[str]] = defaultdict(list)
         self.samples: list[dict] = []  # periodic load figures (see `sample_every`)
+        self.registry = HeartbeatViews(self.loop, [*self.prefills, *self.decoders], cfg.view_spec(), seed)
 
     # -- 2. what the policy sees ---------------------------------------------------------------
     def views(self, req: SimRequest) -> list[InstanceView]:
         hits = self.index.leading_hits(req.blocks)
-        out = [InstanceView(p.id, "prefill", p.dc, hit_tokens=req.hit_tokens(hits.get(p.id, 0)), running=p.running,
-                            waiting=len(p.queue), queued_tokens=p.queued_tokens, prefill_tok_s=p.tok_s)
-               for p in self.prefills]  # fmt: skip
-        for d in self.decoders:
-            waiting, extra = len(d.waiting), {}
-            if VIEW_HAS_PENDING:
-                extra["pending"] = d.pending
-            else:
-                waiting += d.pending
-            out.append(InstanceView(d.id, d.role, d.dc, hit_tokens=req.hit_tokens(hits.get(d.id, 0)),
-                                    running=len(d.running), waiting=waiting, free_blocks=d.free_blocks,
-                                    total_blocks=d.total_blocks, block_size=POOL_BLOCK, step_ms=d.last_step_ms,
-                                    **extra))  # fmt: skip
-        return out
+        return self.registry.views({iid: req.hit_tokens(n) for iid, n in hits.items()})
 
     # -- 1, 3, 4. the request's life --------------------------------------------------------------
     def run(self, requests: list[SimRequest], progress: bool = False, sample_every_ms: float = 0.0) -> list[RequestRun]:
@@ -94,6 +83,7 @@ class SimCluster:
                 self._waiters[r.depends_on].append(r.request_id)
             else:
                 self.loop.at(r.arrival_ms, self._send, self.runs[r.request_id])
+        self.registry.start()
         if sample_every_ms > 0:
             self.loop.at(0.0, self._sample, sample_every_ms, requests[-1].arrival_ms if requests else 0.0)
         report = (
@@ -122,6 +112,7 @@ class SimCluster:
             run.reason = f"no capacity: {e}"
             self._release(run)
             return
+        self.registry.dispatch(list(d.instances.values()))
         self.pipeline.start(run, d)
 
     def _finished(self, run: RequestRun) -> None:

@@ -12,6 +12,7 @@
     prices: {wan_line}                    # chip prices come from the profiles
     host: {cores, background_cores, request_overhead_ms, cold_start_ms, interleave_prefill}
                                           # sim/host.py; absent: every instance on its own chip
+    views: {heartbeat_s, measured}        # sim/views.py: what the scheduler sees; absent: live, measured
 
 Modes mean what they mean in `pdd bench` (benchmarks/modes.py, whose `mode_config` this reads
 for each mode's pinned pipeline and handoff): pd-local puts MD on chip A in datacenter A with
@@ -32,6 +33,7 @@ from services.scheduler.policy import PolicyConfig
 from sim.host import HostSpec
 from sim.link import BandwidthSchedule
 from sim.profiles import ChipProfile, load_profiles
+from sim.views import ViewSpec
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class SimConfig:
     prices: dict[str, float] = field(default_factory=dict)
     drc: bool = True  # False: main-decode keeps no radix cache in any mode (an ablation)
     host: dict[str, Any] = field(default_factory=dict)
+    views: dict[str, Any] = field(default_factory=dict)
     path: str = ""
 
     def chip(self, dc: str, role: str) -> ChipProfile:
@@ -83,6 +86,9 @@ class SimConfig:
 
     def host_spec(self) -> HostSpec:
         return HostSpec.from_dict(self.host)
+
+    def view_spec(self) -> ViewSpec:
+        return ViewSpec.from_dict(self.views)
 
     def bandwidth(self) -> BandwidthSchedule:
         w = self.wan
@@ -131,4 +137,5 @@ def load_sim_config(path: str | Path) -> SimConfig:
     for dc in ("A", "B"):
         cfg.chip(dc, "md")  # names a real profile, or fail now with its name
     cfg.host_spec()  # a bad host value fails now, named
+    cfg.view_spec()
     return cfg

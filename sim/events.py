@@ -30,6 +30,9 @@ class EventLoop:
     def after(self, dt: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + dt, fn, *args)
 
+    def __len__(self) -> int:
+        return len(self._heap)  # events still to run
+
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else math.inf
 

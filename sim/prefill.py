@@ -10,7 +10,9 @@ Lifecycle of a request here:
 One prompt at a time by default. With the host's `interleave_prefill` (sim/host.py) every
 submitted prompt starts at once (its cache matched then) and all share the instance's speed:
 the real engine batches chunks of several prompts per forward, so two cold prompts sent 1 s
-apart both compute their system prompt and both finish late. The work runs on a `Processor`,
+apart both compute their system prompt and both finish late. A prompt that joins while others
+are computing does not pay `prefill_fixed_ms` again: that is the cost of a forward (weights
+read, launch), which the batch's forwards already pay; it adds only its tokens' work. The work runs on a `Processor`,
 so a shared host's contention slows it.
 """
 
@@ -68,8 +70,9 @@ class PrefillInstance:
         run.hit["prefill"] = hit
         run.state = RunState.PREFILLING
         run.marks["prefill_start"] = self.loop.now
+        joins = self.interleave and self.running > 0  # rides the forwards already under way
         self.busy = True
-        ms = self.profile.prefill_ms(req.prompt_len - hit, hit)
+        ms = self.profile.prefill_ms(req.prompt_len - hit, hit) - (self.profile.prefill_fixed_ms if joins else 0.0)
         self.proc.start(ms, lambda: self._done(run, on_done, ms, estimate))
 
     def _done(self, run: RequestRun, on_done: Callable[[RequestRun], None], ms: float, estimate: int) -> None:

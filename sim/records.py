@@ -3,8 +3,9 @@ read a simulation exactly as they read a real run (the `requests.jsonl` / `resul
 
 Times: a record's clock starts at the run's start, as the bench runner's does; `sent_s` is when
 the request was sent (its arrival, or its previous turn's end), token times are when each token
-reached the user. `pdd.timings_ms` splits the path the way the services report it: queue (sent
-to prefill start), prefill, kv_local / kv_wan (prefill end to the KV landed, import included),
+reached the user as text (an answer's closing EOS token brings none: see `client_token_times`).
+`pdd.timings_ms` splits the path the way the services report it: queue (sent to prefill start),
+prefill, kv_local / kv_wan (prefill end to the KV landed, import included),
 extend (MD: final handoff chunk in, to its next token), ttft and e2e.
 """
 
@@ -28,11 +29,18 @@ def _extend_ms(run: RequestRun) -> float:
     return after[0] - final if after else 0.0
 
 
+def client_token_times(run: RequestRun) -> list[float]:
+    """When the client received a chunk: every token but an EOS that ended the answer (no text)."""
+    times = run.token_times
+    return times[:-1] if run.req.eos and run.done and len(times) > 1 else times
+
+
 def record(run: RequestRun, mode: str) -> dict[str, Any]:
     req, m = run.req, run.marks
     ok = "failed" not in m and run.done
-    times = [t / 1000.0 for t in run.token_times]
-    ttft = run.token_times[0] - run.sent_ms if run.token_times else 0.0
+    seen = client_token_times(run)
+    times = [t / 1000.0 for t in seen]
+    ttft = seen[0] - run.sent_ms if seen else 0.0
     return {
         "request_id": req.request_id, "mode": mode, "kind": req.kind, "session": req.session, "turn": req.turn,
         "arrival_s": req.arrival_ms / 1000.0, "sent_s": run.sent_ms / 1000.0, "token_times_s": times, "text": "",
@@ -48,7 +56,7 @@ def record(run: RequestRun, mode: str) -> dict[str, Any]:
                            "prefill": _span(m, "prefill_start", "prefill_end"),
                            "kv_local": _span(m, "prefill_end", "kv_local"), "kv_wan": _span(m, "prefill_end", "kv_wan"),
                            "extend": _extend_ms(run), "ttft": ttft,
-                           "e2e": run.token_times[-1] - run.sent_ms if run.token_times else 0.0},
+                           "e2e": seen[-1] - run.sent_ms if seen else 0.0},
         },
         "output_tokens": run.emitted, "prompt_tokens": req.prompt_len,
     }  # fmt: skip

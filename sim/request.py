@@ -5,6 +5,10 @@ and the names of its prompt's full blocks (`blocks`) and of prompt-plus-answer's
 (`done_blocks`, what a decoder's DRC holds once the request finished there). `block_tokens` is
 the tokens per block name (16 for token-level workloads, the trace's rescaled block otherwise).
 
+`eos`: the answer ended on the model's end-of-sequence token, a special token the gateway
+detokenizes to no text, so the client receives no chunk for it (sim.records leaves its time out
+of the client's token times; usage still counts it, as the real `output_tokens` does).
+
 A `RequestRun` is one request's life in one simulated cluster, in explicit states, with the
 timestamps `sim.records` turns into a `pdd bench` request record.
 """
@@ -29,6 +33,7 @@ class SimRequest:
     session: str = ""
     turn: int = 0
     depends_on: str | None = None
+    eos: bool = False  # the model stopped on its end-of-sequence token before max_tokens
 
     def hit_tokens(self, blocks: int) -> int:
         return min(blocks * self.block_tokens, self.prompt_len)

@@ -11,7 +11,8 @@
 - `hitmix:H`: synthetic traffic whose requests each hit a fraction ~H of their prompt (Beta
   around H), on a few long shared documents: the bathtub's x axis.
 Output length is `max_tokens` (a simulator cannot know where the model stops) unless
-`outputs` gives the lengths a real run produced.
+`outputs` gives the lengths a real run produced; a real length under `max_tokens` means the
+model stopped on its EOS token, which the client never sees as a chunk (`SimRequest.eos`).
 """
 
 from __future__ import annotations
@@ -64,12 +65,12 @@ def from_bench(
     tok, answers, out = _Tokens(tokenizer), {}, []
     for r in workload.requests:
         prompt = list(r.prompt_ids) if r.prompt_ids is not None else _chat_ids(r, tok, answers)
-        n_out = (outputs or {}).get(r.request_id, r.max_tokens)
+        n_out = (outputs or {}).get(r.request_id, r.max_tokens)  # fewer than max_tokens: it stopped on EOS
         answers[r.request_id] = _ids("answer:" + r.request_id, n_out)
         out.append(SimRequest(r.request_id, r.arrival_s * 1000.0, len(prompt), n_out,
                               tuple(block_hashes(prompt, BLOCK)),
                               tuple(block_hashes(prompt + answers[r.request_id], BLOCK)), BLOCK, r.kind,
-                              r.session, r.turn, r.depends_on))  # fmt: skip
+                              r.session, r.turn, r.depends_on, eos=n_out < r.max_tokens))  # fmt: skip
     return out
 
 

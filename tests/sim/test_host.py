@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sim.events import EventLoop
 from sim.host import HostSpec, Processor, SharedHost
 from sim.run import simulate
-from tests.sim.factories import make_config, make_request
+from tests.sim.factories import TRIVIAL, make_config, make_request
 
 
 def _two_jobs(cores: float) -> dict[str, float]:
@@ -77,3 +79,13 @@ def test_a_bad_host_value_is_named():
         HostSpec(cores=-1)
     with pytest.raises(ValueError, match="unknown key"):
         HostSpec.from_dict({"coress": 2})
+
+
+def test_a_prompt_joining_an_interleaved_prefill_shares_the_forwards_fixed_cost():
+    # fixed 50 ms + 1 ms/token: a starts alone (146 ms of work), b joins (96: the forwards' fixed
+    # cost is already paid); half speed each until b is done at 192, then a's last 50 alone
+    chip = dataclasses.replace(TRIVIAL, prefill_fixed_ms=50.0)
+    cfg = make_config(profiles={"trivial": chip}, host={"interleave_prefill": True})
+    reqs = [make_request("a", prompt=96, output=1), make_request("b", prompt=96, output=1)]
+    runs, _ = simulate(cfg, "pd-local", reqs)
+    assert [r.marks["prefill_end"] for r in runs] == pytest.approx([242.0, 192.0])
