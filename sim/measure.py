@@ -2,11 +2,14 @@
 
 What it times (SmolLM2-135M by default, the dtype and threads of the bench's instances: fp32,
 one thread each), with the same `ModelRunner` / `KVPool` calls the engine makes per step
-(helpers from benchmarks/runtime_bench.py), medians of a few repeats:
+(helpers from benchmarks/runtime_bench.py), medians of a few repeats. Run it on a quiet machine:
+every other busy process inflates every figure (a profile measured beside a test suite made
+decode steps 10-15% slower than the real decoders then showed).
 1. prefill of n new tokens on top of c cached ones, for (n, c) in PREFILL_CASES; least squares
    gives prefill_fixed_ms, prefill_ms_per_token, prefill_ms_per_token_ctx;
-2. decode steps at batch b and context c (DECODE_CASES); least squares gives step_fixed_ms,
-   step_ms_per_seq, step_ms_per_ctx_token;
+2. decode steps at batch b and context c per sequence (DECODE_CASES, anchored at the bench's
+   batch sizes and contexts); least squares gives step_fixed_ms, step_ms_per_seq,
+   step_ms_per_ctx_token;
 3. an extend of k tokens on one sequence (EXTEND_CASES) against its decode step:
    step_ms_per_extra_token;
 4. KV export + wire bytes + import of 1024 tokens (`shared.runtime.kv_payload`): kv_io_ms_per_token;
@@ -35,7 +38,10 @@ from shared.runtime.provision import provision_default_model
 from shared.runtime.runner import ModelRunner
 
 PREFILL_CASES = ((64, 0), (256, 0), (1024, 0), (2048, 0), (64, 1024), (256, 2048))
-DECODE_CASES = ((1, 512), (4, 512), (8, 512), (1, 2048), (4, 2048))
+# batch x context per sequence: the bench's decoders run 1-3 sequences of 0.9-1.7K tokens (its
+# requests.jsonl), so the fit is anchored there; 8 x 512 and 4 x 2048 keep its range honest
+DECODE_CASES = ((1, 512), (4, 512), (8, 512), (1, 1024), (2, 1024), (3, 1024), (1, 1536), (2, 1536), (1, 2048),
+                (4, 2048))  # fmt: skip
 EXTEND_CASES = (16, 64)
 REPEATS = 3
 
@@ -160,8 +166,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"pdd sim profile: SmolLM2-135M fp32, {args.threads} thread(s)")
     with torch.inference_mode():
         prefill, decode, extend = _prefill(runner, vocab), _decode(runner, vocab), _extend(runner, vocab)
-        coeffs = fit(prefill, decode, extend, decode_b1_ctx1024=float(np.interp(1024, [512, 2048],
-                     [decode[0][2], decode[3][2]])))  # fmt: skip
+        b1_ctx1024 = next(ms for b, c, ms in decode if (b, c) == (1, 1024))
+        coeffs = fit(prefill, decode, extend, decode_b1_ctx1024=b1_ctx1024)
         io = _kv_io(pool)
     kv_bytes = layout.num_layers * 2 * layout.kv_heads * layout.head_dim * 4
     profile = {"kv_bytes_per_token": kv_bytes, "kv_tokens": 32768, "price_per_hour": 1.0, "max_running": 32,

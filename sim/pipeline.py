@@ -92,8 +92,8 @@ class Pipeline:
         io_ms = dec.import_ms(tokens)  # export + import (+ a fresh decoder's warm-up), on landing
 
         def landed(at_ms: float, seconds: float) -> None:
-            if across:
-                self.estimator.add(nbytes, seconds, at_ms / 1000.0)
+            if across:  # the receiver times first byte -> last (kv_transport `Transfer.elapsed_ms`): no delay
+                self.estimator.add(nbytes, seconds - self.wan.delay_ms / 1000.0, at_ms / 1000.0)
             self.loop.after(io_ms, self._landed, run, dec, "kv_wan" if across else "kv_local")
 
         link.send(nbytes, landed)

@@ -1,5 +1,6 @@
 """What the policy sees (sim/views.py): heartbeats up to `heartbeat_s` old plus unseen dispatches,
-and only the figures the real heartbeat carries; and what the client sees of an EOS (sim/records.py)."""
+and only the figures the real heartbeat carries; what the client sees of an EOS (sim/records.py); what
+the WAN estimator is fed."""
 
 from __future__ import annotations
 
@@ -77,3 +78,12 @@ def test_an_answer_ending_on_eos_shows_the_client_one_chunk_fewer():
     assert rec["output_tokens"] == 3  # usage still counts it: TPOT = (215 - 205) / 2
     [plain], _ = simulate(make_config(), "pd-wan", [make_request(output=3)])
     assert record(plain, "pd-wan")["token_times_s"] == pytest.approx([0.205, 0.215, 0.225])
+
+
+def test_the_wan_estimator_is_fed_what_the_receiver_times_first_byte_to_last():
+    # 2,000 tokens x 1,000 B = 2 MB at 8 Mbps: 2,000 ms on the wire + 5 ms delay. The receiver's
+    # clock starts at the first byte (2,000 ms); the estimator takes the 5 ms delay off again,
+    # so it reads 8 x 2000 / 1995 Mbps, a little over the line's rate, as the real one does.
+    [run], cluster = simulate(make_config(), "pd-wan", [make_request(prompt=2000, output=1)])
+    assert run.marks["kv_wan"] == pytest.approx(2000.0 + 2005.0)
+    assert cluster.estimator.mbps(10.0) == pytest.approx(8.0 * 2000 / 1995)
