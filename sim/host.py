@@ -9,11 +9,12 @@ cluster runs on, not to the chip profile:
   `cores` = 0 (the default, every GPU fleet): each instance has its own chip, slowdown 1.
 - `request_overhead_ms`: once per request, the control plane's cost outside compute and wire
   (gateway, scheduler and its Redis lookups, NATS hops, SSE), paid before the plan.
-- `cold_start_ms`: once per decoder process, on its first KV import (a fresh process's first
-  import and forward allocate and warm up what later requests reuse).
-- `interleave_prefill`: a prefill instance computes every prompt it holds at once, each at an
-  equal share of its speed (the real engine batches chunks of several prompts per forward),
-  instead of one prompt after another.
+- `cold_start_ms`: once per process, on its first piece of work — a prefill's first forward, a
+  decoder's first KV import — (a fresh process's first import and forward allocate and warm up
+  what later requests reuse; no service warms up before its first request).
+- `interleave_prefill`: a prefill instance runs the real engine's chunked steps (sim/prefill.py):
+  one forward per step over at most `prefill_step_tokens` tokens of the prompts it holds,
+  oldest first, instead of one prompt after another.
 
 `SharedHost` counts busy instances; `Processor` runs one instance's work under that slowdown
 as processor sharing: a job's remaining work (ms at full speed) drains at
@@ -39,6 +40,7 @@ class HostSpec:
     request_overhead_ms: float = 0.0
     cold_start_ms: float = 0.0
     interleave_prefill: bool = False
+    prefill_step_tokens: int = 512  # shared/config.py InstanceConfig.max_step_tokens
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -48,10 +48,13 @@ def test_request_overhead_is_paid_once_per_request():
     assert runs[1].token_times[0] - runs[1].sent_ms == pytest.approx(212.0)
 
 
-def test_a_fresh_decoder_pays_its_cold_start_on_the_first_import_only():
+def test_a_fresh_process_pays_its_cold_start_on_its_first_work_only():
+    # prefill's first forward (+50: prefill ends at 150) and MD's first import (+50): token 0 at
+    # 150 + 105 + 50; the second request pays neither
     cfg = make_config(host={"cold_start_ms": 50.0})
     runs, _ = simulate(cfg, "pd-wan", [make_request("a", output=1), make_request("b", output=1, arrival_ms=1000.0)])
-    assert runs[0].token_times == pytest.approx([255.0])
+    assert runs[0].marks["prefill_end"] == pytest.approx(150.0)
+    assert runs[0].token_times == pytest.approx([305.0])
     assert runs[1].token_times == pytest.approx([1205.0])
 
 
@@ -81,11 +84,20 @@ def test_a_bad_host_value_is_named():
         HostSpec.from_dict({"coress": 2})
 
 
-def test_a_prompt_joining_an_interleaved_prefill_shares_the_forwards_fixed_cost():
-    # fixed 50 ms + 1 ms/token: a starts alone (146 ms of work), b joins (96: the forwards' fixed
-    # cost is already paid); half speed each until b is done at 192, then a's last 50 alone
+def test_a_chunked_prefill_step_pays_the_forwards_fixed_cost_once():
+    # fixed 50 ms + 1 ms/token: two 96-token prompts sent together share one forward: 50 + 192
     chip = dataclasses.replace(TRIVIAL, prefill_fixed_ms=50.0)
     cfg = make_config(profiles={"trivial": chip}, host={"interleave_prefill": True})
     reqs = [make_request("a", prompt=96, output=1), make_request("b", prompt=96, output=1)]
     runs, _ = simulate(cfg, "pd-local", reqs)
-    assert [r.marks["prefill_end"] for r in runs] == pytest.approx([242.0, 192.0])
+    assert [r.marks["prefill_end"] for r in runs] == pytest.approx([242.0, 242.0])
+
+
+def test_a_short_prompt_waits_until_the_long_ones_last_chunk_leaves_room():
+    # 1 ms/token, 100 tokens a step: a (256) takes [0, 100] and [100, 200]; b (32, sent at 10)
+    # gets no budget until a's last 56 leave room: [200, 288] computes both
+    cfg = make_config(host={"interleave_prefill": True, "prefill_step_tokens": 100})
+    reqs = [make_request("a", prompt=256, output=1), make_request("b", prompt=32, output=1, arrival_ms=10.0)]
+    runs, _ = simulate(cfg, "pd-local", reqs)
+    assert [r.marks["prefill_start"] for r in runs] == pytest.approx([0.0, 200.0])
+    assert [r.marks["prefill_end"] for r in runs] == pytest.approx([288.0, 288.0])
