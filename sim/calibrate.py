@@ -31,6 +31,7 @@ GRID = {
     "request_overhead_ms": (0.0, 25.0, 50.0, 75.0, 100.0, 150.0),
     "background_cores": (0.0, 0.5, 1.0),
     "cold_start_ms": (0.0, 500.0, 1000.0, 1500.0, 2000.0),
+    "wan_proxy_cores": (0.0, 0.5, 1.0),
 }
 SCORED = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("ttft_ms", "p99"), ("tpot_ms", "p50"))
 

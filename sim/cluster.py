@@ -57,8 +57,10 @@ class SimCluster:
                     self.decoders.append(DecodeInstance(iid, g.role, g.dc, g.profile, self.loop, self.index,
                                                         block_tokens, self.host, g.prefix_cache))  # fmt: skip
         w = cfg.wan
+        proxy = self.host.spec.wan_proxy_cores  # the WAN emulator's CPU on a shared host
+        on_active = (lambda busy: self.host.set_busy("wan", busy, proxy)) if proxy else None
         self.wan = SharedLink(self.loop, cfg.bandwidth(), float(w.get("delay_ms", 0.0)), float(w.get("jitter_ms", 0.0)),
-                              horizon_ms=horizon_ms, seed=seed)  # fmt: skip
+                              horizon_ms=horizon_ms, seed=seed, on_active=on_active)  # fmt: skip
         self.local = DirectLink(self.loop, float(cfg.local["mbps"]), float(cfg.local.get("delay_ms", 0.0)))
         self.estimator = BandwidthEstimator(self.policy.wan_mbps, float(w.get("delay_ms", 0.0)))
         instances = {i.id: i for i in [*self.prefills, *self.decoders]}

@@ -7,6 +7,8 @@ cluster runs on, not to the chip profile:
   a decoder stepping) and the control plane takes `background_cores`, each runs slower by
       slowdown = max(1, (N_busy + background_cores) / cores).
   `cores` = 0 (the default, every GPU fleet): each instance has its own chip, slowdown 1.
+- `wan_proxy_cores`: the CPU the WAN emulator (a userspace proxy on the same host) takes while
+  it carries KV; it counts as that many busy cores whenever the WAN has a flow in flight.
 - `request_overhead_ms`: once per request, the control plane's cost outside compute and wire
   (gateway, scheduler and its Redis lookups, NATS hops, SSE), paid before the plan.
 - `cold_start_ms`: once per process, on its first piece of work — a prefill's first forward, a
@@ -41,6 +43,7 @@ class HostSpec:
     cold_start_ms: float = 0.0
     interleave_prefill: bool = False
     prefill_step_tokens: int = 512  # shared/config.py InstanceConfig.max_step_tokens
+    wan_proxy_cores: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,23 +65,23 @@ class SharedHost:
 
     def __init__(self, spec: HostSpec) -> None:
         self.spec = spec
-        self.busy: set[str] = set()
+        self.busy: dict[str, float] = {}  # owner -> cores it takes while busy
         self.processors: list[Processor] = []
 
     def slowdown(self) -> float:
         if self.spec.cores <= 0:
             return 1.0
-        return max(1.0, (len(self.busy) + self.spec.background_cores) / self.spec.cores)
+        return max(1.0, (sum(self.busy.values()) + self.spec.background_cores) / self.spec.cores)
 
-    def set_busy(self, owner: str, busy: bool) -> None:
+    def set_busy(self, owner: str, busy: bool, cores: float = 1.0) -> None:
         if self.spec.cores <= 0 or (owner in self.busy) == busy:  # unshared: nothing to re-rate
             return
         for p in self.processors:  # drain at the old rate up to now
             p.advance()
         if busy:
-            self.busy.add(owner)
+            self.busy[owner] = cores
         else:
-            self.busy.discard(owner)
+            self.busy.pop(owner, None)
         for p in self.processors:
             p.reschedule()
 

@@ -59,8 +59,10 @@ class BandwidthSchedule:
 
 class SharedLink:
     def __init__(self, loop: EventLoop, schedule: BandwidthSchedule, delay_ms: float, jitter_ms: float = 0.0,
-                 horizon_ms: float = 3_600_000.0, seed: int = 0) -> None:  # fmt: skip
+                 horizon_ms: float = 3_600_000.0, seed: int = 0,
+                 on_active: Callable[[bool], None] | None = None) -> None:  # fmt: skip
         self.loop, self.delay_ms, self.jitter_ms = loop, delay_ms, jitter_ms
+        self.on_active = on_active  # told whether any flow is in flight, whenever that may change
         self._rng = random.Random(f"{seed}:jitter")
         self._flows: dict[int, list] = {}  # id -> [bytes left, on_done, nbytes, started]
         self._ids = 0
@@ -100,6 +102,8 @@ class SharedLink:
             flow[0] -= moved
 
     def _reschedule(self) -> None:
+        if self.on_active is not None:
+            self.on_active(bool(self._flows))
         self._version += 1
         if self._flows:
             left = min(f[0] for f in self._flows.values())

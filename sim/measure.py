@@ -44,6 +44,7 @@ DECODE_CASES = ((1, 512), (4, 512), (8, 512), (1, 1024), (2, 1024), (3, 1024), (
                 (4, 2048))  # fmt: skip
 EXTEND_CASES = (16, 64)
 REPEATS = 3
+DECODE_REPEATS = 9  # a step is ~0.1 s (the setup prefill dominates): more repeats, a median no hiccup moves
 
 
 def _ms(fn, reset=None, repeats: int = REPEATS) -> float:
@@ -86,7 +87,7 @@ def _decode(runner: ModelRunner, vocab: int) -> list[tuple[int, int, float]]:
             runner.forward([(seq, c - 1)])
             rewind(seq, tokens, c - 1, c)
             seqs.append(seq)
-        ms = _ms(partial(runtime_decode_step, runner, seqs), partial(_rewind_all, seqs, c))
+        ms = _ms(partial(runtime_decode_step, runner, seqs), partial(_rewind_all, seqs, c), DECODE_REPEATS)
         release(runner.pool, seqs)
         out.append((b, c, ms))
         print(f"  decode step b={b} ctx={c}: {ms:.1f} ms")

@@ -101,3 +101,13 @@ def test_a_short_prompt_waits_until_the_long_ones_last_chunk_leaves_room():
     runs, _ = simulate(cfg, "pd-local", reqs)
     assert [r.marks["prefill_start"] for r in runs] == pytest.approx([0.0, 200.0])
     assert [r.marks["prefill_end"] for r in runs] == pytest.approx([288.0, 288.0])
+
+
+def test_the_wan_proxy_takes_its_cores_while_it_carries_kv():
+    # one core; the proxy takes a whole one while a's 100 ms transfer is in flight [100, 200]
+    cfg = make_config(host={"cores": 1, "wan_proxy_cores": 1.0})
+    reqs = [make_request("a", output=1), make_request("b", output=1, arrival_ms=100.0)]
+    runs, _ = simulate(cfg, "pd-wan", reqs)
+    assert runs[0].marks["prefill_end"] == pytest.approx(100.0)
+    # b's prefill starts at 100 with a's KV on the wire until 200: half speed for 100 ms, then full
+    assert runs[1].marks["prefill_end"] == pytest.approx(250.0)
