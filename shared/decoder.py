@@ -51,7 +51,8 @@ class DecoderService(EngineService):
         super().__init__(cfg, inst)
         self.requests: dict[str, DecodeState] = {}
         self.aborted: dict[str, float] = {}  # request id -> when; tasks arriving late are refused
-        self.receiver = KVReceiver(self.on_transfer, cfg.timeouts.kv_stall_s, self._on_transfer_error)
+        self.receiver = KVReceiver(self.on_transfer, cfg.timeouts.kv_stall_s, self._on_transfer_error,
+                                   wanted=lambda rid: rid in self.requests)  # fmt: skip
         self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self.parked: deque[str] = deque()  # requests whose KV waits for pool room, in arrival order
         self._admitting = asyncio.Lock()

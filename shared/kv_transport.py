@@ -180,10 +180,14 @@ async def _receive_body(reader: asyncio.StreamReader, t: Transfer, stall_s: floa
 class KVReceiver:
     """A TCP listener that hands each complete transfer to `handler` and ACKs its verdict."""
 
-    def __init__(self, handler: Handler, stall_s: float, on_error: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self, handler: Handler, stall_s: float, on_error: Callable[[str, str], None] | None = None,
+        wanted: Callable[[str], bool] | None = None,
+    ) -> None:  # fmt: skip
         self.handler = handler
         self.stall_s = stall_s
         self.on_error = on_error  # (request_id or "", message) for transfers that failed mid-way
+        self.wanted = wanted  # request id -> still expected here; a transfer for one that is not is cut
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
         self._receiving: dict[str, asyncio.StreamWriter] = {}  # request id -> its connection, mid-transfer
@@ -208,12 +212,14 @@ class KVReceiver:
         transfer = None
         try:
             transfer = await _receive_header(reader, self.stall_s)
+            if self.wanted is not None and not self.wanted(transfer.request_id):  # aborted before its KV came
+                raise KVTransferError("no such request here (aborted?): transfer cut")
             self._receiving[transfer.request_id] = writer
             await _receive_body(reader, transfer, self.stall_s)
         except (KVTransferError, KeyError, ValueError, ConnectionError) as e:
             if self.on_error:
                 self.on_error(transfer.request_id if transfer else "", str(e))
-            writer.close()
+            reset(writer)  # the sender (and a proxy between) stop at once rather than drain to the end
             return
         finally:
             if transfer is not None and self._receiving.get(transfer.request_id) is writer:

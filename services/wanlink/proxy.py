@@ -6,13 +6,17 @@
 Each pipe is a reader task and a writer task joined by a queue of (due time, chunk): the reader
 paces the link (it only reads the next chunk once the link has taken the last one, so unread
 bytes stay in the sender's socket = backpressure); the writer holds each chunk until it is due.
-EOF travels the same way and becomes a half-close on the far side.
+EOF travels the same way and becomes a half-close on the far side. A reset on either side (an
+aborted transfer) cuts both at once: each socket's pending error is polled, because a pipe
+waiting for the link's tokens is not reading and would otherwise carry on draining what the
+sender had already written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024  # big transfers interleave with others at this grain
 QUEUE_CHUNKS = 1024  # chunks "on the wire" per direction (bandwidth x delay), bounded
+RESET_POLL_S = 0.05
 
 
 class StallGate:
@@ -110,8 +115,9 @@ class Connection:
 
     async def run(self) -> None:
         """Forward both ways until both have ended (clean close) or one fails (both reset)."""
-        self._tasks = self._pipe(self.client[0], self.upstream[1], self.route.request_id)
-        self._tasks += self._pipe(self.upstream[0], self.client[1], None)
+        pipes = self._pipe(self.client[0], self.upstream[1], self.route.request_id)
+        pipes += self._pipe(self.upstream[0], self.client[1], None)
+        self._tasks = [*pipes, asyncio.create_task(self._watch_resets(pipes))]
         clean = False
         try:
             done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -133,6 +139,16 @@ class Connection:
             task.cancel()
         reset(self.client[1])
         reset(self.upstream[1])
+
+    async def _watch_resets(self, pipes: list[asyncio.Task]) -> None:
+        """Raise when either socket was reset by its peer; return once the pipes are done."""
+        socks = [w.get_extra_info("socket") for w in (self.client[1], self.upstream[1])]
+        while not all(t.done() for t in pipes):
+            for sock in socks:
+                if sock is not None and sock.fileno() >= 0 and (err := sock.getsockopt(socket.SOL_SOCKET,
+                                                                                       socket.SO_ERROR)):  # fmt: skip
+                    raise ConnectionResetError(err, "reset by peer")
+            await asyncio.sleep(RESET_POLL_S)
 
     def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, request_id: str | None) -> list[asyncio.Task]:
         """Start one direction; `request_id` set = the shaped, accounted A -> B direction."""

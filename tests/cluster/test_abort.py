@@ -90,11 +90,11 @@ def slow_wan(cluster, operator):
 def test_abort_while_queued_behind_another_prompt(cluster, model_id, operator):
     long_one: dict = {}
     ahead = threading.Thread(target=lambda: long_one.update(completion(
-        cluster.url, _body(model_id, fresh_prompt(1300, "ahead"), 1))))  # fmt: skip
+        cluster.url, _body(model_id, fresh_prompt(900, "ahead"), 1, pipeline="p-md"))))  # fmt: skip
     ahead.start()
     _until(lambda: operator.inspect("prefill-0").requests, 30, "prefill to take the long prompt")
     s = Stream(cluster.url, _body(model_id, fresh_prompt(40, "queued")))
-    assert s.request_id in operator.inspect("prefill-0").requests  # behind ~1,500 tokens: 2-3 s of steps
+    assert s.request_id in operator.inspect("prefill-0").requests  # behind ~1,000 tokens: seconds of steps
     left = s.disconnect()
     while _holders(operator, s.request_id) and time.monotonic() - left < DROP_S:
         time.sleep(0.05)
@@ -106,7 +106,7 @@ def test_abort_while_queued_behind_another_prompt(cluster, model_id, operator):
 
 
 def test_abort_while_prefilling(cluster, model_id, operator):
-    s = Stream(cluster.url, _body(model_id, fresh_prompt(1300, "prefilling")))
+    s = Stream(cluster.url, _body(model_id, fresh_prompt(900, "prefilling")))
     _until(lambda: operator.inspect("prefill-0").extra["running"], 30, "prefill to start computing")
     time.sleep(0.3)
     assert _holders(operator, s.request_id).keys() - {"prefill-0"} <= {"rld-0", "md-0"}  # decoders wait for KV
@@ -139,8 +139,8 @@ def test_abort_while_the_relay_streams(cluster, model_id, operator, slow_wan):
 
 
 def test_abort_in_the_middle_of_a_catch_up_handoff(cluster, model_id, operator, slow_wan):
-    slow_wan(8.0)  # ~5 s on the wire: the relay builds a backlog of dozens of tokens, handed in chunks
-    s = Stream(cluster.url, _body(model_id, fresh_prompt(100, "handoff"), 400, pipeline="p-rld-md",
+    slow_wan(8.0)  # ~3 s on the wire: the relay builds a backlog of dozens of tokens, handed in chunks
+    s = Stream(cluster.url, _body(model_id, fresh_prompt(60, "handoff"), 400, pipeline="p-rld-md",
                                   handoff="catchup"))  # fmt: skip
     handing = threading.Event()
 

@@ -19,7 +19,7 @@ from services.wanlink import WanLink, bytes_key, state_key, total_key
 from shared import subjects
 from shared.bus import Bus
 from shared.config import WanConfig
-from shared.kv_transport import KVReceiver, Transfer, send_kv
+from shared.kv_transport import KVReceiver, KVTransferError, Transfer, send_kv
 from shared.messages import Ack, WanControl
 from shared.servers import EmbeddedServer
 from tests.wanlink.conftest import Upstream, open_via
@@ -152,3 +152,59 @@ async def test_process_entry_point(servers, tmp_path):
         await up.stop()
     assert proc.returncode == 0, err
     assert b"listening on 127.0.0.1:" in err
+
+
+async def _slow_transfer(make_link, redis, rid: str, receiver: KVReceiver) -> tuple[WanLink, asyncio.Task, int]:
+    """2 MB through a 4 Mbps link (about 4 s) to `receiver`, started in the background."""
+    link = await make_link(redis=redis, name=link_name(), bandwidth_mbps=4, delay_ms=5)
+    port = await receiver.start()
+    layers = [os.urandom(500_000) for _ in range(4)]
+    header, done = {"num_layers": 4, "dtype": "float32"}, {"first_token": 7, "stats": {}}
+    push = asyncio.create_task(send_kv("127.0.0.1", port, rid, "prefill-0", header, layers, done, stall_s=10,
+                                       via=("127.0.0.1", link.port)))  # fmt: skip
+    return link, push, sum(map(len, layers))
+
+
+async def _stops_carrying(link: WanLink, rid: str) -> int:
+    carried = link.forwarded_bytes(rid)
+    await asyncio.sleep(0.5)
+    assert link.forwarded_bytes(rid) == carried
+    return carried
+
+
+async def test_a_receiver_that_drops_the_request_cuts_the_transfer(clients, make_link):
+    receiver = KVReceiver(lambda t: asyncio.sleep(0, ""), stall_s=10)
+    link, push, total = await _slow_transfer(make_link, clients[1], "r-cut", receiver)
+    try:
+        while link.forwarded_bytes("r-cut") < 200_000:
+            await asyncio.sleep(0.02)
+        assert receiver.cancel("r-cut") and not receiver.cancel("r-cut")
+        with pytest.raises(KVTransferError):
+            await asyncio.wait_for(push, 2.0)
+        assert await _stops_carrying(link, "r-cut") < total / 2
+    finally:
+        await receiver.stop()
+
+
+async def test_a_transfer_nobody_expects_is_cut_at_its_header(clients, make_link):
+    receiver = KVReceiver(lambda t: asyncio.sleep(0, ""), stall_s=10, wanted=lambda rid: False)
+    link, push, total = await _slow_transfer(make_link, clients[1], "r-unwanted", receiver)
+    try:
+        with pytest.raises(KVTransferError):
+            await asyncio.wait_for(push, 2.0)
+        assert await _stops_carrying(link, "r-unwanted") < total / 2
+    finally:
+        await receiver.stop()
+
+
+async def test_a_cancelled_sender_resets_and_the_link_stops_carrying(clients, make_link):
+    receiver = KVReceiver(lambda t: asyncio.sleep(0, ""), stall_s=10)
+    link, push, total = await _slow_transfer(make_link, clients[1], "r-abort", receiver)
+    try:
+        while link.forwarded_bytes("r-abort") < 200_000:
+            await asyncio.sleep(0.02)
+        push.cancel()  # prefill's abort
+        await asyncio.sleep(0.3)
+        assert await _stops_carrying(link, "r-abort") < total / 2
+    finally:
+        await receiver.stop()
