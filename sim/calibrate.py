@@ -1,7 +1,8 @@
 """`pdd sim validate --calibrate --real RUN`: fit the host's costs (sim/host.py) to one real run.
 
 The host section's costs that no chip profile can measure (the control plane's per-request
-cost, the CPU the control plane takes while requests are in flight, a fresh decoder's warm-up)
+cost, the CPU the control plane takes while requests are in flight, a fresh process's warm-up,
+the WAN emulator's CPU while it carries KV)
 are fitted here on a *calibration* run, which must not be the run the simulator is then
 validated against (docs/sim/README.md names which run does what):
 1. Read the calibration run (its summary figures suffice; per-request records sharpen the

@@ -3,8 +3,8 @@
 What it times (SmolLM2-135M by default, the dtype and threads of the bench's instances: fp32,
 one thread each), with the same `ModelRunner` / `KVPool` calls the engine makes per step
 (helpers from benchmarks/runtime_bench.py), medians of a few repeats. Run it on a quiet machine:
-every other busy process inflates every figure (a profile measured beside a test suite made
-decode steps 10-15% slower than the real decoders then showed).
+every other busy process inflates every figure (the profile this one replaced was measured
+beside other work: every decode step ~10% slower, which the host calibration then absorbed).
 1. prefill of n new tokens on top of c cached ones, for (n, c) in PREFILL_CASES; least squares
    gives prefill_fixed_ms, prefill_ms_per_token, prefill_ms_per_token_ctx;
 2. decode steps at batch b and context c per sequence (DECODE_CASES, anchored at the bench's
