@@ -39,6 +39,9 @@ class InstanceInfo:
     running: int = 0
     waiting: int = 0
     pending: int = 0  # decoders: tasks accepted whose KV has not landed (they will run here)
+    queued_tokens: int = 0  # prompt tokens accepted and not yet computed
+    step_ms: float = 0.0  # measured step time (moving average); 0 = not measured yet
+    prefill_tok_s: float = 0.0  # measured prefill throughput; 0 = not measured yet
     held: int = 0  # requests the instance holds anything for
     capacity: int = 0  # most it will hold (max_running + max_waiting); 0 = unbounded
     free_blocks: int = 0

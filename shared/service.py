@@ -238,6 +238,8 @@ def _engine_load(engine: Engine) -> dict[str, int]:
         "free_blocks": engine.pool.num_free_blocks,
         "total_blocks": engine.pool.num_blocks,
         "cached_blocks": engine.cache.num_blocks if engine.cache else 0,
+        "queued_tokens": sum(s.num_pending for s in engine.waiting)
+        + sum(s.num_pending for s in engine.running.values() if s.num_pending > 1),  # prompt left to compute
     }
 
 

@@ -15,7 +15,8 @@ the KV, so the user sees it when the first decoder of the pipeline has the KV an
   link is the WAN when prefill and decoder sit in different datacenters, in-DC otherwise.
 - queue: each request waiting on the decoder costs about one step (the step that admits it).
   `running` enters through the measured step time: a bigger batch steps slower.
-Measured figures (`step_ms`, `prefill_tok_s`) win over the configured priors.
+Measured figures (`step_ms`, `prefill_tok_s`: moving averages each engine keeps of its own steps,
+with `queued_tokens`, carried by its heartbeat) win over the configured priors.
 """
 
 from __future__ import annotations

@@ -76,7 +76,9 @@ def policy_config(cfg: ClusterConfig) -> PolicyConfig:
 def _view(i: InstanceInfo, hit_tokens: int, unseen: int) -> InstanceView:
     return InstanceView(i.id, i.role, i.dc, i.load, hit_tokens, running=i.running, waiting=i.waiting,
                         pending=i.pending + unseen, held=i.held + unseen, capacity=i.capacity,
-                        free_blocks=i.free_blocks, total_blocks=i.total_blocks, block_size=i.block_size)  # fmt: skip
+                        free_blocks=i.free_blocks, total_blocks=i.total_blocks, block_size=i.block_size,
+                        queued_tokens=i.queued_tokens, step_ms=i.step_ms or None,
+                        prefill_tok_s=i.prefill_tok_s or None)  # fmt: skip
 
 
 class Dispatched:

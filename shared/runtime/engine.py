@@ -65,6 +65,7 @@ class Engine:
         self.running: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished with hold_kv, blocks not yet released
         self.steps = 0
+        self.last_step_tokens = 0  # tokens computed by the last step (its forward's size)
 
     @classmethod
     def for_model(
@@ -133,6 +134,7 @@ class Engine:
             return outputs
         result = self.runner.forward(work)
         self.steps += 1
+        self.last_step_tokens = sum(n for _, n in work)
         for seq, n in work:
             seq.num_computed += n
             if seq.imported is not None and seq.num_computed == seq.imported[0]:

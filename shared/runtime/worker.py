@@ -6,7 +6,8 @@ never touches them directly: it calls `await worker.call(fn)`, and `fn(engine)` 
 engine thread between two steps. Outputs of each step come back to the loop through
 `on_outputs`, in step order.
 
-`figures` is what `observe(engine)` returned at the last step boundary (load, free blocks...).
+`figures` is what `observe(engine)` returned at the last step boundary (load, free blocks...),
+plus the measured pace (`StepRates`): what the scheduler's estimates use instead of priors.
 It is replaced whole, never mutated, so the loop reads it without waiting for a step: a
 heartbeat must not stall behind a long prefill chunk, or the instance looks dead.
 """
@@ -28,6 +29,28 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class StepRates:
+    """Moving averages of this engine's measured pace: the time of a step (what a decode step
+    costs here now, batch and context included) and prefill throughput (tokens per second over
+    steps that computed at least `min_prefill_tokens`). 0.0 until measured."""
+
+    def __init__(self, alpha: float = 0.2, min_prefill_tokens: int = 32) -> None:
+        self.alpha, self.min_prefill_tokens = alpha, min_prefill_tokens
+        self.step_ms = 0.0
+        self.prefill_tok_s = 0.0
+
+    def add(self, ms: float, tokens: int) -> None:
+        self.step_ms = self._ema(self.step_ms, ms)
+        if tokens >= self.min_prefill_tokens and ms > 0:
+            self.prefill_tok_s = self._ema(self.prefill_tok_s, tokens / ms * 1000.0)
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if old == 0.0 else old + self.alpha * (new - old)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"step_ms": round(self.step_ms, 2), "prefill_tok_s": round(self.prefill_tok_s, 1)}
+
+
 class EngineWorker:
     def __init__(
         self, engine: Engine, on_outputs: Callable[[list[TokenOutput]], Any], threads: int = 1,
@@ -37,6 +60,7 @@ class EngineWorker:
         self.on_outputs = on_outputs
         self.threads = threads
         self.observe = observe
+        self.rates = StepRates()
         self.figures: dict[str, Any] = observe(engine) if observe else {}
         self._cond = threading.Condition()
         self._commands: list[tuple[Callable[[Engine], Any], asyncio.Future]] = []
@@ -93,7 +117,7 @@ class EngineWorker:
 
     def _observe(self) -> None:
         if self.observe is not None:
-            self.figures = self.observe(self.engine)
+            self.figures = {**self.observe(self.engine), **self.rates.as_dict()}
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -103,6 +127,8 @@ class EngineWorker:
             log.exception("engine step failed; failing its running sequences")
             outputs = self.engine.fail_running("engine step failed")
         self.last_step_ms = (time.perf_counter() - t0) * 1000
+        if self.engine.last_step_tokens:
+            self.rates.add(self.last_step_ms, self.engine.last_step_tokens)
         self._observe()
         if outputs:
             self._loop.call_soon_threadsafe(self.on_outputs, outputs)

@@ -20,3 +20,14 @@ def test_reported_dispatches_are_forgotten():
     d.add("rld-0", 1.0)
     assert d.unseen("rld-0", heartbeat_at=2.0) == 0
     assert d.unseen("rld-0", heartbeat_at=0.0) == 0  # an older beat read later does not revive it
+
+
+def test_the_policy_sees_what_the_heartbeat_measured():
+    from services.scheduler.service import _view
+    from shared.registry import InstanceInfo
+
+    info = InstanceInfo("prefill-0", "prefill", "A", queued_tokens=900, step_ms=0.0, prefill_tok_s=640.0, held=3,
+                        capacity=96, pending=1)  # fmt: skip
+    v = _view(info, hit_tokens=32, unseen=2)
+    assert (v.queued_tokens, v.prefill_tok_s, v.step_ms) == (900, 640.0, None)  # 0 = not measured: the prior
+    assert (v.held, v.pending, v.capacity, v.hit_tokens) == (5, 3, 96, 32)
