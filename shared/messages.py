@@ -137,6 +137,7 @@ class TokenChunk(Message):
     finish_reason: str | None = None
     error: str = ""
     stats: dict[str, Any] = field(default_factory=dict)  # set on the final chunk
+    blame: str = ""  # with an error: the instance it came from (the gateway moves the request off it)
 
 
 @dataclass

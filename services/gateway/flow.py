@@ -9,7 +9,8 @@
 4. While no token comes, the instances that may still be needed are checked each second; if
    one died (its heartbeat expired), the request moves: the attempt is aborted and prompt +
    tokens so far are resubmitted avoiding the dead instance (recompute, up to
-   `max_migrations`); the stream continues at the next index. If every survivor is full
+   `max_migrations`); the stream continues at the next index. So does a request whose KV could
+   not be delivered to its decoder (the error names it: `blame`). If every survivor is full
    (429), the move retries with backoff rather than failing a stream already admitted.
 5. `close()` always runs: it unsubscribes, deletes the request state in Redis, and — if the
    request did not finish (client gone, error, stop string hit early) — broadcasts an abort so
@@ -103,6 +104,9 @@ class RequestFlow:
             if chunk is None or chunk.request_id != self.attempt_id:
                 continue  # a liveness tick, or a late chunk of an abandoned attempt
             if chunk.error:
+                if chunk.blame and self.stats.migrations < self.gw.cfg.max_migrations:
+                    await self._migrate({chunk.blame})  # e.g. its KV could not reach that decoder (died?)
+                    continue
                 raise StreamError(chunk.error)
             self._count(chunk)
             if chunk.finish_reason is not None:
@@ -141,10 +145,10 @@ class RequestFlow:
         """Abandon the attempt and resend prompt + generated tokens to other instances; their
         KV is recomputed (prefix caches help) and the stream goes on at the next index."""
         if self.stats.migrations >= self.gw.cfg.max_migrations:
-            raise StreamError(f"{', '.join(sorted(dead))} died and the migration limit is reached")
+            raise StreamError(f"{', '.join(sorted(dead))} failed and the migration limit is reached")
         self.stats.migrations += 1
         self.avoid |= dead
-        await self.gw.bus.publish(subjects.ABORT, Abort(self.attempt_id, reason=f"{sorted(dead)} died"))
+        await self.gw.bus.publish(subjects.ABORT, Abort(self.attempt_id, reason=f"{sorted(dead)} failed"))
         await self._sub.unsubscribe()
         await self.gw.forget_request(self.attempt_id)
         sampling = replace(self.parsed.sampling, max_tokens=self.parsed.sampling.max_tokens - len(self.generated))
@@ -158,7 +162,7 @@ class RequestFlow:
                 return
             except APIError as e:
                 if e.status != 429 or time.perf_counter() + wait_s > deadline:
-                    raise StreamError(f"could not move the request after {sorted(dead)} died: {e.message}") from None
+                    raise StreamError(f"could not move the request after {sorted(dead)} failed: {e.message}") from None
             await asyncio.sleep(wait_s)
             wait_s = min(wait_s * 2, 2.0)
 

@@ -118,7 +118,7 @@ class Prefiller(EngineService):
             await self.bus.publish(subjects.handoff_ready(task.plan.rld), KVReady(rid, md=""))
             await self.bus.publish(subjects.decode_drop(task.plan.md), Abort(rid, reason="KV push failed"))
             return
-        await self._fail(rid, "; ".join(str(e) for _, e in failed))
+        await self._fail(rid, "; ".join(str(e) for _, e in failed), blame=failed[0][0].instance_id)
 
     async def _send(self, target: KVTarget, rid: str, payload: KVPayload, done: dict) -> int:
         """Push one target's KV; a dropped or stalled connection is retried from the start."""
@@ -139,10 +139,11 @@ class Prefiller(EngineService):
         raise KVTransferError(f"KV push to {target.instance_id} failed: {error}")
 
     # -- 5. failure and abort -----------------------------------------------------------
-    async def _fail(self, rid: str, error: str) -> None:
+    async def _fail(self, rid: str, error: str, blame: str = "") -> None:
         log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
         self.requests.pop(rid, None)
-        chunk = TokenChunk(rid, 0, [], role=self.role, instance_id=self.inst.id, finish_reason="error", error=error)
+        chunk = TokenChunk(rid, 0, [], role=self.role, instance_id=self.inst.id, finish_reason="error", error=error,
+                           blame=blame)  # fmt: skip
         await self.bus.publish(subjects.tokens(rid), chunk)
         await self.bus.publish(subjects.ABORT, Abort(rid, reason=f"prefill failed: {error}"))
 

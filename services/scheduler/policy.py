@@ -165,7 +165,9 @@ def is_full(v: InstanceView) -> bool:
 def cheapest(instances: list[InstanceView], role: str, req: PlanRequest, config: PolicyConfig) -> InstanceView:
     candidates = [i for i in instances if i.role == role and i.id not in req.avoid]
     if not candidates:
-        raise NoCapacity(f"no alive {role} instance")
+        failed = sorted(i.id for i in instances if i.role == role and i.id in req.avoid)
+        raise NoCapacity(f"no alive {role} instance" + (f" but {', '.join(failed)}, which failed this request"
+                                                        if failed else ""))  # fmt: skip
     with_room = [i for i in candidates if not is_full(i)]
     if not with_room:
         raise Saturated(f"every {role} instance is full ({', '.join(sorted(i.id for i in candidates))})")
