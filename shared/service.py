@@ -142,7 +142,7 @@ class InstanceService:
             requests=self.held_requests(),
             free_blocks=load.get("free_blocks", 0),
             total_blocks=load.get("total_blocks", 0),
-            extra=load,
+            extra={**load, "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks)},
         )
 
 
