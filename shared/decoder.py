@@ -96,7 +96,7 @@ class DecoderService(EngineService):
         state = self.requests.get(t.request_id)
         if state is None:
             return f"{self.inst.id} has no decode task for {t.request_id}"
-        if state.running:  # a retried push whose first attempt landed after all
+        if state.running or state.parked is not None:  # a retried push whose first attempt landed after all
             return ""
         header = KVHeader(**t.kv)
         layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
@@ -228,6 +228,8 @@ class DecoderService(EngineService):
         limit = self.cfg.timeouts.request_s
         while True:
             await asyncio.sleep(1.0)
+            if self.parked:  # blocks also free outside steps (a relay letting go after its handoff)
+                self._room.set()
             now = time.monotonic()
             for rid, state in list(self.requests.items()):
                 if not state.running and now - state.accepted_at > limit:

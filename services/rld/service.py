@@ -104,6 +104,7 @@ class RelayDecoder(DecoderService):
         rid = state.task.request_id
         t0 = time.perf_counter()
         seq = await self.worker.call(lambda e: e.abort(rid))  # stop decoding; frees the blocks
+        self._room.set()  # KV parked for want of blocks may fit now
         if seq is None:
             return  # it finished here first
         generated = seq.token_ids[seq.prompt_len :]
