@@ -7,6 +7,15 @@ import argparse
 MODES = ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup")
 
 
+def parse_modes(spec: str) -> list[str]:
+    """'pd-wan, pdd' -> ['pd-wan', 'pdd']; ValueError naming any unknown mode."""
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    return modes
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="agentic", help="agentic | random | trace:FILE")
     p.add_argument("--modes", default="pd-local,pd-wan,pdd", help=f"comma-separated: {','.join(MODES)}")

@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from benchmarks.modes import MODES, SLO_TTFT_MS, instance_counts, md_in_other_dc, mode_config
+from benchmarks.args import parse_modes
+from benchmarks.modes import SLO_TTFT_MS, instance_counts, md_in_other_dc, mode_config
 from benchmarks.report import write_report
 from benchmarks.runner import replay, warm_up
 from benchmarks.summary import build_results
@@ -52,10 +53,10 @@ def run_mode(mode: str, base: dict[str, Any] | None, workload) -> tuple[list[dic
 
 
 def main(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        print(f"pdd bench: unknown mode(s) {unknown}; known: {', '.join(MODES)}", file=sys.stderr)
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as e:
+        print(f"pdd bench: {e}", file=sys.stderr)
         return 2
     base = yaml.safe_load(Path(args.config).read_text()) if args.config else None
     workload = _workload(args)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.args import MODES
+from benchmarks.args import MODES, parse_modes
 from benchmarks.report import write_report
 from benchmarks.summary import build_results
 from sim.cluster import SimCluster
@@ -91,10 +91,10 @@ def run_modes(cfg: SimConfig, modes: list[str], requests: list[SimRequest], info
 
 
 def main(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        print(f"pdd sim: unknown mode(s) {unknown}; known: {', '.join(MODES)}", file=sys.stderr)
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as e:
+        print(f"pdd sim: {e}", file=sys.stderr)
         return 2
     cfg = load_sim_config(args.config)
     tokenizer = tokenizer_or_none(args.no_tokenizer) if args.workload in ("agentic",) else None
