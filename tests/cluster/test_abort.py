@@ -109,7 +109,7 @@ def test_abort_while_prefilling(cluster, model_id, operator):
     s = Stream(cluster.url, _body(model_id, fresh_prompt(900, "prefilling")))
     _until(lambda: operator.inspect("prefill-0").extra["running"], 30, "prefill to start computing")
     time.sleep(0.3)
-    assert _holders(operator, s.request_id).keys() - {"prefill-0"} <= {"rld-0", "md-0"}  # decoders wait for KV
+    assert "prefill-0" in _holders(operator, s.request_id)  # still computing its prompt when the client goes
     _assert_dropped(operator, s.request_id, s.disconnect())
 
 
