@@ -17,7 +17,7 @@ import time
 
 from shared.prefix_hash import block_hashes
 from shared.registry import Registry, connect
-from shared.runtime.radix_cache import KVEvent
+from shared.messages import IndexEvent
 from shared.servers import EmbeddedServer
 
 
@@ -30,7 +30,7 @@ async def run(tokens: int, instances: int, reps: int) -> dict[str, float]:
         ids = [f"md-{i}" for i in range(instances)]
         for i, iid in enumerate(ids):  # instance i holds the first (i+1)/n of the prefix
             held = hashes[: len(hashes) * (i + 1) // instances]
-            await registry.apply_kv_events(iid, [KVEvent("stored", held)])
+            await registry.apply_kv_events(iid, [IndexEvent("stored", held)])
         hash_ms, lookup_ms = [], []
         for _ in range(reps):
             t0 = time.perf_counter()

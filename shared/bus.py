@@ -2,7 +2,12 @@
 
 Core NATS is at-most-once, so callers treat a timeout as "unknown" and retry idempotently
 (handlers de-duplicate by request id). Reconnection is nats-py's: a service keeps running
-through a NATS restart and its subscriptions are restored.
+through a NATS restart and its subscriptions are restored. A message that does not decode
+(`BadMessage`) is logged and dropped: it fails nothing but itself.
+
+The services use four calls: `publish`, `request`, `serve` (a handler per message, its reply
+sent back) and `subscribe` (a typed stream). tests/fakes.py has an in-memory bus with the same
+four, for unit tests without a server.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
+from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 
-from shared.messages import M, Message
+from shared.messages import BadMessage, M, Message
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +78,27 @@ class Bus:
         await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         await self.nc.flush()
 
+    async def subscribe(self, subject: str, msg_type: type[M], callback: Callable[[M], None]) -> Subscription:
+        """Call `callback(msg)` on the event loop for each message on `subject`, in order."""
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                callback(msg_type.decode(raw.data))
+            except BadMessage as e:
+                log.warning("%s: dropped a bad message on %s: %s", self.name, raw.subject, e)
+
+        return await self.nc.subscribe(subject, cb=on_msg)
+
     async def _handle(self, raw: Msg, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]]) -> None:
         try:
             msg = msg_type.decode(raw.data)
             reply = await handler(msg)
             if reply is not None and raw.reply:
                 await raw.respond(reply.encode())
+        except BadMessage as e:
+            log.warning("%s: dropped a bad message on %s: %s", self.name, raw.subject, e)
+        except asyncio.CancelledError:
+            raise
         except Exception:
             log.exception("%s: handler for %s failed", self.name, raw.subject)
 

@@ -1,16 +1,20 @@
-"""DecoderService: the decode side shared by main-decode (md) and relay-decode (rld).
+"""DecoderService: the decode side of relay-decode (rld) and main-decode (md).
 
-Lifecycle of a request on a decoder:
-1. `DecodeTask` arrives over NATS: remembered as pending (with a deadline), acked. Duplicates
-   are acked again; a task for an aborted request is refused.
-2. Its KV arrives on this instance's TCP listener (from prefill, in-DC or across the WAN):
-   on the engine thread, blocks are allocated, the KV imported (dtype converted), and the
-   sequence — prompt plus prefill's first token — joins the running batch. Then the sender
-   gets its ACK, and the first token (index 0) is published.
-3. Every engine step's tokens are published on `pdd.tokens.<request>` in order.
-4. The final chunk carries finish_reason and the request's stats; the engine frees the blocks.
-5. Abort (or a pending task whose KV never comes before its deadline) drops the request
-   wherever it is; an error is published for the latter.
+Lifecycle of a request on a decoder: one `DecodeRequest` in `requests`; its `phase` says where.
+1. PENDING: the scheduler's `DecodeTask` is remembered (with a deadline) and acked. A duplicate
+   is acked again; a task for an aborted request, or past the stage's capacity, is refused.
+2. PARKED: its KV arrived on this instance's TCP listener (from prefill, in-DC or across the
+   WAN) and waits in host memory for pool room, oldest first.
+3. RUNNING: blocks allocated, KV imported (dtype converted), the sequence joined the batch; the
+   sender gets its ACK and prefill's first token goes out as index 0. On md a `p-rld-md`
+   request runs as a SHADOW instead: it computes the relay's tokens and streams nothing.
+4. Each engine step's tokens are published on `pdd.tokens.<request>` in order. The relay ->
+   main handoff (HANDING_OFF on the relay) is `shared/handoff.py`: both sides in one place.
+5. The request ends one way (`End`): FINISHED (the final chunk carries finish_reason and
+   stats), HANDED_OFF (relay: main-decode took it), ABORTED (broadcast), DROPPED (only this
+   copy: its KV push failed, or the plan changed), FAILED (its KV never came, or could not be
+   admitted). Ending removes it from `requests`, cancels every task it owns and frees its
+   blocks: nothing of a request outlives it.
 """
 
 from __future__ import annotations
@@ -19,68 +23,92 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from shared import subjects
+from shared.decode_state import DecodeRequest, End, Phase
+from shared.handoff import MainSide, RelaySide
+from shared.instance import InstanceService, to_params
 from shared.kv_transport import KVReceiver, Transfer
-from shared.messages import Abort, Ack, DecodeTask, TokenChunk, WanSample
+from shared.messages import Abort, Ack, DecodeTask, RequestStats, TokenChunk, WanSample
+from shared.recent import RecentIds
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVHeader, KVPayload, import_kv, layer_from_bytes
 from shared.runtime.kv_pool import PoolExhausted
 from shared.runtime.sequence import FinishReason, Sequence
-from shared.service import EngineService, to_params
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class DecodeState:
-    task: DecodeTask
-    accepted_at: float
-    stats: dict[str, Any] = field(default_factory=dict)
-    running: bool = False
-    parked: tuple[Sequence, KVPayload, int] | None = None  # KV landed; waits in host memory for room
-    error: str = ""
-
-
-class DecoderService(EngineService):
+class DecoderService(InstanceService):
     def __init__(self, cfg, inst) -> None:
         super().__init__(cfg, inst)
-        self.requests: dict[str, DecodeState] = {}
-        self.aborted: dict[str, float] = {}  # request id -> when; tasks arriving late are refused
+        self.role = inst.role
+        self.side = RelaySide(self) if inst.role == "rld" else MainSide(self)
+        self.requests: dict[str, DecodeRequest] = {}
+        self.aborted = RecentIds()  # a task arriving after its abort is refused
         self.receiver = KVReceiver(self.on_transfer, cfg.timeouts.kv_stall_s, self._on_transfer_error,
                                    wanted=lambda rid: rid in self.requests)  # fmt: skip
-        self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self.parked: deque[str] = deque()  # requests whose KV waits for pool room, in arrival order
+        self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._admitting = asyncio.Lock()
         self._room = asyncio.Event()  # set when blocks may have been freed
 
-    async def setup(self) -> None:
-        await super().setup()
+    async def serve(self) -> None:
         self.info.kv_host = self.cfg.public_host
         self.info.kv_port = await self.receiver.start(self.cfg.host, 0)
         await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
         await self.bus.serve(subjects.decode_drop(self.inst.id), Abort, self.on_drop)
+        await self.side.serve()
         self.spawn(self._publisher())
         self.spawn(self._watchdog())
         self.spawn(self._unparker())
 
-    async def teardown(self) -> None:
+    async def shutdown(self) -> None:
         await self.receiver.stop()
-        await super().teardown()
+        await super().shutdown()
 
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
-    async def load(self) -> dict[str, int]:
+    async def load(self) -> dict:
         """The engine's figures plus `pending`: tasks accepted whose KV has not landed. They are
         committed here, so the scheduler's relay admission control counts them."""
-        return {**await super().load(), "pending": sum(not s.running for s in self.requests.values())}
+        pending = sum(r.phase <= Phase.PARKED for r in self.requests.values())
+        return {**await super().load(), "pending": pending, **self.side.load()}
 
-    # -- 1. task ------------------------------------------------------------------------
+    # -- a request's tasks and its end ------------------------------------------------------
+    def spawn_for(self, req: DecodeRequest, coro) -> asyncio.Task:
+        task = self.spawn(coro)
+        req.tasks.add(task)
+        task.add_done_callback(req.tasks.discard)
+        return task
+
+    def end(self, rid: str, how: End) -> DecodeRequest | None:
+        """The one way out of `requests`. The caller frees the engine's sequence if it has one."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return None
+        if req.phase == Phase.PARKED and rid in self.parked:
+            self.parked.remove(rid)
+        me = asyncio.current_task()
+        for task in list(req.tasks):
+            if task is not me:
+                task.cancel()
+        req.caught_up.set()  # a handoff chunk waiting for the shadow wakes and sees it gone
+        log.debug("%s: %s ended: %s", self.inst.id, rid, how.name)
+        return req
+
+    async def abort_engine(self, rid: str) -> None:
+        await self.worker.call(lambda e: e.abort(rid))
+        self.room_freed()
+
+    def room_freed(self) -> None:
+        """Blocks were freed outside a step: parked KV may fit now."""
+        self._room.set()
+
+    # -- 1. task ----------------------------------------------------------------------------
     async def on_task(self, task: DecodeTask) -> Ack:
         rid = task.request_id
         if rid in self.aborted:
@@ -88,33 +116,35 @@ class DecoderService(EngineService):
         if rid not in self.requests:
             if (full := self.refuse_if_full(rid)) is not None:
                 return full
-            self.requests[rid] = DecodeState(task, time.monotonic())
+            self.requests[rid] = DecodeRequest(task, time.monotonic())
         return Ack(rid)
 
-    # -- 2. KV arrives ------------------------------------------------------------------
+    # -- 2. KV arrives ----------------------------------------------------------------------
     async def on_transfer(self, t: Transfer) -> str:
-        state = self.requests.get(t.request_id)
-        if state is None:
+        req = self.requests.get(t.request_id)
+        if req is None:
             return f"{self.inst.id} has no decode task for {t.request_id}"
-        if state.running or state.parked is not None:  # a retried push whose first attempt landed after all
+        if req.phase != Phase.PENDING:  # a retried push whose first attempt landed after all
             return ""
         header = KVHeader(**t.kv)
         layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
+        if self.requests.get(t.request_id) is not req or req.phase != Phase.PENDING:
+            return ""  # aborted (or a duplicate landed) while the bytes were converted
         first = int(t.done["first_token"])
-        state.stats.update(t.done.get("stats", {}))
-        key = "wan_kv_bytes" if t.via_wan else "local_kv_bytes"
-        state.stats[key] = state.stats.get(key, 0) + t.wire_bytes
-        state.stats.setdefault("timings_ms", {})["kv_wan" if t.via_wan else "kv_local"] = t.elapsed_ms
+        req.stats.merge(RequestStats.from_dict(t.done.get("stats", {})))
         if t.via_wan:
+            req.stats.wan_kv_bytes, req.stats.kv_wan_ms = t.wire_bytes, t.elapsed_ms
             self.spawn(self.bus.publish(subjects.WAN_SAMPLE, WanSample(t.wire_bytes, t.elapsed_ms / 1000)))
-        task = state.task
-        seq = Sequence(task.request_id, list(task.prompt_ids) + [first], to_params(task.sampling))
+        else:
+            req.stats.local_kv_bytes, req.stats.kv_local_ms = t.wire_bytes, t.elapsed_ms
+        task = req.task
+        seq = Sequence(req.id, list(task.prompt_ids) + [first], to_params(task.sampling))
         seq.prompt_len = len(task.prompt_ids)
-        seq.shadow = self.admits_as_shadow(task)
-        state.parked = (seq, KVPayload(header, layers), first)
-        self.parked.append(task.request_id)
+        seq.shadow = self.side.shadows(task)
+        req.parked, req.phase = (seq, KVPayload(header, layers), first), Phase.PARKED
+        self.parked.append(req.id)
         await self._admit_parked()
-        return state.error  # "" = committed: running, or parked until the pool has room
+        return req.error  # "" = committed: running, or parked until the pool has room
 
     async def _admit_parked(self) -> None:
         """Import parked KV and join the batch, oldest first, while the pool has room.
@@ -125,33 +155,37 @@ class DecoderService(EngineService):
         """
         async with self._admitting:
             while self.parked:
-                state = self.requests.get(self.parked[0])
-                if state is None or state.parked is None:  # aborted meanwhile
-                    self.parked.popleft()
-                    continue
-                seq, payload, first = state.parked
+                req = self.requests[self.parked[0]]  # `end` removes ended requests from the deque
+                seq, payload, first = req.parked
                 try:
                     done = await self.worker.call(lambda e, s=seq, kv=payload: _admit(e, s, kv))
                 except PoolExhausted:
                     return  # retried when a running request frees its blocks
                 except Exception as e:  # cannot ever fit, bad KV...: the request fails, nothing is held
-                    state.error = f"{self.inst.id}: {e}"
-                    done = None
+                    req.error, done = f"{self.inst.id}: {e}", None
+                if self.requests.get(req.id) is not req:
+                    continue  # ended meanwhile; its abort frees what the admission took
                 self.parked.popleft()
-                state.parked = None
-                if state.error:
-                    self.emit(TokenOutput(seq.seq_id, None, 0, FinishReason.ERROR, state.error))
+                req.parked = None
+                if req.error:
+                    self.emit(TokenOutput(req.id, None, 0, FinishReason.ERROR, req.error))
                     continue
-                self._admitted(state, seq)
-                await self.after_admit(state, first, done)
+                self._admitted(req, seq)
+                if not seq.shadow:
+                    self.emit(TokenOutput(req.id, first, 0, done))
+                if req.id in self.requests:
+                    await self.side.admitted(req, done)
 
-    def _admitted(self, state: DecodeState, seq: Sequence) -> None:
-        state.running = True
-        state.stats.setdefault("prefix_hit_tokens", {})["md" if self.role == "md" else "rld"] = seq.cached_tokens
+    def _admitted(self, req: DecodeRequest, seq: Sequence) -> None:
+        req.phase = Phase.SHADOW if seq.shadow else Phase.RUNNING
+        if self.role == "md":
+            req.stats.md_hit_tokens = seq.cached_tokens
+        else:
+            req.stats.rld_hit_tokens = seq.cached_tokens
         if seq.imported is not None:
-            state.stats["recomputed_tokens"] = seq.imported[0] - seq.num_computed
+            req.stats.recomputed_tokens = seq.imported[0] - seq.num_computed
             log.info("%s: %s: prefix evicted since the plan; recomputing %d tokens", self.inst.id, seq.seq_id,
-                     state.stats["recomputed_tokens"])  # fmt: skip
+                     req.stats.recomputed_tokens)  # fmt: skip
 
     async def _unparker(self) -> None:
         while True:
@@ -159,63 +193,51 @@ class DecoderService(EngineService):
             self._room.clear()
             await self._admit_parked()
 
-    def admits_as_shadow(self, task: DecodeTask) -> bool:
-        """Whether this decoder follows another one's tokens before it decodes (md in p-rld-md)."""
-        return False
-
-    async def after_admit(self, state: DecodeState, first: int, done: str | None) -> None:
-        """The KV is in and the sequence runs: stream prefill's first token as index 0."""
-        self.emit(TokenOutput(state.task.request_id, first, 0, done))
-
-    # -- 3./4. tokens out ---------------------------------------------------------------
+    # -- 3./4. tokens out -------------------------------------------------------------------
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         if self.parked and any(out.finish_reason is not None for out in outputs):
             self._room.set()
         for out in outputs:
-            if out.seq_id not in self.requests:
+            req = self.requests.get(out.seq_id)
+            if req is None:
                 continue
             if out.caught_up:
-                self.on_caught_up(out)
+                req.caught_up.set()
             else:
                 self.emit(out)
 
-    def on_caught_up(self, out: TokenOutput) -> None:
-        """A shadow sequence computed every token it was given (see services/md)."""
-
     def emit(self, out: TokenOutput) -> None:
-        state = self.requests.get(out.seq_id)
+        req = self.requests.get(out.seq_id)
         chunk = TokenChunk(
             out.seq_id, out.index, [] if out.token_id is None else [out.token_id],
             role=self.role, instance_id=self.inst.id, finish_reason=out.finish_reason, error=out.error or "",
         )  # fmt: skip
+        if req is not None:
+            self.side.emitting(req, out)
         if out.finish_reason is not None:
-            chunk.stats = state.stats if state else {}
-            self.requests.pop(out.seq_id, None)
+            chunk.stats = req.stats if req else None
+            self.end(out.seq_id, End.FINISHED if out.error is None else End.FAILED)
         self._out.put_nowait(chunk)
 
     async def _publisher(self) -> None:
         while True:
             chunk = await self._out.get()
             if chunk.finish_reason is not None:
-                await self.flush_index()  # the next turn's plan must see this turn cached
+                await self.report_index()  # the next turn's plan must see this turn cached
             await self.bus.publish(subjects.tokens(chunk.request_id), chunk)
 
-    # -- 5. abort and deadlines ---------------------------------------------------------
+    # -- 5. abort, drop and deadlines -------------------------------------------------------
     async def on_abort(self, msg: Abort) -> None:
-        self.aborted[msg.request_id] = time.monotonic()
+        self.aborted.add(msg.request_id)
         self.receiver.cancel(msg.request_id)  # its KV may be mid-way across the WAN: stop carrying it
-        state = self.requests.pop(msg.request_id, None)
-        if state is not None:
-            await self.worker.call(lambda e: e.abort(msg.request_id))
-            self._room.set()
+        if self.end(msg.request_id, End.ABORTED) is not None:
+            await self.abort_engine(msg.request_id)
 
     async def on_drop(self, msg: Abort) -> None:
-        """Only this decoder's copy is abandoned (its KV push failed); others carry the request."""
+        """Only this decoder's copy is abandoned (its KV push failed, or the scheduler re-planned)."""
         self.receiver.cancel(msg.request_id)
-        state = self.requests.pop(msg.request_id, None)
-        if state is not None and state.running:
-            await self.worker.call(lambda e: e.abort(msg.request_id))
-            self._room.set()
+        if self.end(msg.request_id, End.DROPPED) is not None:
+            await self.abort_engine(msg.request_id)
 
     def _on_transfer_error(self, request_id: str, error: str) -> None:
         # The sender retries (and reports if it gives up); the deadline below is the backstop.
@@ -225,21 +247,19 @@ class DecoderService(EngineService):
         # A backstop for a KV that never comes (prefill died before pushing). Prefill may queue
         # and prefill long prompts first, so only the request deadline applies here; a transfer
         # that starts and stalls is caught by the KV plane's own stall timeout.
-        limit = self.cfg.timeouts.request_s
         while True:
             await asyncio.sleep(1.0)
             if self.parked:  # blocks also free outside steps (a relay letting go after its handoff)
                 self._room.set()
-            now = time.monotonic()
-            for rid, state in list(self.requests.items()):
-                if not state.running and now - state.accepted_at > limit:
-                    self.on_kv_deadline(rid, state, f"KV did not arrive within {limit:.0f}s")
-            for rid, when in list(self.aborted.items()):
-                if now - when > 600:
-                    del self.aborted[rid]
+            self.expire_pending(time.monotonic())
 
-    def on_kv_deadline(self, rid: str, state: DecodeState, error: str) -> None:
-        self.emit(TokenOutput(rid, None, 0, FinishReason.ERROR, error))
+    def expire_pending(self, now: float) -> None:
+        limit = self.cfg.timeouts.request_s
+        for req in list(self.requests.values()):
+            if req.phase == Phase.PENDING and now - req.accepted_at > limit:
+                error = f"KV did not arrive within {limit:.0f}s"
+                if not self.side.kv_never_came(req):
+                    self.emit(TokenOutput(req.id, None, 0, FinishReason.ERROR, error))
 
 
 def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
@@ -247,7 +267,8 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
     and join the batch. Returns the finish reason when prefill's first token already ends it.
 
     If part of [0, start) was evicted since the plan was made, the missing range is recomputed
-    here from its token ids before anything is decoded (never decode on incomplete KV).
+    here from its token ids before anything is decoded (never decode on incomplete KV); if the
+    cache meanwhile holds more than [0, start), that part of the payload is not imported.
     """
     first, params = seq.token_ids[-1], seq.params
     if first in engine.eos_token_ids and not params.ignore_eos or first in params.stop_token_ids:
@@ -259,12 +280,17 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
     pool, start, n = engine.pool, payload.header.start, seq.prompt_len
     if start % pool.block_size:
         raise ValueError(f"KV starts at {start}, not on a block boundary of {pool.block_size}")
-    engine.match_prefix(seq, start)  # [0, hit) from this decoder's own cache
+    # [0, hit) from this decoder's own cache, all of it: a copy landing beside cached blocks of
+    # the same prefix would hang new cache nodes under nodes this sequence does not hold
+    engine.match_prefix(seq, n)
     hit = seq.num_computed
     try:
-        seq.block_table += engine.allocate(pool.blocks_for(n) - len(seq.block_table))
-        with torch.inference_mode():
-            import_kv(pool, seq.block_table, payload)
+        # the whole budget now, as the engine's admission would: a sequence holding only its
+        # prompt's blocks could wait forever beside another for the blocks each still lacks
+        seq.block_table += engine.allocate(pool.blocks_for(seq.max_total_tokens) - len(seq.block_table))
+        if max(hit, start) < n:  # never write into shared cached blocks
+            with torch.inference_mode():
+                import_kv(pool, seq.block_table, payload.narrow(max(hit, start), n))
     except BaseException:  # as it was before the call: a parked request retries from scratch
         engine.pool.allocator.free(seq.block_table)
         seq.block_table = []

@@ -1,19 +1,28 @@
-"""Control-plane messages (msgpack). Named for what they ask of their receiver.
+"""Control-plane messages (msgpack), named for what they ask of their receiver.
 
 Messages carry ids and changes, never KV (KV travels on the TCP plane, see kv_transport).
-Every message is a dataclass; `encode()` gives msgpack bytes and `Cls.decode(data)` rebuilds
-it, ignoring unknown fields so a newer sender does not break an older receiver.
+Every message is a dataclass; `encode()` gives msgpack bytes and `Cls.decode(data)` rebuilds it.
+Decoding checks every field against its annotation (nested messages included) and raises
+`BadMessage` naming the field, so a malformed message fails only its own handler; unknown
+fields are ignored, so a newer sender does not break an older receiver.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, TypeVar
 
 import msgpack
 
 M = TypeVar("M", bound="Message")
+
+
+class BadMessage(ValueError):
+    pass
 
 
 class Message:
@@ -22,25 +31,57 @@ class Message:
 
     @classmethod
     def decode(cls: type[M], data: bytes) -> M:
-        raw = msgpack.unpackb(data, raw=False)
-        if not isinstance(raw, dict):
-            raise ValueError(f"{cls.__name__}: expected a map, got {type(raw).__name__}")
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+        except Exception as e:  # msgpack raises several types for garbage
+            raise BadMessage(f"{cls.__name__}: not msgpack ({type(e).__name__})") from None
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls: type[M], raw: dict[str, Any]) -> M:
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in raw:
-                continue
-            value = raw[f.name]
-            sub = _NESTED.get((cls.__name__, f.name))
-            if sub is not None and value is not None:
-                value = [sub.from_dict(v) for v in value] if isinstance(value, list) else sub.from_dict(value)
-            kwargs[f.name] = value
-        return cls(**kwargs)
+    def from_dict(cls: type[M], raw: Any) -> M:
+        if not isinstance(raw, dict):
+            raise BadMessage(f"{cls.__name__}: expected a map, got {type(raw).__name__}")
+        hints = _hints(cls)
+        kwargs = {name: _check(raw[name], hints[name], f"{cls.__name__}.{name}") for name in hints if name in raw}
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:  # a required field missing, or __post_init__ refused it
+            raise BadMessage(f"{cls.__name__}: {e}") from None
 
 
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """`value` as the annotation `tp` wants it, or BadMessage."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        return _check(value, next(a for a in args if a is not type(None)), where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise BadMessage(f"{where}: expected a list, got {type(value).__name__}")
+        return [_check(v, args[0], f"{where}[]") for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise BadMessage(f"{where}: expected a map, got {type(value).__name__}")
+        return {_check(k, args[0], where): _check(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, Message):
+        return tp.from_dict(value)
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise BadMessage(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+# -- requests -------------------------------------------------------------------------------
 @dataclass
 class Sampling(Message):
     max_tokens: int = 16
@@ -60,7 +101,7 @@ class Submit(Message):
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
-    pipeline: str | None = None  # forced plan (observability contract), else the policy's choice
+    pipeline: str | None = None  # forced plan (an admin's `pdd` override), else the policy's choice
     handoff: str | None = None
     avoid: list[str] = field(default_factory=list)  # instances this request must not use (they died)
 
@@ -87,7 +128,7 @@ class Plan(Message):
 
 @dataclass
 class KVTarget(Message):
-    """Where prefill pushes KV: a decoder's advertised endpoint, optionally through a WAN link."""
+    """Where prefill pushes KV: a decoder's advertised endpoint."""
 
     instance_id: str
     role: str  # "md" or "rld"
@@ -100,6 +141,8 @@ class KVTarget(Message):
 
 @dataclass
 class PrefillTask(Message):
+    """scheduler -> prefill: compute the prompt's KV and push it to `targets`."""
+
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
@@ -126,6 +169,39 @@ class Ack(Message):
 
 
 @dataclass
+class Abort(Message):
+    request_id: str
+    reason: str = "client disconnected"
+
+
+# -- what a request measured ----------------------------------------------------------------
+@dataclass
+class RequestStats(Message):
+    """What the stages measured for one request. Each stage fills its own fields; prefill's
+    travel with the KV to every decoder, and the relay's travel with its final handoff chunk to
+    main-decode, so copies overlap: `merge` keeps the larger figure of each field."""
+
+    prefill_ms: float = 0.0  # prefill accepted the task -> its first token
+    kv_local_ms: float = 0.0  # in-DC KV transfer (to the relay), first byte to last
+    kv_wan_ms: float = 0.0  # KV over the WAN (to main-decode)
+    extend_ms: float = 0.0  # main-decode computing the relay's tokens (all chunks)
+    handoff_stop_ms: float = 0.0  # relay stopping its sequence for the final chunk
+    local_kv_bytes: int = 0
+    wan_kv_bytes: int = 0
+    prefill_hit_tokens: int = 0  # prompt tokens found in each role's prefix cache
+    rld_hit_tokens: int = 0
+    md_hit_tokens: int = 0
+    recomputed_tokens: int = 0  # planned prefix evicted from main-decode meanwhile
+    handoff_chunks: int = 0
+
+    def merge(self, other: RequestStats | None) -> RequestStats:
+        if other is not None:
+            for f in dataclasses.fields(self):
+                setattr(self, f.name, max(getattr(self, f.name), getattr(other, f.name)))
+        return self
+
+
+@dataclass
 class TokenChunk(Message):
     """decoder -> gateway: generated tokens [index, index + len(token_ids)), or the end."""
 
@@ -136,23 +212,25 @@ class TokenChunk(Message):
     instance_id: str = ""
     finish_reason: str | None = None
     error: str = ""
-    stats: dict[str, Any] = field(default_factory=dict)  # set on the final chunk
+    stats: RequestStats | None = None  # set on the final chunk
     blame: str = ""  # with an error: the instance it came from (the gateway moves the request off it)
 
 
-@dataclass
-class Abort(Message):
-    request_id: str
-    reason: str = "client disconnected"
-
-
+# -- the handoff (shared/handoff.py) --------------------------------------------------------
 @dataclass
 class KVReady(Message):
-    """md -> rld: main-decode holds this request's prompt KV; hand the request over.
-    With `md == ""` (from prefill or main-decode): main-decode will not get it; finish on relay."""
+    """md -> rld: main-decode holds this request's prompt KV; hand the request over."""
 
     request_id: str
     md: str
+
+
+@dataclass
+class FinishOnRelay(Message):
+    """prefill or md -> rld: main-decode will not get this request; the relay finishes it."""
+
+    request_id: str
+    reason: str = ""
 
 
 @dataclass
@@ -169,9 +247,72 @@ class HandoffChunk(Message):
     start_index: int
     token_ids: list[int]
     final: bool = False
-    stats: dict[str, Any] = field(default_factory=dict)  # relay's figures, on the final chunk
+    stats: RequestStats | None = None  # relay's figures, on the final chunk
 
 
+# -- instances report to the registry (services/scheduler/registrar.py) ---------------------
+@dataclass
+class InstanceInfo(Message):
+    """An instance's heartbeat: who it is, where its KV listener is, and its load figures."""
+
+    id: str
+    role: str
+    dc: str
+    kv_host: str = ""
+    kv_port: int = 0
+    dtype: str = "float32"
+    block_size: int = 16
+    running: int = 0
+    waiting: int = 0
+    pending: int = 0  # decoders: tasks accepted whose KV has not landed (they will run here)
+    queued_tokens: int = 0  # prompt tokens accepted and not yet computed
+    step_ms: float = 0.0  # measured step time (moving average); 0 = not measured yet
+    prefill_tok_s: float = 0.0  # measured prefill throughput; 0 = not measured yet
+    held: int = 0  # requests the instance holds anything for
+    capacity: int = 0  # most it will hold (max_running + max_waiting); 0 = unbounded
+    free_blocks: int = 0
+    total_blocks: int = 0
+    started_at: float = 0.0
+    updated_at: float = 0.0  # when the load figures were sampled (wall clock)
+
+    @property
+    def load(self) -> float:
+        """Share of the KV pool in use, plus queued work: the figure routing balances."""
+        used = 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
+        return used + 0.1 * (self.running + self.waiting)
+
+
+@dataclass
+class HeartbeatReply(Message):
+    resync_index: bool = False  # the index lost this instance's blocks (Redis restarted): send them all
+
+
+@dataclass
+class IndexEvent(Message):
+    """A change to an instance's prefix cache, as vLLM's KV events: blocks by chained hash."""
+
+    kind: str  # "stored" | "removed" | "cleared"
+    hashes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class IndexUpdate(Message):
+    """instance -> registrar: apply these events to the instance's block set, in order.
+    `seq` counts the instance's updates: a gap tells the registrar one was lost."""
+
+    instance_id: str
+    events: list[IndexEvent]
+    seq: int = 0
+
+
+@dataclass
+class Leave(Message):
+    """instance -> registrar: shutting down; forget it now rather than when its heartbeat expires."""
+
+    instance_id: str
+
+
+# -- operators and tools --------------------------------------------------------------------
 @dataclass
 class Inspect(Message):
     instance_id: str = ""
@@ -204,13 +345,3 @@ class WanControl(Message):
     jitter_ms: float | None = None
     stall_s: float | None = None  # stop forwarding for this long
     drop: bool = False  # cut every open connection now
-
-
-_NESTED: dict[tuple[str, str], type[Message]] = {
-    ("Submit", "sampling"): Sampling,
-    ("PrefillTask", "sampling"): Sampling,
-    ("PrefillTask", "targets"): KVTarget,
-    ("PrefillTask", "plan"): Plan,
-    ("DecodeTask", "sampling"): Sampling,
-    ("DecodeTask", "plan"): Plan,
-}

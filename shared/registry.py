@@ -1,5 +1,9 @@
 """Redis: the instance registry (heartbeats with a TTL), load figures, WAN routes, request state.
 
+Redis lives in datacenter A. Instances never write it: they report over NATS (heartbeats,
+prefix-cache events) and the scheduler's registrar (services/scheduler/registrar.py) writes
+them here; the scheduler and the gateway read them.
+
 Keys
     pdd:instance:<id>          hash  InstanceInfo fields; expires unless refreshed by heartbeats
     pdd:route:<src>:<dst>      str   "host:port" of the WAN link from datacenter src to dst
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -22,47 +25,11 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.messages import IndexEvent, InstanceInfo
+
 INSTANCE = "pdd:instance:"
 REQUEST = "pdd:request:"
 KV = "pdd:kv:"
-
-
-@dataclass
-class InstanceInfo:
-    id: str
-    role: str
-    dc: str
-    kv_host: str = ""
-    kv_port: int = 0
-    dtype: str = "float32"
-    block_size: int = 16
-    running: int = 0
-    waiting: int = 0
-    pending: int = 0  # decoders: tasks accepted whose KV has not landed (they will run here)
-    queued_tokens: int = 0  # prompt tokens accepted and not yet computed
-    step_ms: float = 0.0  # measured step time (moving average); 0 = not measured yet
-    prefill_tok_s: float = 0.0  # measured prefill throughput; 0 = not measured yet
-    held: int = 0  # requests the instance holds anything for
-    capacity: int = 0  # most it will hold (max_running + max_waiting); 0 = unbounded
-    free_blocks: int = 0
-    total_blocks: int = 0
-    started_at: float = 0.0
-    updated_at: float = 0.0
-
-    @classmethod
-    def from_hash(cls, raw: dict[str, str]) -> InstanceInfo:
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name in raw:
-                value = raw[f.name]
-                kwargs[f.name] = value if f.type == "str" else (float(value) if f.type == "float" else int(value))
-        return cls(**kwargs)
-
-    @property
-    def load(self) -> float:
-        """Share of the KV pool in use, plus queued work: the figure routing balances."""
-        used = 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
-        return used + 0.1 * (self.running + self.waiting)
 
 
 # For each key (an instance's block set): how many of ARGV, in order, it holds before the first miss.
@@ -121,7 +88,7 @@ class Registry:
             for k in keys:
                 pipe.hgetall(k)
             rows = await pipe.execute()
-        infos = [InstanceInfo.from_hash(row) for row in rows if row]
+        infos = [_info_from_hash(row) for row in rows if row]
         return sorted((i for i in infos if role is None or i.role == role), key=lambda i: i.id)
 
     async def set_route(self, src_dc: str, dst_dc: str, host: str, port: int) -> None:
@@ -150,8 +117,8 @@ class Registry:
     async def clear_kv(self, instance_id: str) -> None:
         await self.r.delete(KV + instance_id, KV + instance_id + ":seq")
 
-    async def apply_kv_events(self, instance_id: str, events: list) -> None:
-        """Apply `KVEvent`s (stored / removed / cleared) in order, in one transaction."""
+    async def apply_kv_events(self, instance_id: str, events: list[IndexEvent]) -> None:
+        """Apply `IndexEvent`s (stored / removed / cleared) in order, in one transaction."""
         key = KV + instance_id
         async with self.r.pipeline(transaction=True) as pipe:
             for ev in events:
@@ -183,3 +150,12 @@ class Registry:
             self._prefix_script = self.r.register_script(_LEADING_HITS_LUA)
         counts = await self._prefix_script(keys=[KV + i for i in instance_ids], args=hashes)
         return {iid: int(n) for iid, n in zip(instance_ids, counts)}
+
+
+def _info_from_hash(raw: dict[str, str]) -> InstanceInfo:
+    kwargs = {}
+    for f in dataclasses.fields(InstanceInfo):
+        if f.name in raw:
+            value = raw[f.name]
+            kwargs[f.name] = value if f.type == "str" else (float(value) if f.type == "float" else int(value))
+    return InstanceInfo(**kwargs)

@@ -6,9 +6,13 @@
     pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
     pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
     pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
+    pdd.handoff.<rld>.finish        prefill, md -> rld     FinishOnRelay (main-decode will not get it)
     pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
     pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
     pdd.decode.<instance>.drop      prefill -> a decoder   Abort (this decoder only: its copy failed)
+    pdd.registry.heartbeat          instances -> registrar InstanceInfo -> HeartbeatReply (load, liveness)
+    pdd.registry.index              instances -> registrar IndexUpdate -> Ack (prefix-cache block events)
+    pdd.registry.leave              instances -> registrar Leave (shutting down)
     pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
     pdd.admin.<instance>.flush      operators -> any       Inspect -> InstanceState (drop unused cache)
     pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
@@ -17,6 +21,9 @@
 SUBMIT = "pdd.scheduler.submit"
 WAN_SAMPLE = "pdd.scheduler.wan_sample"
 ABORT = "pdd.abort"
+HEARTBEAT = "pdd.registry.heartbeat"
+INDEX = "pdd.registry.index"
+LEAVE = "pdd.registry.leave"
 
 
 def prefill_task(instance_id: str) -> str:
@@ -29,6 +36,10 @@ def decode_task(instance_id: str) -> str:
 
 def handoff_ready(rld_id: str) -> str:
     return f"pdd.handoff.{rld_id}.ready"
+
+
+def finish_on_relay(rld_id: str) -> str:
+    return f"pdd.handoff.{rld_id}.finish"
 
 
 def handoff_chunk(md_id: str) -> str:

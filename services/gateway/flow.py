@@ -29,7 +29,7 @@ from typing import Any
 
 from services.gateway.detokenize import IncrementalDetokenizer, StopChecker
 from services.gateway.openai_api import APIError, ParsedRequest
-from services.gateway.pdd_object import FlowStats, build_pdd, merge_stats
+from services.gateway.pdd_object import FlowStats, build_pdd
 from services.gateway.reassembly import TokenReassembler
 from shared import subjects
 from shared.bus import BusTimeout
@@ -68,7 +68,7 @@ class RequestFlow:
         await self._submit(self.parsed.prompt_ids, self.parsed.sampling, self.parsed.pipeline)
 
     async def _submit(self, prompt_ids: list[int], sampling: Sampling, pipeline: str | None) -> None:
-        self._sub = await self.gw.bus.nc.subscribe(subjects.tokens(self.attempt_id), cb=self._on_msg)
+        self._sub = await self.gw.bus.subscribe(subjects.tokens(self.attempt_id), TokenChunk, self._queue.put_nowait)
         try:
             self.plan = await self._plan(Submit(self.attempt_id, prompt_ids, sampling, pipeline, self.parsed.handoff,
                                                 sorted(self.avoid)))  # fmt: skip
@@ -88,9 +88,6 @@ class RequestFlow:
         if plan.error:
             raise APIError(plan.status, plan.error, type="service_unavailable")
         return plan
-
-    async def _on_msg(self, msg) -> None:
-        self._queue.put_nowait(TokenChunk.decode(msg.data))
 
     # -- 2./3. tokens -> text ---------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -178,8 +175,8 @@ class RequestFlow:
             self.holders -= {self.plan.prefill, self.plan.rld}  # handed over: only md is needed now
             if s.last_rld_at and not s.handoff_gap_s:
                 s.handoff_gap_s = time.perf_counter() - s.last_rld_at
-        if chunk.stats:
-            merge_stats(self.stats.decoder_stats, chunk.stats)
+        if chunk.stats is not None:
+            self.stats.decoder_stats.merge(chunk.stats)
 
     def _record_tokens(self, n: int) -> None:
         now = time.perf_counter()

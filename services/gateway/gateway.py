@@ -5,17 +5,15 @@ Owned by the gateway process's event loop; the HTTP handlers and `RequestFlow` u
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 from services.gateway.flow import RequestFlow
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import APIError, ParsedRequest
 from shared.bus import Bus
 from shared.config import ClusterConfig
+from shared.model_info import load_model_info
 from shared.registry import Registry, connect
-from shared.service import model_path
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +23,11 @@ class Gateway:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
-        folder = Path(model_path(cfg))
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        model_cfg = json.loads((folder / "config.json").read_text())
-        self.context_len = int(model_cfg.get("max_position_embeddings", 2048))
-        self.vocab_size = int(model_cfg["vocab_size"])
-        self.served_model = folder.name
+        self.model = load_model_info(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model.path)
+        self.context_len = self.model.context_len
+        self.vocab_size = self.model.vocab_size
+        self.served_model = self.model.name
         self.bus: Bus | None = None
         self.registry: Registry | None = None
         self.metrics = GatewayMetrics()

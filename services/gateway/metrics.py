@@ -60,9 +60,9 @@ class GatewayMetrics:
         for role, n in s.tokens_by_role.items():
             self.tokens.labels(role=role).inc(n)
         d = s.decoder_stats
-        self.wan_bytes.inc(d.get("wan_kv_bytes", 0))
-        self.local_bytes.inc(d.get("local_kv_bytes", 0))
-        self._count_hits(d.get("prefix_hit_tokens", {}), len(flow.parsed.prompt_ids))
+        self.wan_bytes.inc(d.wan_kv_bytes)
+        self.local_bytes.inc(d.local_kv_bytes)
+        self._count_hits({"prefill": d.prefill_hit_tokens, "md": d.md_hit_tokens}, len(flow.parsed.prompt_ids))
 
     def _count_hits(self, hits: dict[str, int], prompt_len: int) -> None:
         self.prompt_tokens.inc(prompt_len)

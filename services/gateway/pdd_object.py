@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.messages import Plan
+from shared.messages import Plan, RequestStats
 
 
 @dataclass
@@ -19,7 +19,7 @@ class FlowStats:
     first_token_at: float = 0.0
     token_times: list[float] = field(default_factory=list)
     tokens_by_role: dict[str, int] = field(default_factory=lambda: {"rld": 0, "md": 0})
-    decoder_stats: dict[str, Any] = field(default_factory=dict)
+    decoder_stats: RequestStats = field(default_factory=RequestStats)  # what the stages measured
     completion_tokens: int = 0
     last_rld_at: float = 0.0
     handoff_gap_s: float = 0.0  # last relay token -> first main-decode token, as the user saw it
@@ -27,21 +27,10 @@ class FlowStats:
     migrations: int = 0  # times the request moved to another decoder after an instance died
 
 
-def merge_stats(into: dict[str, Any], new: dict[str, Any]) -> None:
-    for key, value in new.items():
-        if isinstance(value, dict):
-            merge_stats(into.setdefault(key, {}), value)
-        elif isinstance(value, (int, float)) and isinstance(into.get(key), (int, float)):
-            into[key] += value
-        else:
-            into[key] = value
-
-
 def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str, Any]:
     """The observability contract: every field present, zero where a feature did not act."""
     plan = plan or Plan(request_id)
     d = stats.decoder_stats
-    timings = d.get("timings_ms", {})
     now = time.perf_counter()
     ttft = (stats.first_token_at - stats.arrived) * 1000 if stats.first_token_at else 0.0
     times = stats.token_times
@@ -55,21 +44,21 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "plan_estimates": plan.estimates,
         "instances": {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md},
         "tokens_by_role": dict(stats.tokens_by_role),
-        "handoff_chunks": int(d.get("handoff_chunks", 0)),
+        "handoff_chunks": d.handoff_chunks,
         "handoff_gap_ms": stats.handoff_gap_s * 1000,
         "max_itl_ms": max(gaps) * 1000 if gaps else 0.0,
-        "wan_kv_bytes": int(d.get("wan_kv_bytes", 0)),
-        "local_kv_bytes": int(d.get("local_kv_bytes", 0)),
-        "prefix_hit_tokens": {k: int(d.get("prefix_hit_tokens", {}).get(k, 0)) for k in ("prefill", "md")},
+        "wan_kv_bytes": d.wan_kv_bytes,
+        "local_kv_bytes": d.local_kv_bytes,
+        "prefix_hit_tokens": {"prefill": d.prefill_hit_tokens, "md": d.md_hit_tokens},
         "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
-        "recomputed_tokens": int(d.get("recomputed_tokens", 0)),  # planned prefix evicted meanwhile
+        "recomputed_tokens": d.recomputed_tokens,  # planned prefix evicted meanwhile
         "migrations": stats.migrations,
         "timings_ms": {
             "queue": plan.queue_ms,
-            "prefill": float(timings.get("prefill", 0.0)),
-            "kv_local": float(timings.get("kv_local", 0.0)),
-            "kv_wan": float(timings.get("kv_wan", 0.0)),
-            "extend": float(timings.get("extend", 0.0)),
+            "prefill": d.prefill_ms,
+            "kv_local": d.kv_local_ms,
+            "kv_wan": d.kv_wan_ms,
+            "extend": d.extend_ms,
             "ttft": ttft,
             "e2e": (now - stats.arrived) * 1000,
         },

@@ -1,5 +1,4 @@
-from services.md.service import MainDecoder
-from shared.service import service_main
+from services.md.service import main
 
 if __name__ == "__main__":
-    service_main(MainDecoder, "md")
+    main()

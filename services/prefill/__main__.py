@@ -1,5 +1,4 @@
-from services.prefill.service import Prefiller
-from shared.service import service_main
+from services.prefill.service import main
 
 if __name__ == "__main__":
-    service_main(Prefiller, "prefill")
+    main()

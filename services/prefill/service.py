@@ -19,38 +19,40 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 
 from shared import subjects
+from shared.instance import InstanceService, service_main, to_params
 from shared.kv_transport import KVTransferError, send_kv
-from shared.messages import Abort, Ack, KVReady, KVTarget, PrefillTask, TokenChunk
+from shared.messages import Abort, Ack, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
+from shared.pipelines import hands_off
+from shared.recent import RecentIds
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVPayload, export_kv, layer_to_bytes
 from shared.runtime.sequence import Sequence
-from shared.service import EngineService, to_params
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class PrefillState:
     task: PrefillTask
     accepted_at: float
-    transfers: list[asyncio.Task] = field(default_factory=list)
+    tasks: set[asyncio.Task] = field(default_factory=set)  # its push and transfers; cancelled on abort
 
 
-class Prefiller(EngineService):
+class Prefiller(InstanceService):
     role = "prefill"
 
     def __init__(self, cfg, inst) -> None:
         super().__init__(cfg, inst)
         self.requests: dict[str, PrefillState] = {}
-        self.seen: dict[str, float] = {}  # request ids already accepted or aborted (idempotence)
+        self.seen = RecentIds()  # request ids already accepted or aborted (idempotence)
 
-    async def setup(self) -> None:
-        await super().setup()
+    async def serve(self) -> None:
         await self.bus.serve(subjects.prefill_task(self.inst.id), PrefillTask, self.on_task)
 
     def held_requests(self) -> list[str]:
@@ -59,21 +61,21 @@ class Prefiller(EngineService):
     # -- 1. task ------------------------------------------------------------------------
     async def on_task(self, task: PrefillTask) -> Ack:
         rid = task.request_id
-        if rid in self.seen:
+        if rid in self.seen or rid in self.requests:
             return Ack(rid, ok=rid in self.requests, error="" if rid in self.requests else "request was aborted")
         if (full := self.refuse_if_full(rid)) is not None:
             return full
-        self._forget_old()
-        self.seen[rid] = time.monotonic()
+        self.seen.add(rid)
         self.requests[rid] = PrefillState(task, time.monotonic())
         seq = Sequence(rid, list(task.prompt_ids), to_params(task.sampling), hold_kv=True, max_new=1)
         await self.worker.call(lambda e: e.add(seq))
         return Ack(rid)
 
-    def _forget_old(self, keep_s: float = 600.0) -> None:
-        if len(self.seen) > 10_000:
-            cutoff = time.monotonic() - keep_s
-            self.seen = {rid: t for rid, t in self.seen.items() if t > cutoff or rid in self.requests}
+    def _spawn_for(self, state: PrefillState, coro) -> asyncio.Task:
+        task = self.spawn(coro)
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+        return task
 
     # -- 2./3. first token -> export ----------------------------------------------------
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
@@ -84,7 +86,7 @@ class Prefiller(EngineService):
             if out.token_id is None:
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
             else:
-                self.spawn(self._push(state, out.token_id))
+                self._spawn_for(state, self._push(state, out.token_id))
 
     async def _push(self, state: PrefillState, first_token: int) -> None:
         task = state.task
@@ -97,14 +99,13 @@ class Prefiller(EngineService):
             )
         except KVTransferError:
             return  # aborted between the first token and the export: nothing is held
-        stats = {"timings_ms": {"prefill": prefill_ms}, "prefix_hit_tokens": {"prefill": hit}}
-        done = {"first_token": first_token, "stats": stats}
-        for target, payload in zip(task.targets, payloads):
-            state.transfers.append(self.spawn(self._send(target, rid, payload, done)))
-        results = await asyncio.gather(*state.transfers, return_exceptions=True)
+        stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit)
+        done = {"first_token": first_token, "stats": dataclasses.asdict(stats)}
+        sends = [self._spawn_for(state, self._send(t, rid, p, done)) for t, p in zip(task.targets, payloads)]
+        results = await asyncio.gather(*sends, return_exceptions=True)
         if self.requests.pop(rid, None) is None:
             return  # aborted meanwhile
-        failed = [(t, r) for t, r in zip(task.targets, results) if isinstance(r, Exception)]  # cancel = abort
+        failed = [(t, r) for t, r in zip(task.targets, results) if isinstance(r, Exception)]
         if failed:
             await self._degrade(task, failed)
 
@@ -113,9 +114,10 @@ class Prefiller(EngineService):
         failed, the relay finishes the request (the user's stream goes on); otherwise it fails."""
         rid = task.request_id
         roles = {t.role for t, _ in failed}
-        if roles == {"md"} and task.plan.rld and task.plan.pipeline == "p-rld-md":
+        if roles == {"md"} and task.plan.rld and hands_off(task.plan.pipeline):
             log.warning("%s: %s: WAN push failed (%s); relay finishes it", self.inst.id, rid, failed[0][1])
-            await self.bus.publish(subjects.handoff_ready(task.plan.rld), KVReady(rid, md=""))
+            msg = FinishOnRelay(rid, reason=f"KV push to main-decode failed: {failed[0][1]}")
+            await self.bus.publish(subjects.finish_on_relay(task.plan.rld), msg)
             await self.bus.publish(subjects.decode_drop(task.plan.md), Abort(rid, reason="KV push failed"))
             return
         await self._fail(rid, "; ".join(str(e) for _, e in failed), blame=failed[0][0].instance_id)
@@ -148,13 +150,19 @@ class Prefiller(EngineService):
         await self.bus.publish(subjects.ABORT, Abort(rid, reason=f"prefill failed: {error}"))
 
     async def on_abort(self, msg: Abort) -> None:
-        self.seen.setdefault(msg.request_id, time.monotonic())
+        self.seen.add(msg.request_id)
         state = self.requests.pop(msg.request_id, None)
         if state is None:
             return
-        for t in state.transfers:
-            t.cancel()
+        me = asyncio.current_task()
+        for t in list(state.tasks):
+            if t is not me:
+                t.cancel()
         await self.worker.call(lambda e: e.abort(msg.request_id))
+
+
+def main(argv: list[str] | None = None) -> None:
+    service_main(Prefiller, "prefill", argv)
 
 
 def _export_and_release(engine: Engine, rid: str, starts: list[int], n: int) -> tuple[list[KVPayload], int]:

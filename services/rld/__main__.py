@@ -1,5 +1,4 @@
-from services.rld.service import RelayDecoder
-from shared.service import service_main
+from services.rld.service import main
 
 if __name__ == "__main__":
-    service_main(RelayDecoder, "rld")
+    main()

@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import signal
 import time
-from pathlib import Path
 
 from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.policy import InstanceView, NoCapacity, PlanRequest, PolicyConfig, choose_plan
+from services.scheduler.registrar import Registrar
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
-from shared.messages import Abort, Ack, DecodeTask, KVTarget, Plan, PrefillTask, Submit, WanSample
+from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, KVTarget, Plan, PrefillTask, Submit, WanSample
+from shared.model_info import load_model_info
 from shared.prefix_hash import block_hashes
-from shared.registry import InstanceInfo, Registry, connect
-from shared.runtime.provision import default_model_dir
+from shared.registry import Registry, connect
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +57,7 @@ class Busy(DispatchError):
 
 def kv_bytes_per_token(cfg: ClusterConfig) -> int:
     """KV bytes of one token as main-decode stores it, from the model's config.json."""
-    folder = Path(default_model_dir() if cfg.model == "default" else cfg.model)
-    m = json.loads((folder / "config.json").read_text())
-    head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
-    itemsize = 2 if cfg.of_role("md")[0].dtype == "bfloat16" else 4
-    return m["num_hidden_layers"] * 2 * m["num_key_value_heads"] * head_dim * itemsize
+    return load_model_info(cfg.model).kv_bytes_per_token(cfg.of_role("md")[0].dtype)
 
 
 def policy_config(cfg: ClusterConfig) -> PolicyConfig:
@@ -120,6 +115,7 @@ class Scheduler:
             loop.add_signal_handler(sig, stop.set)
         self.bus = await Bus.connect(self.cfg.nats_url, "scheduler")
         self.registry = Registry(connect(self.cfg.redis_url), self.cfg.heartbeat_ttl_s)
+        await Registrar(self.registry).serve(self.bus)
         await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
         await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
         log.info("scheduler ready")

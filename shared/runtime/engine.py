@@ -95,6 +95,10 @@ class Engine:
             self._finish(seq, FinishReason.ABORT, hold=False)
         return seq
 
+    def find(self, seq_id: str) -> Sequence | None:
+        """A sequence queued or running here (a shadow may be handed tokens before it is admitted)."""
+        return self.running.get(seq_id) or next((s for s in self.waiting if s.seq_id == seq_id), None)
+
     def release(self, seq_id: str) -> None:
         """Free the blocks a finished `hold_kv` sequence kept."""
         seq = self.held.pop(seq_id, None)

@@ -5,8 +5,8 @@ namespace (e.g. model or tenant). The cache holds one reference on every block i
 a sequence that reuses a prefix takes its own reference (`match`), so a block in use is never
 evicted: eviction frees least-recently-used *leaves* whose only reference is the cache's.
 
-Every store and removal is recorded as a `KVEvent` with the block's chained hash
-(`shared.prefix_hash`), for the owner to publish to the Redis index.
+Every store and removal is recorded as an `IndexEvent` with the block's chained hash
+(`shared.prefix_hash`), for the owner to report to the registry's prefix index.
 """
 
 from __future__ import annotations
@@ -14,14 +14,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from shared.messages import IndexEvent
 from shared.prefix_hash import ROOT, next_hash
 from shared.runtime.kv_pool import BlockAllocator
-
-
-@dataclass
-class KVEvent:
-    kind: str  # "stored" | "removed" | "cleared"
-    hashes: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -41,7 +36,7 @@ class RadixCache:
         self._roots: dict[str, _Node] = {}
         self._clock = itertools.count(1)
         self.num_blocks = 0
-        self.events: list[KVEvent] = []
+        self.events: list[IndexEvent] = []
 
     def _root(self, namespace: str) -> _Node:
         if namespace not in self._roots:
@@ -81,7 +76,7 @@ class RadixCache:
             child.last_used = now
             node = child
         if stored:
-            self.events.append(KVEvent("stored", stored))
+            self.events.append(IndexEvent("stored", stored))
         return len(stored)
 
     def evict(self, num_blocks: int) -> int:
@@ -99,7 +94,7 @@ class RadixCache:
                 freed.append(leaf)
         self.num_blocks -= len(freed)
         if freed:
-            self.events.append(KVEvent("removed", [n.hash for n in freed]))
+            self.events.append(IndexEvent("removed", [n.hash for n in freed]))
         return len(freed)
 
     def clear(self) -> None:
@@ -108,12 +103,12 @@ class RadixCache:
             self.allocator.free([node.block])
         self._roots.clear()
         self.num_blocks = 0
-        self.events.append(KVEvent("cleared"))
+        self.events.append(IndexEvent("cleared"))
 
     def all_hashes(self) -> list[str]:
         return [n.hash for n in self._nodes()]
 
-    def drain_events(self) -> list[KVEvent]:
+    def drain_events(self) -> list[IndexEvent]:
         events, self.events = self.events, []
         return events
 

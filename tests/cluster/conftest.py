@@ -58,13 +58,17 @@ def eos_ref(smol):
 
 
 @pytest.fixture(scope="session")
-def reference(eos_ref, smol_tokenizer):
+def reference(eos_ref, smol_ref, smol_tokenizer):
+    """The model alone, greedy: `reference(prompt_ids, n)` stops at EOS like the server;
+    `ignore_eos=True` generates all n tokens, as a request with `ignore_eos` does."""
     cache: dict[tuple, str] = {}
 
-    def text_for(prompt_ids: list[int], max_tokens: int) -> str:
-        key = (tuple(prompt_ids), max_tokens)
+    def text_for(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> str:
+        key = (tuple(prompt_ids), max_tokens, ignore_eos)
         if key not in cache:
-            out = eos_ref.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False)
+            model = smol_ref if ignore_eos else eos_ref
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=0)  # fmt: skip
             cache[key] = smol_tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
         return cache[key]
 
@@ -76,9 +80,12 @@ def model_id(cluster) -> str:
     return httpx.get(cluster.url + "/v1/models").json()["data"][0]["id"]
 
 
-def stream_completion(url: str, body: dict, timeout: float = 120) -> tuple[str, dict, list[dict]]:
-    """POST a streamed completion; return (text, final chunk's pdd object, all events)."""
-    events, text = [], ""
+def stream_completion(url: str, body: dict, timeout: float = 120, events: list[dict] | None = None
+                      ) -> tuple[str, dict, list[dict]]:  # fmt: skip
+    """POST a streamed completion; return (text, final chunk's pdd object, all events). The
+    stream must end as a complete one does: a last chunk with finish_reason and the pdd object,
+    then `[DONE]`. `events`, when given, fills as chunks arrive (another thread may watch it)."""
+    events, text, done = [] if events is None else events, "", False
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -86,13 +93,16 @@ def stream_completion(url: str, body: dict, timeout: float = 120) -> tuple[str, 
                 continue
             data = line[len("data: ") :]
             if data == "[DONE]":
+                done = True
                 break
             event = json.loads(data)
             events.append(event)
             assert "error" not in event, f"the stream reported an error: {event['error']}"
             choice = event["choices"][0]
             text += choice.get("text") or choice.get("delta", {}).get("content") or ""
+    assert done, "the stream ended without [DONE]"
     assert events and "pdd" in events[-1], "the last chunk carries the pdd object"
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length"), events[-1]
     return text, events[-1]["pdd"], events
 
 

@@ -1,0 +1,225 @@
+"""What every engine instance (prefill, rld, md) shares: the engine thread, NATS, heartbeats.
+
+Lifecycle of an instance process:
+1. `run()`: connect to its own datacenter's NATS server, build the engine (model, KV pool,
+   radix cache) on its worker thread, then `start()`.
+2. `start(bus, worker)`: the role's subscriptions (`serve()`), plus the abort broadcast,
+   inspect and flush-cache; the prefix index is sent whole, then heartbeats begin. Unit tests
+   call `start()` with an in-memory bus and a worker they step by hand (tests/fakes.py).
+3. Every `heartbeat_s` the load figures of the last step boundary go to the registrar
+   (`pdd.registry.heartbeat`, services/scheduler/registrar.py), which keeps them in Redis with
+   a TTL: an instance that stops heartbeating drops out. Prefix-cache events go as they happen
+   (`pdd.registry.index`, numbered); when the registrar lost some (or Redis restarted) its
+   heartbeat reply asks for the whole cache, which is sent next.
+4. SIGTERM/SIGINT: `shutdown()` cancels every task, says `Leave`, stops the engine, closes.
+
+Instances never touch Redis: across two datacenters only NATS (and KV) crosses the WAN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from shared import subjects
+from shared.bus import Bus, BusTimeout
+from shared.config import ClusterConfig, InstanceConfig, service_args
+from shared.messages import (
+    Abort,
+    Ack,
+    HeartbeatReply,
+    IndexEvent,
+    IndexUpdate,
+    Inspect,
+    InstanceInfo,
+    InstanceState,
+    Leave,
+    Sampling,
+)
+from shared.runtime.engine import Engine, TokenOutput
+from shared.runtime.sampling import SamplingParams
+from shared.runtime.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+
+class InstanceService:
+    role = ""
+
+    def __init__(self, cfg: ClusterConfig, inst: InstanceConfig) -> None:
+        self.cfg = cfg
+        self.inst = inst
+        self.bus: Bus | None = None
+        self.worker: EngineWorker | None = None
+        self.info = InstanceInfo(id=inst.id, role=inst.role, dc=inst.dc, dtype=inst.dtype, block_size=cfg.block_size,
+                                 capacity=inst.max_running + inst.max_waiting)  # fmt: skip
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._index_seq = 0
+        self._index_stale = True  # the registrar has nothing yet: the first report is the whole cache
+
+    # -- what a role fills in ---------------------------------------------------------------
+    async def serve(self) -> None:
+        """Subscribe the role's subjects and start its loops."""
+
+    async def on_abort(self, msg: Abort) -> None: ...
+
+    def held_requests(self) -> list[str]:
+        return []
+
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        """Called on the event loop with each engine step's outputs, in step order."""
+
+    async def load(self) -> dict[str, Any]:
+        """As of the last step boundary: never waits for the engine (heartbeats go on mid-step)."""
+        return {**self.worker.figures, "held": len(self.held_requests()), "tasks": len(self._tasks)}
+
+    def refuse_if_full(self, request_id: str) -> Ack | None:
+        """The bounded queue of this stage: a busy refusal once it holds `capacity` requests."""
+        held = len(self.held_requests())
+        if held < self.info.capacity:
+            return None
+        return Ack(request_id, ok=False, busy=True, error=f"{self.inst.id} is full ({held} requests held, "
+                   f"max_running {self.inst.max_running} + max_waiting {self.inst.max_waiting})")  # fmt: skip
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """A task the service keeps a reference to (so it is not collected) and cancels at shutdown."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        from shared.runtime.build import build_engine  # the model: seconds to load, on a thread
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        bus = await Bus.connect(self.cfg.nats_url, self.inst.id)
+        engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
+        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.inst.threads, observe=engine_load))
+        log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)
+        await self._stop.wait()
+        await self.shutdown()
+
+    async def start(self, bus: Bus, worker: EngineWorker) -> None:
+        self.bus, self.worker = bus, worker
+        self.info.started_at = time.time()
+        worker.start()
+        await self.serve()
+        await bus.serve(subjects.ABORT, Abort, self.on_abort)
+        await bus.serve(subjects.inspect(self.inst.id), Inspect, self._inspect)
+        await bus.serve(subjects.flush_cache(self.inst.id), Inspect, self._flush_cache)
+        await self.report_index()
+        self.spawn(self._heartbeat())
+        self.spawn(self._index_loop())
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.bus.publish(subjects.LEAVE, Leave(self.inst.id))
+        except Exception:
+            pass
+        await asyncio.to_thread(self.worker.stop)
+        await self.bus.close()
+
+    # -- reporting to the registrar -----------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        while True:
+            sampled_at = time.time()  # before the figures: a task landing meanwhile counts twice, never zero times
+            for key, value in (await self.load()).items():
+                if hasattr(self.info, key):
+                    setattr(self.info, key, value)
+            self.info.updated_at = sampled_at
+            try:
+                reply = await self.bus.request(subjects.HEARTBEAT, self.info, HeartbeatReply, self.cfg.timeouts.control_s)
+                self._index_stale |= reply.resync_index
+            except BusTimeout as e:  # registrar restarting, or the line to it down: keep serving
+                log.warning("%s: heartbeat not acknowledged: %s", self.inst.id, e)
+            await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def report_index(self) -> None:
+        """Send the prefix cache's stored/removed blocks (or all of it, when stale) to the registrar.
+        A publish, not a request: the final token of a turn waits for no round trip; NATS keeps
+        this connection's messages in order, so the registrar has them before the next turn."""
+        full = self._index_stale
+        events = await self.worker.call(lambda e: _cache_events(e, full))
+        if not events:
+            return
+        self._index_seq += 1
+        self._index_stale = False
+        await self.bus.publish(subjects.INDEX, IndexUpdate(self.inst.id, events, self._index_seq))
+
+    async def _index_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            try:
+                await self.report_index()
+            except Exception as e:  # never let the index loop die
+                log.warning("%s: index report failed: %s", self.inst.id, e)
+
+    # -- operators ----------------------------------------------------------------------------
+    async def _inspect(self, msg: Inspect) -> InstanceState:
+        load = await self.load()
+        return InstanceState(
+            instance_id=self.inst.id,
+            role=self.role,
+            requests=self.held_requests(),
+            free_blocks=load.get("free_blocks", 0),
+            total_blocks=load.get("total_blocks", 0),
+            extra={**load, "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks)},
+        )
+
+    async def _flush_cache(self, msg: Inspect) -> InstanceState:
+        """Operator command (SGLang's /flush_cache): evict every cached block no request uses."""
+        await self.worker.call(lambda e: e.cache.evict(e.pool.num_blocks) if e.cache else 0)
+        await self.report_index()
+        return await self._inspect(msg)
+
+
+def to_params(s: Sampling) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def _cache_events(engine: Engine, full: bool) -> list[IndexEvent]:
+    if engine.cache is None:
+        return [IndexEvent("cleared")] if full else []
+    if full:
+        engine.cache.drain_events()
+        return [IndexEvent("cleared"), IndexEvent("stored", engine.cache.all_hashes())]
+    return engine.cache.drain_events()
+
+
+def engine_load(engine: Engine) -> dict[str, int]:
+    """The figures a heartbeat carries, read on the engine thread at a step boundary."""
+    return {
+        "running": len(engine.running),
+        "waiting": len(engine.waiting),
+        "free_blocks": engine.pool.num_free_blocks,
+        "total_blocks": engine.pool.num_blocks,
+        "cached_blocks": engine.cache.num_blocks if engine.cache else 0,
+        "queued_tokens": sum(s.num_pending for s in engine.waiting)
+        + sum(s.num_pending for s in engine.running.values() if s.num_pending > 1),  # prompt left to compute
+    }
+
+
+def service_main(make_service: Any, role: str, argv: list[str] | None = None) -> None:
+    """`python -m services.<role> --config FILE [--instance ID]`."""
+    cfg, instance = service_args(role, argv)
+    asyncio.run(make_service(cfg, cfg.instance(instance, role)).run())

@@ -1,0 +1,64 @@
+"""Model facts, read from the model folder's JSON files: no torch, no transformers.
+
+The gateway, the scheduler and the command line need the model's shape (KV bytes per token,
+context length, vocabulary size, end-of-sequence ids) but never its weights; importing torch
+would cost them seconds and hundreds of MB. The engine services load the weights themselves
+(shared/runtime/models.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.runtime.provision import default_model_dir
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        """What clients call the model (the OpenAI `model` field)."""
+        return self.path.name
+
+    def kv_bytes_per_token(self, dtype: str = "float32") -> int:
+        """KV bytes of one token in a pool of `dtype` (K and V, every layer)."""
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * ITEMSIZE[dtype]
+
+
+def model_path(model: str) -> Path:
+    """The folder of the config's `model` ("default" = the provisioned SmolLM2)."""
+    return default_model_dir() if model == "default" else Path(model)
+
+
+def load_model_info(model: str) -> ModelInfo:
+    path = model_path(model)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        hint = "; run `pdd model-dir` to provision it" if model == "default" else ""
+        raise FileNotFoundError(f"no model at {path} (config.json missing){hint}") from None
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+    eos = cfg.get("eos_token_id") if eos is None else eos
+    heads = cfg["num_attention_heads"]
+    return ModelInfo(
+        path=path,
+        num_layers=cfg["num_hidden_layers"],
+        kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        context_len=int(cfg.get("max_position_embeddings", 2048)),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+    )

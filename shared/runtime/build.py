@@ -1,0 +1,33 @@
+"""Build an instance's engine from its config: model, KV pool, radix cache, engine."""
+
+from __future__ import annotations
+
+from shared.config import ClusterConfig, InstanceConfig
+from shared.model_info import model_path
+from shared.runtime.engine import Engine
+from shared.runtime.kv_pool import KVPool
+from shared.runtime.models import kv_layout, load_model, load_tokenizer, parse_dtype
+from shared.runtime.provision import provision_default_model
+from shared.runtime.radix_cache import RadixCache
+from shared.runtime.runner import ModelRunner
+
+
+def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
+    """The instance's model, KV pool and engine, as its config says."""
+    path = provision_default_model() if cfg.model == "default" else model_path(cfg.model)
+    model = load_model(path, dtype=inst.dtype)
+    tokenizer = load_tokenizer(path)  # stop strings are checked on decoded text
+    pool = KVPool.with_capacity(
+        kv_layout(model), tokens=inst.kv_tokens, block_size=cfg.block_size, dtype=parse_dtype(inst.dtype)
+    )
+    eos = model.generation_config.eos_token_id
+    eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+    return Engine(
+        ModelRunner(model, pool),
+        max_step_tokens=inst.max_step_tokens,
+        max_running=inst.max_running,
+        eos_token_ids=eos_ids,
+        decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        cache=RadixCache(pool.allocator, pool.block_size) if inst.prefix_cache else None,
+        namespace=cfg.model,  # the scheduler hashes prompts in the same namespace
+    )

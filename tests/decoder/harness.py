@@ -1,0 +1,145 @@
+"""A relay and a main-decoder on an in-memory bus, each around a real engine on a tiny Llama
+that the test steps by hand, and a prefill stand-in that computes real KV.
+
+`DecoderPair.drive(until)` steps both engines and lets the event loop run in between, the way
+the two processes run side by side, until a condition holds (a bounded number of rounds: no
+clock anywhere, so the outcome is the same on a fast or a slow machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from shared import subjects
+from shared.config import config_from_dict
+from shared.decoder import DecoderService
+from shared.kv_transport import Transfer
+from shared.messages import Ack, DecodeTask, Plan, Sampling, TokenChunk
+from shared.runtime.engine import Engine
+from shared.runtime.kv_payload import export_kv, layer_to_bytes
+from shared.runtime.kv_pool import KVPool
+from shared.runtime.models import kv_layout
+from shared.runtime.radix_cache import RadixCache
+from shared.runtime.runner import ModelRunner
+from shared.runtime.sequence import Sequence
+from tests.fakes import InMemoryNats, ManualWorker
+from tests.helpers import greedy
+
+BLOCK = 16
+CONFIG = {
+    "model": "tiny",
+    "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "rld-0", "role": "rld", "dc": "A"},
+                  {"id": "md-0", "role": "md", "dc": "B", "max_running": 4, "max_waiting": 2}],
+    "handoff": {"chunk_tokens": 4, "final_tokens": 2, "ack_timeout_s": 30},
+    "timeouts": {"request_s": 60},
+}  # fmt: skip
+
+
+def engine(model: torch.nn.Module, num_blocks: int = 64) -> Engine:
+    pool = KVPool(kv_layout(model), num_blocks, BLOCK, torch.float32, torch.device("cpu"))
+    return Engine(ModelRunner(model, pool), max_running=4, cache=RadixCache(pool.allocator, BLOCK), namespace="tiny")
+
+
+def idle(e: Engine) -> bool:
+    """Nothing running or held, every block free or cached."""
+    cached = e.cache.num_blocks if e.cache else 0
+    return not e.running and not e.waiting and not e.held and e.pool.num_free_blocks + cached == e.pool.num_blocks
+
+
+class DecoderPair:
+    def __init__(self, model: torch.nn.Module, md_blocks: int = 64, **config) -> None:
+        self.model = model
+        self.cfg = config_from_dict({**CONFIG, **config})
+        self.nats = InMemoryNats()
+        self.bus = self.nats.client("scheduler and gateway")
+        self.rld = DecoderService(self.cfg, self.cfg.instance("rld-0"))
+        self.md = DecoderService(self.cfg, self.cfg.instance("md-0"))
+        self.engines = {"rld": engine(model), "md": engine(model, md_blocks)}
+        self.prefill_engine = engine(model)
+        self.chunks: dict[str, list[TokenChunk]] = {}
+
+    async def start(self) -> DecoderPair:
+        for name, svc in (("rld", self.rld), ("md", self.md)):
+            await svc.start(self.nats.client(name), ManualWorker(self.engines[name], svc.on_outputs))
+        self.baseline = {name: self.task_names(name) for name in ("rld", "md")}
+        return self
+
+    async def stop(self) -> None:
+        for svc in (self.rld, self.md):
+            await svc.shutdown()
+
+    def service(self, role: str) -> DecoderService:
+        return self.rld if role == "rld" else self.md
+
+    def task_names(self, role: str) -> list[str]:
+        return sorted(t.get_coro().__qualname__ for t in self.service(role)._tasks if not t.done())
+
+    # -- what the scheduler and prefill do -------------------------------------------------
+    async def dispatch(self, rid: str, prompt: list[int], n: int, pipeline: str, handoff: str = "none",
+                       roles: tuple[str, ...] = ()) -> list[Ack]:  # fmt: skip
+        plan = Plan(rid, pipeline=pipeline, handoff=handoff, prefill="prefill-0",
+                    rld="rld-0" if "rld" in pipeline else "", md="md-0" if pipeline.endswith("md") else "")  # fmt: skip
+        task = DecodeTask(rid, prompt, Sampling(max_tokens=n, ignore_eos=True), plan)
+        self.chunks[rid] = []
+        await self.bus.subscribe(subjects.tokens(rid), TokenChunk, self.chunks[rid].append)
+        roles = roles or tuple(r for r in ("rld", "md") if getattr(plan, r))
+        return [await self.bus.request(subjects.decode_task(getattr(plan, r)), task, Ack, 5) for r in roles]
+
+    def transfer(self, rid: str, prompt: list[int], via_wan: bool, start: int = 0) -> Transfer:
+        """Prefill's push: the KV of [start, prompt) and the first token, as the receiver gets it."""
+        e = self.prefill_engine
+        seq = Sequence(rid, list(prompt), greedy(1), hold_kv=True, max_new=1)
+        e.add(seq)
+        first = None
+        while first is None:
+            first = next((o.token_id for o in e.step() if o.seq_id == rid), None)
+        payload = export_kv(e.pool, e.held[rid].block_table, start, len(prompt))
+        e.release(rid)
+        layers = [layer_to_bytes(k, v) for k, v in payload.layers]
+        return Transfer(rid, "prefill-0", dataclasses.asdict(payload.header), layers,
+                        {"first_token": first, "stats": {"prefill_ms": 1.0}}, sum(map(len, layers)), via_wan)  # fmt: skip
+
+    async def land(self, role: str, rid: str, prompt: list[int]) -> str:
+        return await self.service(role).on_transfer(self.transfer(rid, prompt, via_wan=role == "md"))
+
+    # -- running both processes ------------------------------------------------------------
+    async def settle(self, rounds: int = 20) -> None:
+        """Let every ready task run (messages delivered, handlers answered); no time passes."""
+        for _ in range(rounds):
+            await asyncio.sleep(0)
+
+    async def drive(self, until: Callable[[], bool], rounds: int = 400, roles: tuple[str, ...] = ("rld", "md")) -> None:
+        for _ in range(rounds):
+            await self.settle()
+            if until():
+                return
+            for role in roles:
+                if self.engines[role].has_work:
+                    self.service(role).worker.step()
+        raise AssertionError("the condition never held")
+
+    def finished(self, rid: str) -> bool:
+        return any(c.finish_reason is not None for c in self.chunks.get(rid, ()))
+
+    def tokens(self, rid: str) -> dict[int, tuple[int, str]]:
+        """index -> (token, role that sent it); a repeated index must carry the same token."""
+        out: dict[int, tuple[int, str]] = {}
+        for c in self.chunks[rid]:
+            for i, t in enumerate(c.token_ids):
+                if c.index + i in out:
+                    assert out[c.index + i][0] == t, f"index {c.index + i} sent twice with different tokens"
+                out.setdefault(c.index + i, (t, c.role))
+        return out
+
+    def assert_gone(self, rid: str) -> None:
+        """No state, no task and no block left for `rid` anywhere."""
+        for role in ("rld", "md"):
+            svc = self.service(role)
+            assert rid not in svc.requests and rid not in svc.parked, (role, svc.requests.get(rid))
+            assert self.task_names(role) == self.baseline[role], (role, self.task_names(role))
+            assert idle(self.engines[role]), (role, self.engines[role].running, self.engines[role].pool.num_free_blocks)
+        assert not [t for t in self.nats.tasks if not t.done()], "a message handler is still running"

@@ -1,0 +1,251 @@
+"""The decoder's state machine, driven without processes: a relay and a main-decoder on an
+in-memory bus around real engines (tiny Llama) that the test steps by hand.
+
+Every transition (pending -> parked -> running / shadow -> handing off -> handed off or
+finished), an abort in every state, main-decode gone during the handoff, and duplicate and
+late messages. After each scenario nothing is left for the request: no state, no task, no
+block, no message handler still waiting.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import subjects
+from shared.decode_state import Phase
+from shared.messages import Abort, Ack, FinishOnRelay, HandoffChunk, KVReady
+from shared.pipelines import Pipeline
+from tests.decoder.harness import DecoderPair
+from tests.helpers import random_prompts, reference_generate
+
+N = 24
+
+
+@pytest.fixture
+async def pair(tiny):
+    p = await DecoderPair(tiny).start()
+    yield p
+    await p.stop()
+
+
+@pytest.fixture
+def prompt(tiny) -> list[int]:
+    return random_prompts(tiny.config.vocab_size, [40], seed=3)[0]
+
+
+def _expected(tiny_ref, prompt: list[int], n: int = N) -> list[int]:
+    return reference_generate(tiny_ref, prompt, n)
+
+
+async def _relayed(pair: DecoderPair, prompt: list[int], handoff: str, rid: str = "r1", relay_steps: int = 10) -> None:
+    """p-rld-md: the relay's KV lands and it streams `relay_steps` tokens before md's KV lands."""
+    await pair.dispatch(rid, prompt, N, Pipeline.P_RLD_MD, handoff)
+    assert await pair.land("rld", rid, prompt) == ""
+    await pair.drive(lambda: len(pair.tokens(rid)) >= relay_steps, roles=("rld",))
+    assert await pair.land("md", rid, prompt) == ""
+
+
+# -- every pipeline to the end ----------------------------------------------------------------
+async def test_p_md_runs_pending_running_finished(pair, prompt, tiny_ref):
+    acks = await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
+    assert acks[0].ok and pair.md.requests["r1"].phase == Phase.PENDING
+    assert await pair.land("md", "r1", prompt) == ""
+    assert pair.md.requests["r1"].phase == Phase.RUNNING
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    assert {role for _, role in pair.tokens("r1").values()} == {"md"}
+    pair.assert_gone("r1")
+
+
+@pytest.mark.parametrize("handoff", ["oneshot", "catchup"])
+async def test_p_rld_md_hands_over_exactly(pair, prompt, tiny_ref, handoff):
+    await _relayed(pair, prompt, handoff)
+    assert pair.md.requests["r1"].phase == Phase.SHADOW
+    await pair.drive(lambda: pair.finished("r1"))
+    tokens = pair.tokens("r1")
+    assert [t for t, _ in tokens.values()] == _expected(tiny_ref, prompt)
+    roles = [role for _, role in tokens.values()]
+    assert roles[0] == "rld" and roles[-1] == "md"
+    assert roles == sorted(roles, key=lambda r: r == "md"), "relay tokens, then main-decode tokens"
+    final = pair.chunks["r1"][-1].stats
+    chunks = pair.nats.sent(subjects.handoff_chunk("md-0"))
+    if handoff == "catchup":
+        assert len(chunks) >= 3 and final.handoff_chunks == len(chunks) and not chunks[0].final
+    else:
+        assert len(chunks) == 1 and chunks[0].final and final.handoff_chunks == 1
+    assert final.local_kv_bytes > 0 and final.wan_kv_bytes > 0  # the relay's figures travelled with it
+    pair.assert_gone("r1")
+
+
+async def test_p_rld_finishes_on_the_relay(pair, prompt, tiny_ref):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD)
+    assert await pair.land("rld", "r1", prompt) == ""
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    assert not pair.nats.sent(subjects.ABORT), "no main-decode copy to drop"
+    pair.assert_gone("r1")
+
+
+async def test_kv_waits_parked_for_room_then_runs(tiny, tiny_ref):
+    pair = await DecoderPair(tiny, md_blocks=4).start()  # room for one request of 40 + 24 tokens
+    prompts = dict(zip("ab", random_prompts(tiny.config.vocab_size, [40, 40], seed=5)))
+    try:
+        for rid, prompt in prompts.items():
+            await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
+            assert await pair.land("md", rid, prompt) == ""  # b: committed, it waits in host memory
+        assert pair.md.requests["b"].phase == Phase.PARKED and list(pair.md.parked) == ["b"]
+        await pair.drive(lambda: pair.finished("a") and pair.finished("b"))
+        for rid, prompt in prompts.items():
+            assert [t for t, _ in pair.tokens(rid).values()] == _expected(tiny_ref, prompt)
+            pair.assert_gone(rid)
+    finally:
+        await pair.stop()
+
+
+async def test_the_same_prefix_landing_twice_shares_the_cached_blocks(tiny, prompt, tiny_ref):
+    """The second copy reuses the first one's cached prefix instead of hanging cache nodes under
+    blocks it does not hold (which once left it waiting forever for a block nobody could evict)."""
+    pair = await DecoderPair(tiny, md_blocks=4).start()
+    try:
+        for rid in ("a", "b"):
+            await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
+            assert await pair.land("md", rid, prompt) == ""
+        assert pair.md.requests["b"].phase == Phase.PARKED  # no room for its own budget until a ends
+        await pair.drive(lambda: pair.finished("a") and pair.finished("b"))
+        assert pair.chunks["b"][-1].stats.md_hit_tokens >= 32  # a's prefix, not a second copy of it
+        for rid in ("a", "b"):
+            assert [t for t, _ in pair.tokens(rid).values()] == _expected(tiny_ref, prompt)
+            pair.assert_gone(rid)
+    finally:
+        await pair.stop()
+
+
+# -- abort in every state ------------------------------------------------------------------------
+async def _to_phase(pair: DecoderPair, prompt: list[int], phase: str) -> None:
+    if phase == "pending":
+        await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "catchup")
+    elif phase == "running":
+        await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "catchup")
+        await pair.land("rld", "r1", prompt)
+    elif phase == "shadow":  # md has the KV, the relay has not started yet
+        await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "catchup")
+        await pair.land("md", "r1", prompt)
+        assert pair.md.requests["r1"].phase == Phase.SHADOW
+    elif phase == "handing-off":  # a catch-up chunk sent; md extending it, the relay waiting for its ack
+        await _relayed(pair, prompt, "catchup")
+        await pair.settle()
+        assert pair.rld.requests["r1"].phase == Phase.HANDING_OFF
+
+
+@pytest.mark.parametrize("phase", ["pending", "running", "shadow", "handing-off"])
+async def test_abort_in_every_phase_leaves_nothing(pair, prompt, phase):
+    await _to_phase(pair, prompt, phase)
+    await pair.bus.publish(subjects.ABORT, Abort("r1"))
+    await pair.settle()
+    pair.assert_gone("r1")
+    acks = await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "catchup")  # a late duplicate task
+    assert not any(a.ok for a in acks) and all("aborted" in a.error for a in acks)
+    pair.assert_gone("r1")
+
+
+async def test_abort_while_parked_leaves_nothing(tiny):
+    pair = await DecoderPair(tiny, md_blocks=4).start()
+    try:
+        for rid, prompt in zip("ab", random_prompts(tiny.config.vocab_size, [40, 40], seed=5)):
+            await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
+            await pair.land("md", rid, prompt)
+        assert list(pair.md.parked) == ["b"]
+        await pair.bus.publish(subjects.ABORT, Abort("b"))
+        await pair.bus.publish(subjects.ABORT, Abort("a"))
+        await pair.settle()
+        pair.assert_gone("a")
+        pair.assert_gone("b")
+    finally:
+        await pair.stop()
+
+
+async def test_abort_during_catch_up_ends_the_relays_handoff_at_once(pair, prompt):
+    """The soak's leftover task: md waits for its shadow to catch up, the client goes. Before
+    the fix md's handler and the relay's handoff each waited out the 30 s ack timeout."""
+    await _to_phase(pair, prompt, "handing-off")
+    handing = [t for t in pair.rld._tasks if "_handoff" in t.get_coro().__qualname__]
+    assert handing and not handing[0].done()
+    await pair.bus.publish(subjects.ABORT, Abort("r1"))
+    await pair.settle()
+    assert handing[0].done()
+    pair.assert_gone("r1")
+
+
+# -- main-decode gone, dropped or late ------------------------------------------------------------
+async def test_md_gone_during_handoff_leaves_the_relay_serving(pair, prompt, tiny_ref):
+    await _relayed(pair, prompt, "catchup")
+    await pair.md.bus.close()  # killed: its subjects have no responders, its handlers are gone
+    await pair.drive(lambda: pair.finished("r1"), roles=("rld",))
+    tokens = pair.tokens("r1")
+    assert [t for t, _ in tokens.values()] == _expected(tiny_ref, prompt)
+    assert all(role == "rld" for _, role in tokens.values())
+    assert "r1" not in pair.rld.requests and pair.rld.requests == {}
+
+
+async def test_md_drops_its_copy_mid_catch_up_and_the_relay_finishes(pair, prompt, tiny_ref):
+    await _relayed(pair, prompt, "catchup")
+    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="re-planned"))
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("r1")
+
+
+async def test_shadow_whose_kv_never_comes_hands_the_request_to_the_relay(pair, prompt, tiny_ref):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+    await pair.land("rld", "r1", prompt)
+    pair.md.expire_pending(now=pair.md.requests["r1"].accepted_at + pair.cfg.timeouts.request_s + 1)
+    await pair.settle()
+    assert "r1" not in pair.md.requests and pair.rld.requests["r1"].alone
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    assert not pair.nats.sent(subjects.ABORT), "md already let go"
+    pair.assert_gone("r1")
+
+
+async def test_finish_on_relay_after_a_failed_wan_push(pair, prompt, tiny_ref):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+    await pair.land("rld", "r1", prompt)
+    await pair.bus.publish(subjects.finish_on_relay("rld-0"), FinishOnRelay("r1", reason="push failed"))
+    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="KV push failed"))
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("r1")
+
+
+# -- duplicate and late messages --------------------------------------------------------------------
+async def test_duplicates_and_late_messages_change_nothing(pair, prompt, tiny_ref):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+    again = await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+    assert all(a.ok for a in again) and len(pair.rld.requests) == 1
+    assert await pair.land("rld", "r1", prompt) == ""
+    assert await pair.land("rld", "r1", prompt) == ""  # a retried push that landed twice
+    await pair.bus.publish(subjects.handoff_ready("rld-0"), KVReady("nobody", "md-0"))
+    unknown = await pair.bus.request(subjects.handoff_chunk("md-0"), HandoffChunk("nobody", 1, [5]), Ack, 5)
+    assert not unknown.ok
+    await pair.land("md", "r1", prompt)
+    await pair.bus.publish(subjects.handoff_ready("rld-0"), KVReady("r1", "md-0"))  # a duplicate KVReady
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    late = await pair.bus.request(subjects.handoff_chunk("md-0"), HandoffChunk("r1", 1, [5], final=True), Ack, 5)
+    assert not late.ok
+    assert "no decode task" in await pair.land("md", "r1", prompt)  # KV after the end is refused
+    await pair.bus.publish(subjects.ABORT, Abort("r1"))  # an abort after the end
+    await pair.settle()
+    pair.assert_gone("r1")
+
+
+async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
+    await pair.land("md", "r1", prompt)
+    for sub in list(pair.nats.subs[subjects.decode_task("md-0")]):
+        sub.deliver(b"\xc1garbage", None)
+    for sub in list(pair.nats.subs[subjects.handoff_chunk("md-0")]):
+        sub.deliver(HandoffChunk("r1", "x", [1]).encode(), None)  # start_index of the wrong type
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("r1")

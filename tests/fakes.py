@@ -1,0 +1,137 @@
+"""In-memory fakes of the services' two interfaces to the world, for unit tests without servers.
+
+- `InMemoryNats` / `InMemoryBus`: a server and its client connections with the four calls of
+  `shared.bus.Bus` (publish, request, serve, subscribe) on one event loop. Messages go through
+  `encode()` / `decode()` as on NATS, a handler runs in its own task, a request nobody serves
+  fails at once (NATS's "no responders"), and closing a client drops its subscriptions.
+- `ManualWorker`: `EngineWorker`'s interface around a real `Engine`, with no thread: commands
+  run at once, and the engine steps only when the test calls `step()`, so a test decides
+  exactly what happens between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from shared.bus import BusTimeout
+from shared.instance import engine_load
+from shared.messages import BadMessage, M, Message
+from shared.runtime.engine import Engine, TokenOutput
+
+
+class _Sub:
+    def __init__(self, client: InMemoryBus, subject: str, deliver: Callable[[bytes, Any], None]) -> None:
+        self.client, self.subject, self.deliver = client, subject, deliver
+
+    async def unsubscribe(self) -> None:
+        self.client.drop(self)
+
+
+class InMemoryNats:
+    """The server: subjects, subscriptions, and a log of every message, for assertions."""
+
+    def __init__(self) -> None:
+        self.subs: dict[str, list[_Sub]] = defaultdict(list)
+        self.tasks: set[asyncio.Task] = set()  # handler tasks of every client
+        self.published: list[tuple[str, Message]] = []
+
+    def client(self, name: str) -> InMemoryBus:
+        return InMemoryBus(self, name)
+
+    def sent(self, subject: str) -> list[Message]:
+        return [m for s, m in self.published if s == subject]
+
+
+class InMemoryBus:
+    """One client connection; `close()` removes its subscriptions, as a dead process's would go."""
+
+    def __init__(self, server: InMemoryNats, name: str) -> None:
+        self.server, self.name = server, name
+        self._subs: list[_Sub] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        for tasks in (self._tasks, self.server.tasks):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        return task
+
+    def _add(self, subject: str, deliver: Callable[[bytes, Any], None]) -> _Sub:
+        sub = _Sub(self, subject, deliver)
+        self._subs.append(sub)
+        self.server.subs[subject].append(sub)
+        return sub
+
+    def drop(self, sub: _Sub) -> None:
+        if sub in self._subs:
+            self._subs.remove(sub)
+            self.server.subs[sub.subject].remove(sub)
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        self.server.published.append((subject, msg))
+        data = msg.encode()
+        for sub in list(self.server.subs.get(subject, ())):
+            sub.deliver(data, None)
+
+    async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
+        subs = self.server.subs.get(subject)
+        if not subs:
+            raise BusTimeout(f"no reply on {subject} (no responders)")
+        self.server.published.append((subject, msg))
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        subs[0].deliver(msg.encode(), future)
+        try:
+            return reply_type.decode(await asyncio.wait_for(future, timeout))
+        except TimeoutError:
+            raise BusTimeout(f"no reply on {subject} within {timeout:.1f}s") from None
+
+    async def serve(self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]],
+                    queue: str = "") -> None:  # fmt: skip
+        async def handle(data: bytes, reply: Any) -> None:
+            try:
+                response = await handler(msg_type.decode(data))
+            except BadMessage:
+                return
+            if response is not None and isinstance(reply, asyncio.Future) and not reply.done():
+                reply.set_result(response.encode())
+
+        self._add(subject, lambda data, reply: self._spawn(handle(data, reply)))
+
+    async def subscribe(self, subject: str, msg_type: type[M], callback: Callable[[M], None]) -> _Sub:
+        return self._add(subject, lambda data, reply: callback(msg_type.decode(data)))
+
+    async def close(self) -> None:
+        for sub in list(self._subs):
+            self.drop(sub)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+class ManualWorker:
+    """EngineWorker without a thread: `call` runs now, `step` runs one engine step."""
+
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[TokenOutput]], Any]) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.figures: dict[str, Any] = engine_load(engine)
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        try:
+            return fn(self.engine)
+        finally:
+            self.figures = engine_load(self.engine)
+
+    def step(self) -> list[TokenOutput]:
+        outputs = self.engine.step()
+        self.figures = engine_load(self.engine)
+        if outputs:
+            self.on_outputs(outputs)
+        return outputs
