@@ -26,7 +26,7 @@ from benchmarks.report import write_report
 from benchmarks.runner import replay, warm_up
 from benchmarks.summary import build_results
 from benchmarks.workloads import load_workload
-from shared.launcher import Cluster
+from pdd.launcher import Cluster
 from shared.runtime.models import load_tokenizer
 from shared.runtime.provision import provision_default_model
 

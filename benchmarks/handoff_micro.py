@@ -31,7 +31,7 @@ from shared.runtime.models import load_model
 from shared.runtime.provision import provision_default_model
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
-from shared.servers import EmbeddedServer
+from pdd.servers import EmbeddedServer
 
 WAN = WanConfig(bandwidth_mbps=400.0, delay_ms=20.0, jitter_ms=10.0, swing="random_walk", walk_step=0.5,
                 walk_min_mbps=150.0, walk_max_mbps=800.0, seed=7)  # fmt: skip

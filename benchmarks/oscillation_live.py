@@ -32,7 +32,7 @@ from benchmarks.summary import latency_stats, request_latencies
 from benchmarks.workloads import FIRST_TOKEN_ID, BenchRequest, Workload
 from shared import subjects
 from shared.bus import Bus
-from shared.launcher import Cluster
+from pdd.launcher import Cluster
 from shared.messages import Inspect, InstanceState
 
 RELAY = "rld-0"

@@ -18,7 +18,7 @@ import time
 from shared.prefix_hash import block_hashes
 from shared.registry import Registry, connect
 from shared.messages import IndexEvent
-from shared.servers import EmbeddedServer
+from pdd.servers import EmbeddedServer
 
 
 async def run(tokens: int, instances: int, reps: int) -> dict[str, float]:

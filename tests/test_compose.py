@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from shared.config import load_config
-from shared.launcher import ROOT, ProcessSpec, plan_processes
+from pdd.launcher import ROOT, ProcessSpec, plan_processes
 
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKER_CONFIG = ROOT / "configs" / "docker.yaml"

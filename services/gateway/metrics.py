@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared.metrics import LATENCY_BUCKETS, Counter, Gauge, Histogram, Registry
+from services.gateway.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Registry
 
 if TYPE_CHECKING:
     from services.gateway.flow import RequestFlow

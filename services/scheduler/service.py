@@ -18,19 +18,18 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import time
 
 from services.scheduler.estimates import BandwidthEstimator
-from services.scheduler.policy import InstanceView, NoCapacity, PlanRequest, PolicyConfig, choose_plan
+from services.scheduler.inputs import Dispatched, cluster_policy_config, instance_view
+from services.scheduler.policy import NoCapacity, PlanRequest, PolicyConfig, choose_plan
 from services.scheduler.registrar import Registrar
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
 from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, KVTarget, Plan, PrefillTask, Submit, WanSample
-from shared.model_info import load_model_info
 from shared.prefix_hash import block_hashes
 from shared.registry import Registry, connect
 
@@ -55,52 +54,10 @@ class Busy(DispatchError):
     status = 429
 
 
-def kv_bytes_per_token(cfg: ClusterConfig) -> int:
-    """KV bytes of one token as main-decode stores it, from the model's config.json."""
-    return load_model_info(cfg.model).kv_bytes_per_token(cfg.of_role("md")[0].dtype)
-
-
-def policy_config(cfg: ClusterConfig) -> PolicyConfig:
-    """The policy's knobs from the cluster config, plus the figures the cluster itself implies."""
-    knobs = dataclasses.asdict(cfg.scheduler)
-    rld_slots = sum(i.max_running for i in cfg.of_role("rld")) or 1
-    return PolicyConfig(**knobs, kv_bytes_per_token=kv_bytes_per_token(cfg), rld_slots=rld_slots,
-                        wan_delay_ms=cfg.wan.delay_ms, catchup_chunk=cfg.handoff.chunk_tokens)  # fmt: skip
-
-
-def _view(i: InstanceInfo, hit_tokens: int, unseen: int) -> InstanceView:
-    return InstanceView(i.id, i.role, i.dc, i.load, hit_tokens, running=i.running, waiting=i.waiting,
-                        pending=i.pending + unseen, held=i.held + unseen, capacity=i.capacity,
-                        free_blocks=i.free_blocks, total_blocks=i.total_blocks, block_size=i.block_size,
-                        queued_tokens=i.queued_tokens, step_ms=i.step_ms or None,
-                        prefill_tok_s=i.prefill_tok_s or None)  # fmt: skip
-
-
-class Dispatched:
-    """Decode tasks this scheduler sent that the target's last heartbeat cannot have counted yet.
-
-    Heartbeats are `heartbeat_s` apart, and a burst plans many requests in between: without this
-    every one of them sees the relay as it was at the last beat and the oscillation guard lets
-    them all through. A dispatch counts as `pending` on its instance until a heartbeat written
-    after it arrives (wall clock: the instance stamps `updated_at`, we stamp the dispatch).
-    """
-
-    def __init__(self) -> None:
-        self._at: dict[str, list[float]] = {}
-
-    def add(self, instance_id: str, at: float) -> None:
-        self._at.setdefault(instance_id, []).append(at)
-
-    def unseen(self, instance_id: str, heartbeat_at: float) -> int:
-        times = [t for t in self._at.get(instance_id, ()) if t > heartbeat_at]
-        self._at[instance_id] = times
-        return len(times)
-
-
 class Scheduler:
     def __init__(self, cfg: ClusterConfig, policy: PolicyConfig | None = None) -> None:
         self.cfg = cfg
-        self.policy = policy or policy_config(cfg)
+        self.policy = policy or cluster_policy_config(cfg)
         self.wan = BandwidthEstimator(self.policy.wan_mbps, self.policy.wan_delay_ms)
         self.bus: Bus | None = None
         self.registry: Registry | None = None
@@ -168,7 +125,7 @@ class Scheduler:
     async def _plan_and_dispatch(self, sub: Submit) -> Plan:
         alive = {i.id: i for i in await self.registry.alive() if self._answering(i)}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids)
-        views = [_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()]
+        views = [instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
                           frozenset(sub.avoid))  # fmt: skip
         d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(time.monotonic()))

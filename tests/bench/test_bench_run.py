@@ -19,7 +19,7 @@ MODE_KEYS = {"requests", "completed", "failed", "ttft_ms", "ttst_ms", "itl_ms", 
 
 
 def _bench(out, workload: str, modes: str, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "shared.cli", "bench", "--workload", workload, "--modes", modes, "--out", str(out),
+    cmd = [sys.executable, "-m", "pdd.cli", "bench", "--workload", workload, "--modes", modes, "--out", str(out),
            "--requests", "3", "--rate", "2", *extra]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -15,7 +15,7 @@ import torch
 
 from shared import subjects
 from shared.bus import Bus
-from shared.launcher import Cluster
+from pdd.launcher import Cluster
 from shared.messages import Ack, Inspect, InstanceState, WanControl
 
 

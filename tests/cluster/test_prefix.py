@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from shared import subjects
-from shared.launcher import Cluster
+from pdd.launcher import Cluster
 from shared.messages import Inspect, InstanceState
 from tests.cluster.conftest import Operator, fresh_prompt
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from shared.metrics import Counter, Gauge, Histogram, Registry, quantile_from_samples
+from services.gateway.prometheus import Counter, Gauge, Histogram, Registry, quantile_from_samples
 
 # One sample line of the text format: name, optional {labels}, value.
 _LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'

@@ -14,7 +14,7 @@ from shared.runtime.models import kv_layout, load_model, parse_dtype
 
 def test_model_dir_command_prints_a_loadable_folder(smol_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "model-dir"], capture_output=True, text=True, check=True, timeout=300
+        [sys.executable, "-m", "pdd.cli", "model-dir"], capture_output=True, text=True, check=True, timeout=300
     )
     folder = out.stdout.strip()
     assert folder == str(smol_dir)

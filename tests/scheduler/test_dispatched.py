@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.service import Dispatched
+from services.scheduler.inputs import Dispatched
 
 
 def test_dispatches_count_until_a_later_heartbeat_reports_them():
@@ -23,8 +23,8 @@ def test_reported_dispatches_are_forgotten():
 
 
 def test_the_policy_sees_what_the_heartbeat_measured():
-    from services.scheduler.service import _view
-    from shared.registry import InstanceInfo
+    from services.scheduler.inputs import instance_view as _view
+    from shared.messages import InstanceInfo
 
     info = InstanceInfo("prefill-0", "prefill", "A", queued_tokens=900, step_ms=0.0, prefill_tok_s=640.0, held=3,
                         capacity=96, pending=1)  # fmt: skip

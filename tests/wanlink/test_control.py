@@ -21,7 +21,7 @@ from shared.bus import Bus
 from shared.config import WanConfig
 from shared.kv_transport import KVReceiver, KVTransferError, Transfer, send_kv
 from shared.messages import Ack, WanControl
-from shared.servers import EmbeddedServer
+from pdd.servers import EmbeddedServer
 from tests.wanlink.conftest import Upstream, open_via
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -72,8 +73,6 @@ class EmbeddedServer:
         ]  # fmt: skip
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
-        from shared.launcher import die_with_parent
-
         self.proc = subprocess.Popen(
             self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=die_with_parent,
@@ -103,3 +102,14 @@ def env_or_embedded(kind: str, url: str) -> tuple[str, EmbeddedServer | None]:
     server = EmbeddedServer(kind).start()
     return server.url, server
 
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies (Linux), so a
+    killed test run or launcher leaves no server behind. Linux ties this to the *thread* that
+    forked, so `Cluster` starts processes from the main thread only (see `Cluster.start_process`)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -29,13 +29,13 @@ def _model_dir(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from shared.launcher import run_cluster
+    from pdd.launcher import run_cluster
 
     return run_cluster(args.config)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from shared.launcher import serve_one
+    from pdd.launcher import serve_one
 
     return serve_one(args.role, args.config, args.instance)
 

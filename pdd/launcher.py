@@ -23,8 +23,8 @@ import httpx
 import redis
 import yaml
 
+from pdd.servers import EmbeddedServer, die_with_parent, free_port
 from shared.config import ClusterConfig, config_from_dict, load_config, to_dict
-from shared.servers import EmbeddedServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,18 +193,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:  # already gone
-        pass
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when the process that started it dies (Linux), so a
-    killed test run or launcher leaves no server behind. Linux ties this to the *thread* that
-    forked, so `Cluster` starts processes from the main thread only (see `start_process`)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
         pass
 
 

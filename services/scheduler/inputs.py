@@ -1,0 +1,69 @@
+"""What the scheduler plans with, built from plain data: the policy's config, the view of an
+instance, and the dispatches its last heartbeat has not counted yet.
+
+The scheduler service builds these from the cluster config and the registry; the simulator
+(sim/) builds the same from its fleet, so both plan on exactly the same inputs with the same
+`choose_plan`. No I/O here beyond reading the model's config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from services.scheduler.policy import InstanceView, PolicyConfig
+from shared.config import ClusterConfig
+from shared.messages import InstanceInfo
+from shared.model_info import load_model_info
+
+
+def kv_bytes_per_token(cfg: ClusterConfig) -> int:
+    """KV bytes of one token as main-decode stores it, from the model's config.json."""
+    return load_model_info(cfg.model).kv_bytes_per_token(cfg.of_role("md")[0].dtype)
+
+
+def policy_config(knobs: dict[str, Any], *, kv_bytes_per_token: int, rld_slots: int, wan_delay_ms: float,
+                  catchup_chunk: int, **priors: float) -> PolicyConfig:  # fmt: skip
+    """The policy's config: the operator's knobs (the `scheduler:` section) plus what the fleet
+    implies (KV size, relay slots, the line's delay, the catch-up chunk) and optional priors
+    (`prefill_tok_s`, `decode_step_ms`, ...) that override the knobs' defaults."""
+    return PolicyConfig(**{**knobs, **priors}, kv_bytes_per_token=kv_bytes_per_token, rld_slots=max(rld_slots, 1),
+                        wan_delay_ms=wan_delay_ms, catchup_chunk=catchup_chunk)  # fmt: skip
+
+
+def cluster_policy_config(cfg: ClusterConfig) -> PolicyConfig:
+    """What the scheduler service plans with, from the cluster config."""
+    return policy_config(dataclasses.asdict(cfg.scheduler), kv_bytes_per_token=kv_bytes_per_token(cfg),
+                         rld_slots=sum(i.max_running for i in cfg.of_role("rld")), wan_delay_ms=cfg.wan.delay_ms,
+                         catchup_chunk=cfg.handoff.chunk_tokens)  # fmt: skip
+
+
+def instance_view(i: InstanceInfo, hit_tokens: int, unseen: int) -> InstanceView:
+    """The policy's view of one instance: its last heartbeat, its prefix hit, and `unseen`
+    dispatches made after that heartbeat (counted as pending and held)."""
+    return InstanceView(i.id, i.role, i.dc, i.load, hit_tokens, running=i.running, waiting=i.waiting,
+                        pending=i.pending + unseen, held=i.held + unseen, capacity=i.capacity,
+                        free_blocks=i.free_blocks, total_blocks=i.total_blocks, block_size=i.block_size,
+                        queued_tokens=i.queued_tokens, step_ms=i.step_ms or None,
+                        prefill_tok_s=i.prefill_tok_s or None)  # fmt: skip
+
+
+class Dispatched:
+    """Decode tasks this scheduler sent that the target's last heartbeat cannot have counted yet.
+
+    Heartbeats are `heartbeat_s` apart, and a burst plans many requests in between: without this
+    every one of them sees the relay as it was at the last beat and the oscillation guard lets
+    them all through. A dispatch counts as `pending` on its instance until a heartbeat written
+    after it arrives (wall clock: the instance stamps `updated_at`, we stamp the dispatch).
+    """
+
+    def __init__(self) -> None:
+        self._at: dict[str, list[float]] = {}
+
+    def add(self, instance_id: str, at: float) -> None:
+        self._at.setdefault(instance_id, []).append(at)
+
+    def unseen(self, instance_id: str, heartbeat_at: float) -> int:
+        times = [t for t in self._at.get(instance_id, ()) if t > heartbeat_at]
+        self._at[instance_id] = times
+        return len(times)
