@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from shared.pipelines import HANDOFFS, Pipeline
+
 ROLES = ("prefill", "rld", "md")
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "single-host.yaml"
 
@@ -110,9 +112,9 @@ class SchedulerConfig:
     guard: bool = True  # oscillation guard: a saturated relay takes no more low-hit requests
 
     def __post_init__(self) -> None:
-        if self.default_pipeline not in ("auto", "p-md", "p-rld-md"):
+        if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
             raise ConfigError(f"scheduler.default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
-        if self.default_handoff not in ("auto", "oneshot", "catchup"):
+        if self.default_handoff not in ("auto", *HANDOFFS):
             raise ConfigError(f"scheduler.default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
 
 
@@ -201,8 +203,8 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     for role in ("prefill", "md"):
         if not cfg.of_role(role):
             raise ConfigError(f"{where}: needs at least one {role} instance")
-    if cfg.scheduler.default_pipeline == "p-rld-md" and not cfg.of_role("rld"):
-        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline="p-md"))
+    if cfg.scheduler.default_pipeline == Pipeline.P_RLD_MD and not cfg.of_role("rld"):
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline=Pipeline.P_MD))
     return cfg
 
 

@@ -9,12 +9,18 @@ would cost them seconds and hundreds of MB. The engine services load the weights
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.runtime.provision import default_model_dir
-
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # provisioned by shared/runtime/provision.py
+
+
+def default_model_dir() -> Path:
+    """`$PDD_MODEL_CACHE/smollm2-135m-instruct` (default `~/.cache/pdd/models/...`)."""
+    root = os.environ.get("PDD_MODEL_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "pdd" / "models") / DEFAULT_MODEL_NAME
 
 
 @dataclass(frozen=True)

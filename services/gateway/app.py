@@ -14,6 +14,7 @@ Lifecycle of a request here:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -61,16 +62,17 @@ def create_app(gw: Gateway) -> FastAPI:
     async def completions(request: Request):
         gw.check_capacity()  # before reading or tokenizing anything: a full gateway answers at once
         body = await _body(request)
-        parsed = parse_completion(body, served_model=gw.served_model, context_len=gw.context_len,
-                                  count_tokens=gw.encode, vocab_size=gw.vocab_size)  # fmt: skip
+        parsed = await asyncio.to_thread(  # tokenizing a long prompt must not stall every other stream
+            parse_completion, body, served_model=gw.served_model, context_len=gw.context_len,
+            count_tokens=gw.encode, vocab_size=gw.vocab_size)  # fmt: skip
         return await _serve(gw, parsed)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         gw.check_capacity()
         body = await _body(request)
-        parsed = parse_chat(body, served_model=gw.served_model, context_len=gw.context_len,
-                            apply_template=gw.apply_chat_template)  # fmt: skip
+        parsed = await asyncio.to_thread(parse_chat, body, served_model=gw.served_model,
+                                         context_len=gw.context_len, apply_template=gw.apply_chat_template)  # fmt: skip
         return await _serve(gw, parsed)
 
     return app

@@ -10,6 +10,7 @@ import logging
 from services.gateway.flow import RequestFlow
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import APIError, ParsedRequest
+from services.gateway.tokenizer import TextTokenizer
 from shared.bus import Bus
 from shared.config import ClusterConfig
 from shared.model_info import load_model_info
@@ -20,11 +21,9 @@ log = logging.getLogger(__name__)
 
 class Gateway:
     def __init__(self, cfg: ClusterConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         self.model = load_model_info(cfg.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model.path)
+        self.tokenizer = TextTokenizer(self.model.path)
         self.context_len = self.model.context_len
         self.vocab_size = self.model.vocab_size
         self.served_model = self.model.name
@@ -45,11 +44,10 @@ class Gateway:
 
     # -- tokenizing -------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.encode(text)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        return self.tokenizer.encode(self.tokenizer.render_chat(messages))
 
     # -- admission --------------------------------------------------------------------------
     def check_capacity(self) -> None:

@@ -24,15 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.messages import Sampling
+from shared.pipelines import HANDOFFS, PIPELINES, Pipeline, hands_off
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; a client wanting greedy output sends 0
 MAX_STOP_STRINGS = 4
-PIPELINES = ("p-md", "p-rld-md", "p-rld")
-HANDOFFS = ("oneshot", "catchup")
-HANDOFF_PIPELINES = ("p-rld-md",)  # only there does relay-decode hand a request to main-decode
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 Json = dict[str, Any]
@@ -215,8 +213,9 @@ def _pdd(ext: Any) -> tuple[str | None, str | None]:
             raise invalid(f"unknown field 'pdd.{key}'; known: pipeline, handoff", f"pdd.{key}")
     pipeline = _choice(ext.get("pipeline"), PIPELINES, "pdd.pipeline")
     handoff = _choice(ext.get("handoff"), HANDOFFS, "pdd.handoff")
-    if handoff is not None and pipeline is not None and pipeline not in HANDOFF_PIPELINES:
-        raise invalid(f"'pdd.handoff' applies only to pipeline {HANDOFF_PIPELINES}, not {pipeline!r}", "pdd.handoff")
+    if handoff is not None and pipeline is not None and not hands_off(pipeline):
+        raise invalid(f"'pdd.handoff' applies only to pipeline {Pipeline.P_RLD_MD.value}, not {pipeline!r}",
+                      "pdd.handoff")  # fmt: skip
     return pipeline, handoff
 
 

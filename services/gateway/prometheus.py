@@ -5,7 +5,7 @@ colons, as recording-rule style names do: `pdd:time_to_first_token_seconds`.
 
     registry = Registry()
     ttft = Histogram("pdd:time_to_first_token_seconds", "...", LATENCY_BUCKETS, ("pipeline",), registry=registry)
-    ttft.labels(pipeline="p-md").observe(0.21)
+    ttft.labels(pipeline="a").observe(0.21)
     registry.render()  # serve with CONTENT_TYPE
 """
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Protocol
 
+from shared.pipelines import Pipeline, first_decoder
+
 BYTES_PER_MBIT_PER_MS = 125.0  # 1 Mbps moves 125 bytes per millisecond
 
 
@@ -104,7 +106,7 @@ class TTFTEstimate:
         return self.prefill_ms + self.transfer_ms + self.queue_ms + self.step_ms
 
 
-FIRST_DECODER = {"p-md": "md", "p-rld-md": "rld", "p-rld": "rld"}
+FIRST_DECODER = {p: first_decoder(p) for p in Pipeline}
 
 
 def estimate_ttft(

@@ -12,7 +12,9 @@ Pipeline (`config.default_pipeline == "auto"`; first rule that applies, `reason`
    `anomalous_min_uncached`) with a short output budget (max_tokens < `anomalous_max_output`)
    runs on RLD alone, `p-rld`, and never crosses the WAN [anomalous]. Nothing else gets p-rld:
    low-hit traffic finishing on RLD overloads the small pool and the pipeline oscillates.
-3. No relay alive -> `p-md` [no-relay-alive]; every relay full (see below) -> `p-md` [rld-full].
+3. No main-decode alive (datacenter B unreachable: the line is down) and a relay alive ->
+   `p-rld`: datacenter A serves on its own [no-md-alive].
+   No relay alive -> `p-md` [no-relay-alive]; every relay full (see below) -> `p-md` [rld-full].
 4. Estimated TTFT through MD meets `ttft_slo_ms` (typically a high hit: little KV crosses) ->
    `p-md` [slo-met-md].
 5. Oscillation guard (RLD admission control): the relay is busy with `rld_slots` requests or
@@ -47,13 +49,11 @@ import math
 from dataclasses import dataclass, field
 
 from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
+from shared.pipelines import ROLES_OF, Handoff, Pipeline
 
 __all__ = ["Decision", "InstanceView", "NoCapacity", "PlanEstimates", "PlanRequest", "PolicyConfig", "Saturated",
            "choose_plan"]  # fmt: skip
 
-PIPELINES = ("p-md", "p-rld-md", "p-rld")
-HANDOFFS = ("oneshot", "catchup")
-ROLES_OF = {"p-md": ("prefill", "md"), "p-rld-md": ("prefill", "rld", "md"), "p-rld": ("prefill", "rld")}
 QUEUE_WEIGHT = 0.1  # load per running or waiting request, as the registry's `load` counts it
 NO_ROOM_PENALTY = 1.0  # an instance that would have to evict or wait for blocks
 
@@ -101,9 +101,9 @@ class PolicyConfig:
     guard: bool = True  # oscillation guard: RLD admission control
 
     def __post_init__(self) -> None:
-        if self.default_pipeline not in ("auto", "p-md", "p-rld-md"):
+        if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
             raise ValueError(f"default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
-        if self.default_handoff not in ("auto", *HANDOFFS):
+        if self.default_handoff not in ("auto", Handoff.ONESHOT, Handoff.CATCHUP):
             raise ValueError(f"default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
         positive = ("ttft_slo_ms", "kv_bytes_per_token", "prefill_tok_s", "wan_mbps", "local_mbps",
                     "decode_step_ms", "rld_slots", "catchup_chunk")  # fmt: skip
@@ -138,7 +138,7 @@ class Decision:
     starts: dict[str, int] = field(default_factory=dict)  # role -> first token the decoder needs
     reason: str = ""  # why this pipeline
     handoff_reason: str = ""  # why this handoff ("" when there is none)
-    chunk_tokens: int = 0  # catch-up chunk size; 0 unless handoff == "catchup"
+    chunk_tokens: int = 0  # catch-up chunk size; 0 unless the handoff is catch-up
     estimates: PlanEstimates = field(default_factory=PlanEstimates)
 
 
@@ -191,30 +191,33 @@ def rld_busy(rld: InstanceView) -> int:
 
 
 def choose_pipeline(
-    req: PlanRequest, rld: InstanceView | None, ttft: dict[str, float], uncached: int, config: PolicyConfig
-) -> tuple[str, str]:
+    req: PlanRequest, rld: InstanceView | None, md_alive: bool, ttft: dict[str, float], uncached: int,
+    config: PolicyConfig,
+) -> tuple[str, str]:  # fmt: skip
     if req.pipeline is not None:
         return req.pipeline, "forced"
     if config.default_pipeline != "auto":
-        if config.default_pipeline == "p-rld-md" and rld is None:
-            return "p-md", "no-relay-alive"
+        if config.default_pipeline == Pipeline.P_RLD_MD and rld is None:
+            return Pipeline.P_MD, "no-relay-alive"
         return config.default_pipeline, "default"
     if rld is not None and is_anomalous(req, uncached, config):
-        return "p-rld", "anomalous"
+        return Pipeline.P_RLD, "anomalous"
+    if rld is not None and not md_alive:
+        return Pipeline.P_RLD, "no-md-alive"
     if rld is None:
-        return "p-md", "no-relay-alive"
-    if ttft.get("p-md", math.inf) <= config.ttft_slo_ms:  # no MD: the plan fails on its missing role
-        return "p-md", "slo-met-md"
+        return Pipeline.P_MD, "no-relay-alive"
+    if ttft.get(Pipeline.P_MD, math.inf) <= config.ttft_slo_ms:  # no MD: the plan fails on its missing role
+        return Pipeline.P_MD, "slo-met-md"
     if config.guard and rld_busy(rld) >= config.rld_slots:
-        return "p-md", "rld-saturated"
-    return "p-rld-md", "slo-miss-relay"
+        return Pipeline.P_MD, "rld-saturated"
+    return Pipeline.P_RLD_MD, "slo-miss-relay"
 
 
 def expected_backlog(req: PlanRequest, rld: InstanceView, ttft: dict[str, float], config: PolicyConfig) -> int:
     """Tokens RLD streams before MD is ready to take over (MD's lag over the relay / RLD's step)."""
-    if "p-md" not in ttft or "p-rld-md" not in ttft:
+    if Pipeline.P_MD not in ttft or Pipeline.P_RLD_MD not in ttft:
         return 0
-    lag_ms = max(ttft["p-md"] - ttft["p-rld-md"], 0.0)
+    lag_ms = max(ttft[Pipeline.P_MD] - ttft[Pipeline.P_RLD_MD], 0.0)
     return min(math.ceil(lag_ms / step_ms_of(rld, config)), req.max_tokens)
 
 
@@ -224,10 +227,10 @@ def choose_handoff(req: PlanRequest, rld: InstanceView, backlog: int, config: Po
     if config.default_handoff != "auto":
         return config.default_handoff, "default"
     if rld_busy(rld) >= config.rld_pressure * config.rld_slots:
-        return "oneshot", "rld-pressure"
+        return Handoff.ONESHOT, "rld-pressure"
     if backlog > config.catchup_threshold:
-        return "catchup", "backlog"
-    return "oneshot", "small-backlog"
+        return Handoff.CATCHUP, "backlog"
+    return Handoff.ONESHOT, "small-backlog"
 
 
 # -- the plan -------------------------------------------------------------------------------
@@ -243,10 +246,11 @@ def choose_plan(
         except NoCapacity as e:
             missing[role] = e
     ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], config, wan).total_ms
-            for p, role in (("p-md", "md"), ("p-rld-md", "rld")) if role in decoders}  # fmt: skip
+            for p, role in ((Pipeline.P_MD, "md"), (Pipeline.P_RLD_MD, "rld")) if role in decoders}  # fmt: skip
     uncached = uncached_tokens(req, instances)
     rld = decoders.get("rld")
-    pipeline, reason = choose_pipeline(req, rld, ttft, uncached, config)
+    md_alive = not (isinstance(missing.get("md"), NoCapacity) and not isinstance(missing.get("md"), Saturated))
+    pipeline, reason = choose_pipeline(req, rld, md_alive, ttft, uncached, config)
     if reason == "no-relay-alive" and isinstance(missing.get("rld"), Saturated):
         reason = "rld-full"
     roles = ROLES_OF[pipeline]
@@ -254,8 +258,8 @@ def choose_plan(
         if role not in decoders:
             raise missing[role]
     picked = {"prefill": prefill} | {role: decoders[role] for role in roles[1:]}
-    handoff, handoff_reason, backlog = "none", "", 0
-    if pipeline == "p-rld-md":
+    handoff, handoff_reason, backlog = Handoff.NONE, "", 0
+    if pipeline == Pipeline.P_RLD_MD:
         backlog = expected_backlog(req, decoders["rld"], ttft, config)
         handoff, handoff_reason = choose_handoff(req, decoders["rld"], backlog, config)
     starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != "prefill"}
@@ -268,6 +272,6 @@ def choose_plan(
         starts=starts,
         reason=reason,
         handoff_reason=handoff_reason,
-        chunk_tokens=config.catchup_chunk if handoff == "catchup" else 0,
+        chunk_tokens=config.catchup_chunk if handoff == Handoff.CATCHUP else 0,
         estimates=estimates,
     )

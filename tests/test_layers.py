@@ -1,0 +1,155 @@
+"""The house's walls, checked on the import graph (every import, top-level or inside a function).
+
+    pdd/          the command line, launcher, embedded servers      may import anything
+    benchmarks/, sim/                                               shared, services.scheduler's
+                                                                    pure modules, pdd's launcher
+    services/X/   one process each                                  shared, its own package only
+    shared/       what two or more processes use                    nothing above it
+
+Also: no module cycle anywhere; the policy imports no I/O library; the gateway and `pdd --help`
+load neither torch nor transformers (nor matplotlib).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pdd", "shared", "services", "benchmarks", "sim")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The repo module an import names (`a.b.c` or its package `a.b`), None if external."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports(module: str) -> tuple[set[str], set[str]]:
+    """(repo modules, external top-level packages) that `module` imports anywhere in its body."""
+    internal, external = set(), set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        for name in names:
+            target = _resolve(name)
+            if target is not None and target != module:
+                internal.add(target)
+            elif target is None:
+                external.add(name.split(".")[0])
+    return internal, external
+
+
+GRAPH = {m: imports(m)[0] for m in MODULES}
+
+
+def _closure(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for dep in GRAPH[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_shared_imports_nothing_above_it():
+    bad = {m: sorted(d for d in deps if not d.startswith("shared")) for m, deps in GRAPH.items()
+           if m.startswith("shared")}  # fmt: skip
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_no_service_imports_another_service():
+    def service(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    bad = {m: sorted(d for d in deps if d.startswith("services.") and service(d) != service(m))
+           for m, deps in GRAPH.items() if m.startswith("services.")}  # fmt: skip
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_nothing_below_the_command_line_imports_it():
+    assert not {m for m, deps in GRAPH.items() if "pdd.cli" in deps}
+
+
+def test_no_import_cycle():
+    """Tarjan's strongly connected components: any with two or more modules is a cycle."""
+    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert cycles == [], cycles
+
+
+@pytest.mark.parametrize("module", ["services.scheduler.policy", "services.scheduler.estimates", "shared.pipelines"])
+def test_the_policy_imports_no_io_library(module):
+    external = set().union(*(imports(m)[1] for m in _closure(module) | {module}))
+    assert not external & {"nats", "redis", "torch", "transformers", "httpx", "socket", "asyncio"}, external
+
+
+def _loaded_by(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sys.modules))"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return {m.split(".")[0] for m in out.stdout.split()}
+
+
+def test_the_gateway_imports_neither_torch_nor_transformers():
+    gateway = {m for m in MODULES if m.startswith("services.gateway")}
+    reached = set().union(*(_closure(m) for m in gateway)) | gateway
+    external = set().union(*(imports(m)[1] for m in reached))
+    assert not external & {"torch", "transformers", "matplotlib"}, sorted(reached)
+    assert not _loaded_by("import services.gateway.app, services.gateway.__main__") & {"torch", "transformers"}
+
+
+def test_pdd_help_loads_neither_torch_nor_matplotlib():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "pdd.cli", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    loaded = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
+    assert not loaded & {"torch", "transformers", "matplotlib"}
+    assert "usage: pdd" in out.stdout
