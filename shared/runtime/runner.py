@@ -1,104 +1,180 @@
 """ModelRunner: one flattened forward for any mix of prefill chunks, extends and decodes.
 
 `forward(work)` takes `(sequence, n)` pairs — compute the next `n` known tokens of each
-sequence — packs them into `input_ids [1, T]` with explicit positions, builds the paged
-attention plan once, runs the model once, and returns next-token logits for the sequences
-whose work reaches their last known token.
+sequence — packs them into one flat batch of T tokens with explicit positions (`pack`, plain
+Python), builds the attention plan once (`StepAttention`), runs the model once, and returns
+next-token logits for the sequences whose work reaches their last known token.
+
+Which pieces run:
+- the forward: the runtime's fused layer loop (fused.py) for Llama-family models, otherwise
+  transformers' forward with the paged attention plugged in (attention.py);
+- decode attention: on CPU the decode mirror (mirror.py: contiguous per-sequence KV, no gather
+  per step) while it fits its budget, otherwise one padded gather per layer;
+- on a GPU, a step made only of decodes replays a CUDA graph captured for its batch-size and
+  context-length bucket (cuda_graphs.py); steps with prefill or extend work run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from shared.runtime.attention import SpanAttention, StepAttention
+from shared.runtime.attention import SpanAttention, StepAttention, decode_context
+from shared.runtime.fused import FusedDecoder, unsupported_reason
 from shared.runtime.kv_pool import KVPool
+from shared.runtime.mirror import DecodeMirror
 from shared.runtime.sequence import Sequence
+
+DEFAULT_MIRROR_BYTES = 1 << 30  # CPU decode mirror budget; 0 turns it off
 
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [len(sampled), vocab], float32
+    logits: torch.Tensor  # [len(sampled), vocab], float32, on the host
     sampled: list[Sequence]  # sequences whose step reached their last known token
 
 
+@dataclass
+class Batch:
+    """A step's work flattened: token t of the batch is `ids[t]` at `positions[t]`, stored at `slots[t]`."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decodes: list[tuple[int, Sequence, int]] = field(default_factory=list)  # (flat index, sequence, position)
+    spans: list[tuple[int, Sequence, int, int]] = field(default_factory=list)  # (flat index, sequence, start, end)
+    logit_rows: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+
+
+def pack(work: list[tuple[Sequence, int]], pool: KVPool) -> Batch:
+    batch = Batch()
+    for seq, n in work:
+        start, end = seq.num_computed, seq.num_computed + n
+        if n < 1 or end > seq.num_tokens:
+            raise ValueError(f"{seq.seq_id}: cannot compute tokens [{start}, {end}) of {seq.num_tokens}")
+        flat = len(batch.ids)
+        batch.ids.extend(seq.token_ids[start:end])
+        batch.positions.extend(range(start, end))
+        batch.slots.extend(pool.slot_list(seq.block_table, start, end))
+        if n == 1:
+            batch.decodes.append((flat, seq, start))
+        else:
+            batch.spans.append((flat, seq, start, end))
+        if end == seq.num_tokens:
+            batch.logit_rows.append(flat + n - 1)
+            batch.sampled.append(seq)
+    return batch
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        *,
+        cuda_graphs: bool | None = None,
+        fused: bool | None = None,
+        mirror_bytes: int | None = None,
+    ) -> None:
+        """`cuda_graphs`: replay decode steps from CUDA graphs (default: on when the pool is on a GPU).
+        `fused`: the fused layer loop (default: when the model supports it). `mirror_bytes`: the
+        CPU decode mirror's budget (default 1 GiB; 0 = gather every step)."""
         self.model = model
         self.pool = pool
         self.device = pool.device
+        cuda = self.device.type == "cuda"
+        reason = unsupported_reason(model)
+        if fused and reason:
+            raise ValueError(f"fused=True, but the fused decoder does not support this model: {reason}")
+        use_fused = fused if fused is not None else reason is None
+        self.decoder = FusedDecoder.for_model(model) if use_fused else None
+        budget = DEFAULT_MIRROR_BYTES if mirror_bytes is None else mirror_bytes
+        self.mirror = DecodeMirror(pool, budget) if budget > 0 and not cuda else None
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.graphs = None
+        if cuda_graphs and not cuda:
+            raise ValueError("cuda_graphs=True needs the pool on a CUDA device")
+        if (cuda_graphs is None and cuda) or cuda_graphs:
+            if self.decoder is None:
+                raise ValueError("CUDA graphs need the fused decoder (a Llama-family model)")
+            from shared.runtime.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
 
     @torch.inference_mode()
     def forward(self, work: list[tuple[Sequence, int]]) -> StepResult:
         if not work:
             raise ValueError("forward() needs at least one sequence")
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
-        decodes: list[tuple[int, torch.Tensor]] = []  # (flat index, context slots)
-        spans: list[SpanAttention] = []
-        logit_rows: list[int] = []
-        sampled: list[Sequence] = []
-        for seq, n in work:
-            start, end = seq.num_computed, seq.num_computed + n
-            if n < 1 or end > seq.num_tokens:
-                raise ValueError(f"{seq.seq_id}: cannot compute tokens [{start}, {end}) of {seq.num_tokens}")
-            flat = len(ids)
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            ctx = self.pool.slots(seq.block_table, 0, end)
-            slot_parts.append(ctx[start:])
-            if n == 1:
-                decodes.append((flat, ctx))
-            else:
-                spans.append(_span(flat, start, end, ctx))
-            if end == seq.num_tokens:
-                logit_rows.append(flat + n - 1)
-                sampled.append(seq)
+        batch = pack(work, self.pool)
+        if self.graphs is not None and not batch.spans:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return StepResult(logits=logits, sampled=batch.sampled)
+        step = self.plan(batch)
+        try:
+            hidden = self.hidden(batch, step)
+        except BaseException:
+            if self.mirror is not None:
+                self.mirror.clear()  # its rows may hold half a step
+            raise
+        if not batch.logit_rows:
+            return StepResult(logits=torch.empty(0), sampled=[])
+        if len(batch.logit_rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(batch.logit_rows, device=self.device))
+        return StepResult(logits=self.logits(hidden).float().cpu(), sampled=batch.sampled)
+
+    def hidden(self, batch: Batch, step: StepAttention) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the step's tokens (final norm left to `logits`)."""
+        ids = torch.tensor(batch.ids, device=self.device)
+        positions = torch.tensor(batch.positions, device=self.device)
+        if self.decoder is not None:
+            self.decoder.ensure_positions(max(batch.positions) + 1)
+            return self.decoder.forward(ids, positions, step)
+        out = self.model.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), pdd_step=step)
+        return out.last_hidden_state[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.decoder is not None:
+            return self.decoder.logits(hidden)
+        return self.model.lm_head(hidden)  # transformers' forward already applied the final norm
+
+    def plan(self, batch: Batch) -> StepAttention:
+        dev = self.device
         step = StepAttention(
             pool=self.pool,
-            slot_mapping=torch.cat(slot_parts).to(self.device),
-            spans=[_to(s, self.device) for s in spans],
-            **_decode_group(decodes, self.device),
+            slot_mapping=torch.tensor(batch.slots, device=dev),
+            spans=[self._span(*s) for s in batch.spans],
         )
-        input_ids = torch.tensor([ids], device=self.device)
-        position_ids = torch.tensor([positions], device=self.device)
-        hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, pdd_step=step).last_hidden_state
-        if not logit_rows:
-            return StepResult(logits=torch.empty(0), sampled=[])
-        rows = torch.tensor(logit_rows, device=self.device)
-        logits = self.model.lm_head(hidden[0, rows]).float().cpu()
-        return StepResult(logits=logits, sampled=sampled)
+        if not batch.decodes:
+            return step
+        if self.mirror is not None:
+            step.mirror = self.mirror.prepare(batch.decodes)
+            if step.mirror is not None:
+                return step
+        bs = self.pool.block_size
+        nb = max(pos for _, _, pos in batch.decodes) // bs + 1
+        tables = self.pool.table_tensor([seq.block_table for _, seq, _ in batch.decodes], nb)
+        lengths = torch.tensor([pos + 1 for _, _, pos in batch.decodes])
+        ctx, mask = decode_context(tables.to(dev), lengths.to(dev), bs)
+        step.decode_q_index = torch.tensor([flat for flat, _, _ in batch.decodes], device=dev)
+        step.decode_ctx_slots, step.decode_mask = ctx, mask
+        step.buffers = self._gather_buffers(ctx.numel()) if dev.type == "cpu" else None
+        return step
 
+    def _span(self, flat: int, seq: Sequence, start: int, end: int) -> SpanAttention:
+        n = end - start
+        if start == 0:
+            return SpanAttention(flat, flat + n, None, None)
+        # query i (absolute position start + i) sees keys at positions <= start + i
+        mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+        ctx = self.pool.slots(seq.block_table, 0, end)
+        return SpanAttention(flat, flat + n, ctx.to(self.device), mask.to(self.device))
 
-def _span(flat: int, start: int, end: int, ctx: torch.Tensor) -> SpanAttention:
-    n = end - start
-    if start == 0:
-        return SpanAttention(flat, flat + n, ctx, None)
-    # query i (absolute position start + i) sees keys at positions <= start + i
-    q_pos = torch.arange(start, end).unsqueeze(1)
-    k_pos = torch.arange(end).unsqueeze(0)
-    return SpanAttention(flat, flat + n, ctx, k_pos <= q_pos)
-
-
-def _to(span: SpanAttention, device: torch.device) -> SpanAttention:
-    mask = None if span.mask is None else span.mask.to(device)
-    return SpanAttention(span.q_start, span.q_end, span.ctx_slots.to(device), mask)
-
-
-def _decode_group(decodes: list[tuple[int, torch.Tensor]], device: torch.device) -> dict:
-    if not decodes:
-        return {"decode_q_index": None, "decode_ctx_slots": None, "decode_mask": None}
-    lmax = max(len(ctx) for _, ctx in decodes)
-    slots = torch.zeros(len(decodes), lmax, dtype=torch.long)
-    mask = torch.zeros(len(decodes), 1, 1, lmax, dtype=torch.bool)
-    for i, (_, ctx) in enumerate(decodes):
-        slots[i, : len(ctx)] = ctx
-        mask[i, 0, 0, : len(ctx)] = True
-    index = torch.tensor([flat for flat, _ in decodes])
-    return {
-        "decode_q_index": index.to(device),
-        "decode_ctx_slots": slots.to(device),
-        "decode_mask": mask.to(device),
-    }
+    def _gather_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reused K and V gather outputs of at least `tokens` tokens (see `KVPool.read`)."""
+        if self._buffers is None or self._buffers[0].shape[0] < tokens:
+            shape = (max(tokens, 1024), *self.pool.kv.shape[-2:])
+            self._buffers = (torch.empty(shape, dtype=self.pool.dtype), torch.empty(shape, dtype=self.pool.dtype))
+        return self._buffers
