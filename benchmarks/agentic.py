@@ -56,8 +56,13 @@ class AgenticParams:
     context_margin: int = 64  # slack for tokenizing answers differently from how they were made
 
     def __post_init__(self) -> None:
-        for name in ("output_tokens", "task_tokens", "tool_tokens", "anomalous_input_tokens",
-                     "anomalous_output_tokens"):  # fmt: skip
+        for name in (
+            "output_tokens",
+            "task_tokens",
+            "tool_tokens",
+            "anomalous_input_tokens",
+            "anomalous_output_tokens",
+        ):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name}={(lo, hi)} must be a range 1 <= lo <= hi")
@@ -135,8 +140,11 @@ class _Builder:
             self.pool.pop(0)  # the oldest session ends
         self.sessions_started += 1
         task = "Task: " + text_of_tokens(self.rng, self.rng.randint(*self.params.task_tokens))
-        session = _Session(f"s{self.sessions_started:04d}", [dict(self.system), {"role": "user", "content": task}],
-                           self.system_cost + self.cost(task))  # fmt: skip
+        session = _Session(
+            f"s{self.sessions_started:04d}",
+            [dict(self.system), {"role": "user", "content": task}],
+            self.system_cost + self.cost(task),
+        )
         self.pool.append(session)
         return self.emit(session, rid, t, "new", depends_on=None)
 

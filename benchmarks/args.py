@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MODES = ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup")
-
-
-def parse_modes(spec: str) -> list[str]:
-    """'pd-wan, pdd' -> ['pd-wan', 'pdd']; ValueError naming any unknown mode."""
-    modes = [m.strip() for m in spec.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
-    return modes
+from benchmarks.modes import MODES
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.summary import percentile
+from pdd.servers import EmbeddedServer
 from services.wanlink.link import WanLink
 from shared.bus import Bus
 from shared.config import WanConfig
@@ -31,10 +33,17 @@ from shared.runtime.models import load_model
 from shared.runtime.provision import provision_default_model
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
-from pdd.servers import EmbeddedServer
 
-WAN = WanConfig(bandwidth_mbps=400.0, delay_ms=20.0, jitter_ms=10.0, swing="random_walk", walk_step=0.5,
-                walk_min_mbps=150.0, walk_max_mbps=800.0, seed=7)  # fmt: skip
+WAN = WanConfig(
+    bandwidth_mbps=400.0,
+    delay_ms=20.0,
+    jitter_ms=10.0,
+    swing="random_walk",
+    walk_step=0.5,
+    walk_min_mbps=150.0,
+    walk_max_mbps=800.0,
+    seed=7,
+)
 
 
 def _prepared(n_prompt: int, n_tokens: int):
@@ -65,8 +74,17 @@ async def _kv_path(engine, seq, n_prompt: int, n_tokens: int, reps: int) -> tupl
     for i in range(reps):
         t0 = time.perf_counter()
         layers = [layer_to_bytes(k, v) for k, v in payload.layers]
-        size = await send_kv("127.0.0.1", port, f"kv-{i}", "bench", payload.header.to_dict(), layers,
-                             {"first_token": 0}, 30, via=("127.0.0.1", wan_port))  # fmt: skip
+        size = await send_kv(
+            "127.0.0.1",
+            port,
+            f"kv-{i}",
+            "bench",
+            payload.header.to_dict(),
+            layers,
+            {"first_token": 0},
+            30,
+            via=("127.0.0.1", wan_port),
+        )
         times.append((time.perf_counter() - t0) * 1000)
     await link.stop()
     await receiver.stop()
@@ -94,8 +112,12 @@ async def _ids_path(engine, seq, n_prompt: int, n_tokens: int, reps: int) -> tup
 
 
 def _stats(times: list[float]) -> dict[str, float]:
-    return {"mean": statistics.mean(times), "max": max(times), "std": statistics.pstdev(times),
-            "p50": statistics.median(times)}  # fmt: skip
+    return {
+        "mean": statistics.mean(times),
+        "max": max(times),
+        "std": statistics.pstdev(times),
+        "p50": percentile(sorted(times), 50),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -103,15 +125,23 @@ def main(args: argparse.Namespace) -> int:
     engine, seq = _prepared(args.prompt_tokens, args.tokens)
     kv_times, kv_bytes = asyncio.run(_kv_path(engine, seq, args.prompt_tokens, args.tokens, args.reps))
     id_times, id_bytes = asyncio.run(_ids_path(engine, seq, args.prompt_tokens, args.tokens, args.reps))
-    result = {"tokens": args.tokens, "reps": args.reps, "wan": WAN.__dict__,
-              "kv": {"payload_bytes": kv_bytes, **_stats(kv_times)},
-              "token_ids": {"payload_bytes": id_bytes, **_stats(id_times)}}  # fmt: skip
-    print(f"handoff of {args.tokens} tokens after a {args.prompt_tokens}-token prompt, {args.reps} reps "
-          f"(WAN {WAN.bandwidth_mbps:.0f} Mbps random walk, {WAN.delay_ms:.0f}+-{WAN.jitter_ms:.0f} ms):")
+    result = {
+        "tokens": args.tokens,
+        "reps": args.reps,
+        "wan": WAN.__dict__,
+        "kv": {"payload_bytes": kv_bytes, **_stats(kv_times)},
+        "token_ids": {"payload_bytes": id_bytes, **_stats(id_times)},
+    }
+    print(
+        f"handoff of {args.tokens} tokens after a {args.prompt_tokens}-token prompt, {args.reps} reps "
+        f"(WAN {WAN.bandwidth_mbps:.0f} Mbps random walk, {WAN.delay_ms:.0f}+-{WAN.jitter_ms:.0f} ms):"
+    )
     for name, label in (("kv", "KV over the WAN"), ("token_ids", "token ids + extend")):
         r = result[name]
-        print(f"  {label:<20} payload {r['payload_bytes'] / 1024:>8.1f} KB   mean {r['mean']:7.1f} ms   "
-              f"max {r['max']:7.1f} ms   std {r['std']:6.1f} ms")
+        print(
+            f"  {label:<20} payload {r['payload_bytes'] / 1024:>8.1f} KB   mean {r['mean']:7.1f} ms   "
+            f"max {r['max']:7.1f} ms   std {r['std']:6.1f} ms"
+        )
     if args.out:  # pdd bench handoff --out DIR
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "handoff.json").write_text(json.dumps(result, indent=2))

@@ -15,6 +15,7 @@ import statistics
 from typing import Any
 
 from benchmarks.pseudo_text import text_of_tokens
+from benchmarks.summary import percentile
 from benchmarks.workload_model import Workload, fill_answers
 from shared.prefix_hash import block_hashes
 
@@ -87,7 +88,6 @@ def estimated_hit_rates(
         "mean_hit_by_kind": {k: _mean(v) for k, v in sorted(kinds.items())},
         "count_by_kind": {k: len(v) for k, v in sorted(kinds.items())},
         "mean_prompt_tokens": round(statistics.fmean(lengths), 1) if lengths else 0.0,
-        "p50_prompt_tokens": statistics.median(lengths) if lengths else 0,
+        "p50_prompt_tokens": percentile(sorted(lengths), 50) if lengths else 0,
         "max_prompt_tokens": max(lengths, default=0),
     }
-

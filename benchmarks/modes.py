@@ -1,53 +1,114 @@
-"""Benchmark modes: PDD and its baselines as cluster configs for the one launcher.
+"""Benchmark modes: PDD and its baselines. The one table of what each mode means (`MODE_TABLE`),
+read by `pdd bench` (cluster configs for the one launcher, `mode_config`), the summary (which
+fleet pays a WAN line) and the simulator (sim/config.py: which instances, where, planned how).
 
 Every mode runs the same model, the same WAN settings and the same count of prefill and final
 decoder instances; only the feature under test differs.
 
-    pd-local     P and D in one datacenter, no WAN at all: the floor
-    pd-wan       naive cross-DC PD: the full KV of every request over the WAN, no RLD, no DRC
-    pd-wan-drc   cross-DC PD with the decode-side RadixCache, no RLD
-    pdd          everything: RLD, DRC, the scheduler's own choice of pipeline and handoff
-    pdd-oneshot  PDD with every handoff one-shot
-    pdd-catchup  PDD with every handoff catch-up
+    mode         main-decode  DRC  relay  pipeline  handoff   what it is
+    pd-local     A            yes  no     p-md      -         P and D in one datacenter, no WAN: the floor
+    pd-wan       B            no   no     p-md      -         naive cross-DC PD: the full KV of every
+                                                              request crosses the WAN
+    pd-wan-drc   B            yes  no     p-md      -         cross-DC PD with the decode-side RadixCache
+    pdd          B            yes  yes    auto      auto      everything: the scheduler chooses both
+    pdd-oneshot  B            yes  yes    auto      oneshot   PDD with every handoff one-shot
+    pdd-catchup  B            yes  yes    auto      catchup   PDD with every handoff catch-up
+
+This module is light (no torch, no matplotlib): `pdd --help` imports it.
 """
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from benchmarks.args import MODES
 from shared.config import DEFAULT_CONFIG
+from shared.pipelines import Handoff, Pipeline
+
+AUTO = "auto"  # the scheduler decides
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    md_dc: str  # where main-decode runs: "A" (prefill's datacenter, no WAN) or "B"
+    drc: bool  # main-decode keeps a radix cache of what it has seen
+    relay: bool  # a relay-decode pool exists in datacenter A
+    pipeline: str  # the scheduler's default_pipeline: AUTO or a pinned Pipeline
+    handoff: str  # the scheduler's default_handoff: AUTO or a pinned Handoff
+
+    @property
+    def wan(self) -> bool:
+        """Whether main-decode sits across the line (and the fleet pays for one)."""
+        return self.md_dc != "A"
+
+
+P_MD, ONESHOT, CATCHUP = Pipeline.P_MD.value, Handoff.ONESHOT.value, Handoff.CATCHUP.value
+MODE_TABLE: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("pd-local", md_dc="A", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT),
+        Mode("pd-wan", md_dc="B", drc=False, relay=False, pipeline=P_MD, handoff=ONESHOT),
+        Mode("pd-wan-drc", md_dc="B", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT),
+        Mode("pdd", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO),
+        Mode("pdd-oneshot", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=ONESHOT),
+        Mode("pdd-catchup", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=CATCHUP),
+    )
+}
+MODES: tuple[str, ...] = tuple(MODE_TABLE)
+LOCAL_MODE = "pd-local"  # the only mode whose decode runs on chip A in datacenter A, with no WAN line
 
 # Where an uncached agentic prompt's fp32 KV (20-70 MB) takes seconds to cross.
 BENCH_WAN = {"bandwidth_mbps": 200.0, "delay_ms": 20.0, "jitter_ms": 5.0}
 SLO_TTFT_MS = 2000.0  # for a 2-core CPU running SmolLM2; the scheduler plans against the same SLO
+RLD_KV_TOKENS = 16384  # the relay's pool: half of the others'
+
+
+def mode(name: str) -> Mode:
+    """The mode called `name`; ValueError naming the modes otherwise."""
+    if name not in MODE_TABLE:
+        raise ValueError(f"unknown mode {name!r}; modes: {', '.join(MODES)}")
+    return MODE_TABLE[name]
+
+
+def parse_modes(spec: str) -> list[str]:
+    """'pd-wan, pdd' -> ['pd-wan', 'pdd']; ValueError naming any unknown mode."""
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODE_TABLE]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    return modes
 
 
 def _instance(iid: str, role: str, dc: str, **extra: Any) -> dict[str, Any]:
     return {"id": iid, "role": role, "dc": dc, "dtype": "float32", "threads": 1, "kv_tokens": 32768, **extra}
 
 
-def mode_config(mode: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The cluster config (plain data) for a mode, on top of `base` (a cluster YAML's content)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
-    cfg = copy.deepcopy(base if base is not None else yaml.safe_load(Path(DEFAULT_CONFIG).read_text()))
-    cfg["wan"] = {**cfg.get("wan", {}), **BENCH_WAN} if base is None else cfg.get("wan", {})
-    md_dc = "A" if mode == "pd-local" else "B"
-    instances = [_instance("prefill-0", "prefill", "A"),
-                 _instance("md-0", "md", md_dc, prefix_cache=mode != "pd-wan")]  # fmt: skip
-    scheduler = {"default_pipeline": "p-md", "default_handoff": "oneshot"}
-    if mode.startswith("pdd"):
-        instances.insert(1, _instance("rld-0", "rld", "A", kv_tokens=16384))
-        handoff = {"pdd": "auto", "pdd-oneshot": "oneshot", "pdd-catchup": "catchup"}[mode]
-        scheduler = {"default_pipeline": "auto", "default_handoff": handoff}
+def mode_config(name: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The cluster config (plain data) for a mode, on top of `base` (a cluster YAML's content;
+    default: configs/single-host.yaml with the bench's WAN)."""
+    m = mode(name)
+    if base is None:
+        with open(DEFAULT_CONFIG) as f:
+            cfg = yaml.safe_load(f)
+        cfg["wan"] = {**cfg.get("wan", {}), **BENCH_WAN}
+    else:
+        cfg = copy.deepcopy(base)
+        cfg["wan"] = cfg.get("wan", {})
+    instances = [_instance("prefill-0", "prefill", "A"), _instance("md-0", "md", m.md_dc, prefix_cache=m.drc)]
+    if m.relay:
+        instances.insert(1, _instance("rld-0", "rld", "A", kv_tokens=RLD_KV_TOKENS))
     cfg["instances"] = instances
-    cfg["scheduler"] = {**cfg.get("scheduler", {}), **scheduler, "ttft_slo_ms": SLO_TTFT_MS,
-                        "wan_mbps": cfg["wan"]["bandwidth_mbps"]}  # fmt: skip
+    cfg["scheduler"] = {
+        **cfg.get("scheduler", {}),
+        "default_pipeline": m.pipeline,
+        "default_handoff": m.handoff,
+        "ttft_slo_ms": SLO_TTFT_MS,
+        "wan_mbps": cfg["wan"]["bandwidth_mbps"],
+    }
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)
     return cfg
@@ -58,8 +119,3 @@ def instance_counts(cfg: dict[str, Any]) -> dict[str, int]:
     for inst in cfg["instances"]:
         counts[inst["role"]] += 1
     return counts
-
-
-def md_in_other_dc(cfg: dict[str, Any]) -> bool:
-    dcs = {i["role"]: i["dc"] for i in cfg["instances"]}
-    return dcs["md"] != dcs["prefill"]

@@ -30,9 +30,9 @@ from benchmarks.modes import mode_config
 from benchmarks.runner import replay, warm_up
 from benchmarks.summary import latency_stats, request_latencies
 from benchmarks.workloads import FIRST_TOKEN_ID, BenchRequest, Workload
+from pdd.launcher import Cluster
 from shared import subjects
 from shared.bus import Bus
-from pdd.launcher import Cluster
 from shared.messages import Inspect, InstanceState
 
 RELAY = "rld-0"
@@ -67,8 +67,13 @@ async def sample_relay(nats_url: str, stop: asyncio.Event) -> list[dict[str, Any
         while not stop.is_set():
             s = await bus.request(subjects.inspect(RELAY), Inspect(), InstanceState, 5.0)
             running = s.extra.get("running", 0)
-            samples.append({"t_s": time.perf_counter() - t0, "running": running,
-                            "queue": s.extra.get("waiting", 0) + s.extra.get("pending", 0)})  # fmt: skip
+            samples.append(
+                {
+                    "t_s": time.perf_counter() - t0,
+                    "running": running,
+                    "queue": s.extra.get("waiting", 0) + s.extra.get("pending", 0),
+                }
+            )
             await asyncio.sleep(SAMPLE_S)
     finally:
         await bus.close()
@@ -115,15 +120,21 @@ def run_side(guard: bool, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(sides: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"\n{args.requests} fresh {args.prompt_tokens}-token prompts every {args.gap_ms:.0f} ms, "
-          f"{args.max_tokens} tokens each, onto a 1-slot relay; WAN delay {args.wan_delay_ms:.0f} ms")  # fmt: skip
-    print(f"{'':<10} {'max RLD queue':>13} {'mean':>6} {'TTFT P50':>9} {'TTFT P99':>9} "
-          f"{'2nd tok P99':>11} {'gap P99':>8} {'failed':>6}  plans")  # fmt: skip
+    print(
+        f"\n{args.requests} fresh {args.prompt_tokens}-token prompts every {args.gap_ms:.0f} ms, "
+        f"{args.max_tokens} tokens each, onto a 1-slot relay; WAN delay {args.wan_delay_ms:.0f} ms"
+    )
+    print(
+        f"{'':<10} {'max RLD queue':>13} {'mean':>6} {'TTFT P50':>9} {'TTFT P99':>9} "
+        f"{'2nd tok P99':>11} {'gap P99':>8} {'failed':>6}  plans"
+    )
     for label, side in sides.items():
         f = side["figures"]
-        print(f"{label:<10} {f['max_rld_queue']:>13} {f['mean_rld_queue']:>6.1f} {f['ttft_ms']['p50']:>7.0f}ms "
-              f"{f['ttft_ms']['p99']:>7.0f}ms {f['ttst_ms']['p99']:>9.0f}ms {f['max_gap_ms']['p99']:>6.0f}ms "
-              f"{f['failed']:>6}  {f['reasons']}")  # fmt: skip
+        print(
+            f"{label:<10} {f['max_rld_queue']:>13} {f['mean_rld_queue']:>6.1f} {f['ttft_ms']['p50']:>7.0f}ms "
+            f"{f['ttft_ms']['p99']:>7.0f}ms {f['ttst_ms']['p99']:>9.0f}ms {f['max_gap_ms']['p99']:>6.0f}ms "
+            f"{f['failed']:>6}  {f['reasons']}"
+        )
 
 
 def main() -> None:
@@ -140,8 +151,9 @@ def main() -> None:
     print_table(sides, args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "oscillation.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                               **sides}, indent=1))  # fmt: skip
+        (args.out / "oscillation.json").write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, **sides}, indent=1)
+        )
         print(f"wrote {args.out / 'oscillation.json'}")
 
 

@@ -40,8 +40,11 @@ def timeline_segments(record: Record) -> list[tuple[str, int, float, float]]:
     pdd = record.get("pdd") or {}
     t = pdd.get("timings_ms", {})
     prefill_end = float(t.get("queue", 0.0)) + float(t.get("prefill", 0.0))
-    segs = [("queue+prefill", 0.0, prefill_end), ("kv_local", prefill_end, float(t.get("kv_local", 0.0))),
-            ("kv_wan", prefill_end, float(t.get("kv_wan", 0.0)))]  # fmt: skip
+    segs = [
+        ("queue+prefill", 0.0, prefill_end),
+        ("kv_local", prefill_end, float(t.get("kv_local", 0.0))),
+        ("kv_wan", prefill_end, float(t.get("kv_wan", 0.0))),
+    ]
     if lat is not None:
         sent = float(record.get("sent_s", 0.0))
         times = [(float(x) - sent) * 1000 for x in record["token_times_s"]]
@@ -133,8 +136,13 @@ def plot_hit_buckets(path: Path, buckets_by_mode: dict[str, list[dict[str, Any]]
         p90 = [b["ttft_ms"]["p90"] if b["count"] else math.nan for b in bs]
         (line,) = ax_t.plot(xs, p50, marker="o", label=f"{mode} P50")
         ax_t.plot(xs, p90, marker="x", linestyle="--", color=line.get_color(), label=f"{mode} P90")
-        ax_w.bar([x - 0.4 + width * (i + 0.5) for x in xs], [b["mean_wan_kv_bytes"] for b in bs],
-                 width=width, color=line.get_color(), label=mode)  # fmt: skip
+        ax_w.bar(
+            [x - 0.4 + width * (i + 0.5) for x in xs],
+            [b["mean_wan_kv_bytes"] for b in bs],
+            width=width,
+            color=line.get_color(),
+            label=mode,
+        )
     for ax in (ax_t, ax_w):
         ax.grid(alpha=0.3)
         if modes:

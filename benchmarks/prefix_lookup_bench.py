@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import time
 
+from benchmarks.summary import latency_stats
+from pdd.servers import EmbeddedServer
+from shared.messages import IndexEvent
 from shared.prefix_hash import block_hashes
 from shared.registry import Registry, connect
-from shared.messages import IndexEvent
-from pdd.servers import EmbeddedServer
 
 
 async def run(tokens: int, instances: int, reps: int) -> dict[str, float]:
@@ -42,9 +42,13 @@ async def run(tokens: int, instances: int, reps: int) -> dict[str, float]:
             lookup_ms.append((t2 - t1) * 1000)
         assert hits == {iid: len(hashes) * (i + 1) // instances for i, iid in enumerate(ids)}
         await registry.r.aclose()
-        return {"hash_p50": statistics.median(hash_ms), "lookup_p50": statistics.median(lookup_ms),
-                "lookup_p99": sorted(lookup_ms)[int(0.99 * len(lookup_ms))],
-                "total_p50": statistics.median(a + b for a, b in zip(hash_ms, lookup_ms))}  # fmt: skip
+        lookup = latency_stats(lookup_ms)
+        return {
+            "hash_p50": latency_stats(hash_ms)["p50"],
+            "lookup_p50": lookup["p50"],
+            "lookup_p99": lookup["p99"],
+            "total_p50": latency_stats([a + b for a, b in zip(hash_ms, lookup_ms)])["p50"],
+        }
     finally:
         server.close()
 

@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.modes import LOCAL_MODE
 from benchmarks.plots import plot_hit_buckets, plot_timeline, plot_ttft_cdf
-from benchmarks.summary import LATENCY_FIELDS, LOCAL_MODE, Record, by_mode, hit_buckets
+from benchmarks.summary import LATENCY_FIELDS, Record, by_mode, hit_buckets
 
 PDD_MODE = "pdd"
 WAN_MODE = "pd-wan"
@@ -40,8 +41,14 @@ RATIO_ROWS = (
     ("goodput", lambda s: s["goodput_rps"]),
     ("BCR", lambda s: s["bcr"]),
 )
-LATENCY_TITLES = {"ttft_ms": "TTFT", "ttst_ms": "Time to second token", "itl_ms": "Inter-token latency",
-                  "tpot_ms": "TPOT", "e2e_ms": "E2E", "max_gap_ms": "Largest gap per request"}  # fmt: skip
+LATENCY_TITLES = {
+    "ttft_ms": "TTFT",
+    "ttst_ms": "Time to second token",
+    "itl_ms": "Inter-token latency",
+    "tpot_ms": "TPOT",
+    "e2e_ms": "E2E",
+    "max_gap_ms": "Largest gap per request",
+}
 
 
 def fmt(value: Any) -> str:
@@ -76,8 +83,12 @@ def _div(num: float, den: float) -> float | None:
 
 def ratio_rows(modes: dict[str, dict[str, Any]]) -> list[list[Any]]:
     """Rows "<metric> vs <baseline>": each mode's value / the baseline's, for each baseline present."""
-    return [[f"{name} vs {base}", *(_div(get(s), get(modes[base])) for s in modes.values())]
-            for base in BASELINES if base in modes for name, get in RATIO_ROWS]  # fmt: skip
+    return [
+        [f"{name} vs {base}", *(_div(get(s), get(modes[base])) for s in modes.values())]
+        for base in BASELINES
+        if base in modes
+        for name, get in RATIO_ROWS
+    ]
 
 
 def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -92,13 +103,20 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for name, base, get, bound in RATIO_TARGETS:
         if base in modes:
             ratio = _div(get(modes[PDD_MODE]), get(modes[base]))
-            out.append({"target": name, "measured": ratio, "bound": f"<= {bound}",
-                        "ok": ratio is not None and ratio <= bound})  # fmt: skip
+            out.append(
+                {"target": name, "measured": ratio, "bound": f"<= {bound}", "ok": ratio is not None and ratio <= bound}
+            )
     match = results["outputs_match_across_modes"]
     out.append({"target": "outputs match across modes", "measured": match, "bound": "== 1.0", "ok": match == 1.0})
     share = rld_share(modes[PDD_MODE])
-    out.append({"target": "RLD share of pdd output tokens", "measured": share,
-                "bound": f"> 0 and <= {RLD_SHARE_MAX} (report: 0.062)", "ok": 0 < share <= RLD_SHARE_MAX})  # fmt: skip
+    out.append(
+        {
+            "target": "RLD share of pdd output tokens",
+            "measured": share,
+            "bound": f"> 0 and <= {RLD_SHARE_MAX} (report: 0.062)",
+            "ok": 0 < share <= RLD_SHARE_MAX,
+        }
+    )
     for t in out:
         t["result"] = "PASS" if t["ok"] else "MISS"
     return out
@@ -125,9 +143,17 @@ def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
     rows += [[f"{role.upper()} tokens", *(s["tokens_by_role"][role] for s in modes.values())] for role in ("rld", "md")]
     rows += [["RLD share of output tokens", *(rld_share(s) for s in modes.values())]]
     rows += [[f"prefix hit rate {side}", *(s["hit_rate"][side] for s in modes.values())] for side in ("prefill", "md")]
-    return ["## Requests, throughput, cost, WAN", "", table(["metric", *names], rows), "",
-            ("goodput_rps: requests meeting every SLO per second; cost: duration_h x (chips + WAN line) "
-             "per hour; bcr: goodput_rps / hourly hardware cost."), ""]  # fmt: skip
+    return [
+        "## Requests, throughput, cost, WAN",
+        "",
+        table(["metric", *names], rows),
+        "",
+        (
+            "goodput_rps: requests meeting every SLO per second; cost: duration_h x (chips + WAN line) "
+            "per hour; bcr: goodput_rps / hourly hardware cost."
+        ),
+        "",
+    ]
 
 
 def _latencies(modes: dict[str, dict[str, Any]]) -> list[str]:
@@ -148,8 +174,12 @@ def _ratios(modes: dict[str, dict[str, Any]]) -> list[str]:
 def _buckets(buckets_by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
     lines = ["## By MD-side prefix hit (prefix_hit_tokens.md / prompt_tokens)", ""]
     for mode, buckets in buckets_by_mode.items():
-        rows = [[b["bucket"], b["count"], b["ttft_ms"]["p50"], b["ttft_ms"]["p90"], b["mean_wan_kv_bytes"]]
-                if b["count"] else [b["bucket"], 0, "-", "-", "-"] for b in buckets]  # fmt: skip
+        rows = [
+            [b["bucket"], b["count"], b["ttft_ms"]["p50"], b["ttft_ms"]["p90"], b["mean_wan_kv_bytes"]]
+            if b["count"]
+            else [b["bucket"], 0, "-", "-", "-"]
+            for b in buckets
+        ]
         lines += [f"### {mode}", "", table(["hit", "count", "TTFT P50", "TTFT P90", "mean WAN bytes"], rows), ""]
     return lines
 
@@ -165,8 +195,15 @@ def _targets(results: dict[str, Any]) -> list[str]:
 def render_markdown(results: dict[str, Any], buckets_by_mode: dict[str, list[dict[str, Any]]]) -> str:
     """The whole `report.md`."""
     modes = results["modes"]
-    parts = [_header(results), [""], _targets(results), _overview(modes), _latencies(modes), _ratios(modes),
-             _buckets(buckets_by_mode)]  # fmt: skip
+    parts = [
+        _header(results),
+        [""],
+        _targets(results),
+        _overview(modes),
+        _latencies(modes),
+        _ratios(modes),
+        _buckets(buckets_by_mode),
+    ]
     return "\n".join(line for part in parts for line in part)
 
 
@@ -183,7 +220,11 @@ def write_report(out_dir: Path, results: dict[str, Any], records: list[Record]) 
     report_path = out_dir / "report.md"
     report_path.write_text(render_markdown(results, buckets))
     shown = PDD_MODE if PDD_MODE in grouped else next(iter(grouped), "")
-    return [results_path, requests_path, report_path,
-            plot_ttft_cdf(out_dir / "ttft_cdf.png", grouped),
-            plot_timeline(out_dir / "timeline.png", grouped.get(shown, []), f"request timeline ({shown or 'no mode'})"),
-            plot_hit_buckets(out_dir / "hit_buckets.png", buckets)]  # fmt: skip
+    return [
+        results_path,
+        requests_path,
+        report_path,
+        plot_ttft_cdf(out_dir / "ttft_cdf.png", grouped),
+        plot_timeline(out_dir / "timeline.png", grouped.get(shown, []), f"request timeline ({shown or 'no mode'})"),
+        plot_hit_buckets(out_dir / "hit_buckets.png", buckets),
+    ]

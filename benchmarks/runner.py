@@ -33,16 +33,14 @@ class Progress:
         filled = width * self.done // max(self.total, 1)
         bar = "#" * filled + "." * (width - filled)
         elapsed = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r  {self.mode:<12} [{bar}] {self.done}/{self.total} "
-                         f"({self.failed} failed, {elapsed:.0f}s)")  # fmt: skip
+        sys.stderr.write(f"\r  {self.mode:<12} [{bar}] {self.done}/{self.total} ({self.failed} failed, {elapsed:.0f}s)")
         if self.done == self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
 
 def _body(req: BenchRequest, answers: dict[str, str]) -> tuple[str, dict[str, Any]]:
-    common = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True,
-              "stream_options": {"include_usage": True}}  # fmt: skip
+    common = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if req.messages is not None:
         return "/v1/chat/completions", {**common, "messages": fill_answers(req.messages, answers)}
     return "/v1/completions", {**common, "prompt": req.prompt_ids}
@@ -76,9 +74,20 @@ async def _one(client, base_url: str, req: BenchRequest, mode: str, t0: float, s
     if req.depends_on:
         await state["done"][req.depends_on].wait()
     path, body = _body(req, state["answers"])
-    rec: dict[str, Any] = {"request_id": req.request_id, "mode": mode, "kind": req.kind, "session": req.session,
-                           "turn": req.turn, "arrival_s": req.arrival_s, "sent_s": time.perf_counter() - t0,
-                           "token_times_s": [], "text": "", "ok": False, "error": "", "pdd": {}}  # fmt: skip
+    rec: dict[str, Any] = {
+        "request_id": req.request_id,
+        "mode": mode,
+        "kind": req.kind,
+        "session": req.session,
+        "turn": req.turn,
+        "arrival_s": req.arrival_s,
+        "sent_s": time.perf_counter() - t0,
+        "token_times_s": [],
+        "text": "",
+        "ok": False,
+        "error": "",
+        "pdd": {},
+    }
     try:
         await _send(client, base_url + path, body, t0, rec)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -94,8 +103,11 @@ async def _one(client, base_url: str, req: BenchRequest, mode: str, t0: float, s
 
 async def replay(base_url: str, workload: Workload, mode: str) -> tuple[list[dict[str, Any]], float]:
     """Run every request of the workload; returns the records and the run's duration in seconds."""
-    state = {"answers": {}, "done": {r.request_id: asyncio.Event() for r in workload.requests},
-             "progress": Progress(mode, len(workload.requests))}  # fmt: skip
+    state = {
+        "answers": {},
+        "done": {r.request_id: asyncio.Event() for r in workload.requests},
+        "progress": Progress(mode, len(workload.requests)),
+    }
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         t0 = time.perf_counter()

@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-Record = dict[str, Any]
+from benchmarks.modes import LOCAL_MODE
 
-LOCAL_MODE = "pd-local"  # the only mode whose decode runs on chip A in datacenter A, with no WAN line
+Record = dict[str, Any]
 
 # (label, lo, hi) over the MD-side hit fraction; [lo, hi) except the last, which is [0.99, 1.0].
 # 0-50 / 50-80 hold the low-hit tail that drives P90/P99 TTFT and the report's "bathtub" valley;
@@ -52,7 +52,8 @@ class RequestLatency:
 
 
 def percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default): rank = p/100 * (n - 1)."""
+    """Linear interpolation between closest ranks (numpy's default): rank = p/100 * (n - 1).
+    The one percentile of the benchmarks and the simulator (p = 50 is the median)."""
     if not sorted_values:
         return 0.0
     rank = p / 100 * (len(sorted_values) - 1)
@@ -66,8 +67,13 @@ def latency_stats(values: list[float]) -> dict[str, float]:
     xs = sorted(float(v) for v in values)
     if not xs:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
-    return {"mean": sum(xs) / len(xs), "p50": percentile(xs, 50), "p90": percentile(xs, 90),
-            "p99": percentile(xs, 99), "max": xs[-1]}  # fmt: skip
+    return {
+        "mean": sum(xs) / len(xs),
+        "p50": percentile(xs, 50),
+        "p90": percentile(xs, 90),
+        "p99": percentile(xs, 99),
+        "max": xs[-1],
+    }
 
 
 def request_latencies(record: Record) -> RequestLatency | None:
@@ -222,9 +228,16 @@ def hit_buckets(records: list[Record]) -> list[dict[str, Any]]:
     for (label, lo, hi), rs in zip(HIT_BUCKETS, groups):
         lats = [x for x in (request_latencies(r) for r in rs) if x is not None]
         wan = [int((r.get("pdd") or {}).get("wan_kv_bytes", 0)) for r in rs]
-        out.append({"bucket": label, "lo": lo, "hi": hi, "count": len(rs),
-                    "ttft_ms": latency_stats([x.ttft_ms for x in lats]),
-                    "mean_wan_kv_bytes": _ratio(sum(wan), len(wan))})  # fmt: skip
+        out.append(
+            {
+                "bucket": label,
+                "lo": lo,
+                "hi": hi,
+                "count": len(rs),
+                "ttft_ms": latency_stats([x.ttft_ms for x in lats]),
+                "mean_wan_kv_bytes": _ratio(sum(wan), len(wan)),
+            }
+        )
     return out
 
 

@@ -24,17 +24,32 @@ from benchmarks.trace import read_trace, trace
 from benchmarks.workload_model import BenchRequest, Workload, fill_answers, is_placeholder, poisson_arrivals
 
 __all__ = [
-    "AgenticParams", "BenchRequest", "Workload", "agentic", "estimated_hit_rates", "fill_answers", "is_placeholder",
-    "load_workload", "poisson_arrivals", "random_workload", "read_trace", "trace",
-]  # fmt: skip
+    "AgenticParams",
+    "BenchRequest",
+    "Workload",
+    "agentic",
+    "estimated_hit_rates",
+    "fill_answers",
+    "is_placeholder",
+    "load_workload",
+    "poisson_arrivals",
+    "random_workload",
+    "read_trace",
+    "trace",
+]
 
 FIRST_TOKEN_ID = 100  # keep clear of special tokens at the bottom of the vocabulary
 
 
 def random_workload(
-    n_requests: int, seed: int, rate_rps: float, *, input_tokens: int = 256, output_tokens: int = 32,
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    *,
+    input_tokens: int = 256,
+    output_tokens: int = 32,
     vocab_size: int = 49152,
-) -> Workload:  # fmt: skip
+) -> Workload:
     """`n_requests` prompts of exactly `input_tokens` fresh random ids each; nothing is shared."""
     if input_tokens < 1 or output_tokens < 1:
         raise ValueError(f"input_tokens={input_tokens} and output_tokens={output_tokens} must be >= 1")
@@ -43,8 +58,12 @@ def random_workload(
         rng = random.Random(f"{seed}:random:{i}")
         prompt = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(input_tokens)]
         requests.append(BenchRequest(f"rd-{i:05d}", "", 0, t, output_tokens, "random", prompt_ids=prompt))
-    params = {"rate_rps": rate_rps, "input_tokens": input_tokens, "output_tokens": output_tokens,
-              "vocab_size": vocab_size}  # fmt: skip
+    params = {
+        "rate_rps": rate_rps,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "vocab_size": vocab_size,
+    }
     return Workload("random", requests, seed, params, {"est_mean_prompt_tokens": float(input_tokens)})
 
 

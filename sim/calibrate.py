@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from sim.config import SimConfig, load_sim_config
-from sim.validate import load_real, simulate_real
+from sim.real import load_real, simulate_real
 
 GRID = {
     "request_overhead_ms": (0.0, 25.0, 50.0, 75.0, 100.0, 150.0),
@@ -59,12 +59,19 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(p), file=sys.stderr)
     best = {k: v for k, v in points[0].items() if k != "score"}
     simulated, _ = simulate_real(real, records, with_host(cfg, **best), progress=False)
-    errors = {m: {f"{k} {s}": simulated["modes"][m][k][s] / r[k][s] - 1 for k, s in SCORED}
-              for m, r in real["modes"].items()}  # fmt: skip
+    errors = {
+        m: {f"{k} {s}": simulated["modes"][m][k][s] / r[k][s] - 1 for k, s in SCORED} for m, r in real["modes"].items()
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "calibration.json").write_text(json.dumps({"real": args.real, "config": args.config, "grid": GRID,
-                                                      "best": points[0], "top": points[:8], "errors": errors},
-                                                     indent=1))  # fmt: skip
+    doc = {
+        "real": args.real,
+        "config": args.config,
+        "grid": GRID,
+        "best": points[0],
+        "top": points[:8],
+        "errors": errors,
+    }
+    (out / "calibration.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps({"best": points[0], "errors": errors}, indent=1))
     return 0

@@ -9,7 +9,7 @@ Lifecycle of a request (`SimCluster.run`):
    plus the dispatches since, as the real registry gives them — optionally the measured step
    times and prefill throughput the real heartbeat does not carry, and the WAN bandwidth the
    estimator has learnt from finished transfers.
-3. Served by `sim.pipeline.Pipeline` (prefill, KV, decode, handoff).
+3. Served by `sim.pipeline.Serving` (prefill, KV, decode, handoff).
 4. Finished: its later turns are released. A request no instance can take fails at once
    (`NoCapacity`, the gateway's 503).
 Differences from the real scheduler: unless a config's `views:` asks for heartbeats, views are
@@ -30,7 +30,7 @@ from sim.decoder import DecodeInstance
 from sim.events import EventLoop
 from sim.host import SharedHost
 from sim.link import DirectLink, SharedLink
-from sim.pipeline import Pipeline
+from sim.pipeline import Serving
 from sim.prefill import PrefillInstance
 from sim.request import RequestRun, SimRequest
 from sim.views import HeartbeatViews
@@ -51,22 +51,41 @@ class SimCluster:
             for k in range(g.count):
                 iid = f"{g.role}-{k}"
                 if g.role == "prefill":
-                    self.prefills.append(PrefillInstance(iid, g.dc, g.profile, self.loop, self.index, block_tokens,
-                                                         self.host))  # fmt: skip
+                    self.prefills.append(
+                        PrefillInstance(iid, g.dc, g.profile, self.loop, self.index, block_tokens, self.host)
+                    )
                 else:
-                    self.decoders.append(DecodeInstance(iid, g.role, g.dc, g.profile, self.loop, self.index,
-                                                        block_tokens, self.host, g.prefix_cache))  # fmt: skip
+                    self.decoders.append(
+                        DecodeInstance(
+                            iid, g.role, g.dc, g.profile, self.loop, self.index, block_tokens, self.host, g.prefix_cache
+                        )
+                    )
         w = cfg.wan
         proxy = self.host.spec.wan_proxy_cores  # the WAN emulator's CPU on a shared host
         on_active = (lambda busy: self.host.set_busy("wan", busy, proxy)) if proxy else None
-        self.wan = SharedLink(self.loop, cfg.bandwidth(), float(w.get("delay_ms", 0.0)), float(w.get("jitter_ms", 0.0)),
-                              horizon_ms=horizon_ms, seed=seed, on_active=on_active)  # fmt: skip
+        self.wan = SharedLink(
+            self.loop,
+            cfg.bandwidth(),
+            float(w.get("delay_ms", 0.0)),
+            float(w.get("jitter_ms", 0.0)),
+            horizon_ms=horizon_ms,
+            seed=seed,
+            on_active=on_active,
+        )
         self.local = DirectLink(self.loop, float(cfg.local["mbps"]), float(cfg.local.get("delay_ms", 0.0)))
         self.estimator = BandwidthEstimator(self.policy.wan_mbps, float(w.get("delay_ms", 0.0)))
         instances = {i.id: i for i in [*self.prefills, *self.decoders]}
-        self.pipeline = Pipeline(self.loop, instances, self.wan, self.local, self.estimator,
-                                 self.prefills[0].profile.kv_bytes_per_token, int(cfg.handoff["chunk_tokens"]),
-                                 int(cfg.handoff["final_tokens"]), self._finished)  # fmt: skip
+        self.pipeline = Serving(
+            self.loop,
+            instances,
+            self.wan,
+            self.local,
+            self.estimator,
+            self.prefills[0].profile.kv_bytes_per_token,
+            int(cfg.handoff["chunk_tokens"]),
+            int(cfg.handoff["final_tokens"]),
+            self._finished,
+        )
         self.runs: dict[str, RequestRun] = {}
         self._waiters: dict[str, list[str]] = defaultdict(list)
         self.samples: list[dict] = []  # periodic load figures (see `sample_every`)
@@ -107,8 +126,12 @@ class SimCluster:
     def _plan(self, run: RequestRun) -> None:
         req = run.req
         try:
-            d = POLICY(PlanRequest(req.request_id, req.prompt_len, req.output_len), self.views(req), self.policy,
-                       wan_mbps=self.estimator.mbps(self.loop.now / 1000.0))  # fmt: skip
+            d = POLICY(
+                PlanRequest(req.request_id, req.prompt_len, req.output_len),
+                self.views(req),
+                self.policy,
+                wan_mbps=self.estimator.mbps(self.loop.now / 1000.0),
+            )
         except NoCapacity as e:
             run.marks["failed"] = self.loop.now
             run.reason = f"no capacity: {e}"
@@ -127,13 +150,15 @@ class SimCluster:
 
     def _sample(self, every_ms: float, until_ms: float) -> None:
         rld = [d for d in self.decoders if d.role == "rld"]
-        self.samples.append({
-            "t_s": self.loop.now / 1000.0,
-            "rld_busy": sum(len(d.running) + len(d.waiting) + d.pending for d in rld),
-            "rld_waiting": sum(len(d.waiting) for d in rld),
-            "rld_slots": sum(d.profile.max_running for d in rld),
-            "wan_flows": self.wan.active,
-            "wan_mbps": self.wan.mbps,
-        })  # fmt: skip
+        self.samples.append(
+            {
+                "t_s": self.loop.now / 1000.0,
+                "rld_busy": sum(len(d.running) + len(d.waiting) + d.pending for d in rld),
+                "rld_waiting": sum(len(d.waiting) for d in rld),
+                "rld_slots": sum(d.profile.max_running for d in rld),
+                "wan_flows": self.wan.active,
+                "wan_mbps": self.wan.mbps,
+            }
+        )
         if self.loop.now < until_ms:
             self.loop.after(every_ms, self._sample, every_ms, until_ms)

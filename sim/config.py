@@ -14,9 +14,10 @@
                                           # sim/host.py; absent: every instance on its own chip
     views: {heartbeat_s, measured}        # sim/views.py: what the scheduler sees; absent: live, measured
 
-Modes mean what they mean in `pdd bench` (benchmarks/modes.py, whose `mode_config` this reads
-for each mode's pinned pipeline and handoff): pd-local puts MD on chip A in datacenter A with
-no WAN; pd-wan has no DRC; RLD exists only in the pdd modes.
+Modes mean what they mean in `pdd bench`: benchmarks/modes.py's `MODE_TABLE` says where MD runs
+(pd-local: chip A in datacenter A, no WAN), whether it keeps a DRC (not in pd-wan), whether a
+relay exists (the pdd modes) and what the scheduler pins. The scheduler's inputs are built by
+services/scheduler/inputs.py, as the scheduler service builds them (`policy_config` here).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 
 import yaml
 
-from benchmarks.modes import mode_config
+from benchmarks.modes import mode
+from services.scheduler import inputs
 from services.scheduler.policy import PolicyConfig
 from sim.host import HostSpec
 from sim.link import BandwidthSchedule
@@ -68,19 +70,18 @@ class SimConfig:
             raise ValueError(f"{self.path}: chips.{dc} = {name!r} is not a profile ({sorted(self.profiles)})")
         return dataclasses.replace(self.profiles[name], **self.roles.get(role, {}))
 
-    def fleet(self, mode: str) -> dict[str, int]:
-        counts = {"prefill": 1, "rld": 1, "md": 1, **self.fleets.get("default", {}), **self.fleets.get(mode, {})}
-        if not mode.startswith("pdd"):
+    def fleet(self, name: str) -> dict[str, int]:
+        counts = {"prefill": 1, "rld": 1, "md": 1, **self.fleets.get("default", {}), **self.fleets.get(name, {})}
+        if not mode(name).relay:
             counts["rld"] = 0
         return counts
 
-    def groups(self, mode: str) -> list[Group]:
-        counts = self.fleet(mode)
-        md_dc = "A" if mode == "pd-local" else "B"
+    def groups(self, name: str) -> list[Group]:
+        counts, m = self.fleet(name), mode(name)
         groups = [
             Group("prefill", "A", self.chip("A", "prefill"), counts["prefill"]),
             Group("rld", "A", self.chip("A", "rld"), counts["rld"]),
-            Group("md", md_dc, self.chip(md_dc, "md"), counts["md"], prefix_cache=mode != "pd-wan" and self.drc),
+            Group("md", m.md_dc, self.chip(m.md_dc, "md"), counts["md"], prefix_cache=m.drc and self.drc),
         ]
         return [g for g in groups if g.count > 0]
 
@@ -102,24 +103,35 @@ class SimConfig:
         )
 
     def settings_prices(self) -> dict[str, float]:
-        return {"chip_a": self.chip("A", "prefill").price_per_hour, "chip_b": self.chip("B", "md").price_per_hour,
-                "wan_line": float(self.prices.get("wan_line", 0.0))}  # fmt: skip
+        return {
+            "chip_a": self.chip("A", "prefill").price_per_hour,
+            "chip_b": self.chip("B", "md").price_per_hour,
+            "wan_line": float(self.prices.get("wan_line", 0.0)),
+        }
 
 
-def policy_config(cfg: SimConfig, mode: str) -> PolicyConfig:
-    """The scheduler's knobs for `mode`, as services/scheduler/service.py derives them."""
-    pinned = mode_config(mode)["scheduler"]
-    groups = {g.role: g for g in cfg.groups(mode)}
-    md = groups["md"].profile
-    prefill = groups["prefill"].profile
-    rld_slots = groups["rld"].profile.max_running * groups["rld"].count if "rld" in groups else 1
-    priors = {"kv_bytes_per_token": prefill.kv_bytes_per_token, "prefill_tok_s": prefill.prefill_tok_s(),
-              "wan_mbps": float(cfg.wan["bandwidth_mbps"]), "wan_delay_ms": float(cfg.wan.get("delay_ms", 0.0)),
-              "local_mbps": float(cfg.local["mbps"]), "decode_step_ms": md.step_ms(1, 1024),
-              "rld_slots": rld_slots, "catchup_chunk": int(cfg.handoff["chunk_tokens"])}  # fmt: skip
-    knobs = {**priors, **cfg.scheduler, "default_pipeline": pinned["default_pipeline"],
-             "default_handoff": pinned["default_handoff"]}  # fmt: skip
-    return PolicyConfig(**knobs)
+def policy_config(cfg: SimConfig, name: str) -> PolicyConfig:
+    """The scheduler's config for mode `name`, built by services/scheduler/inputs.py as the service
+    builds it: knobs (what the fleet's chips imply as priors, then the config's `scheduler:`
+    section, then what the mode pins) plus what the fleet fixes (KV size, relay slots, the line's
+    delay, the catch-up chunk)."""
+    m, groups = mode(name), {g.role: g for g in cfg.groups(name)}
+    prefill, md = groups["prefill"].profile, groups["md"].profile
+    rld = groups.get("rld")
+    priors = {
+        "prefill_tok_s": prefill.prefill_tok_s(),
+        "decode_step_ms": md.step_ms(1, 1024),
+        "wan_mbps": float(cfg.wan["bandwidth_mbps"]),
+        "local_mbps": float(cfg.local["mbps"]),
+    }
+    knobs = {**priors, **cfg.scheduler, "default_pipeline": m.pipeline, "default_handoff": m.handoff}
+    return inputs.policy_config(
+        knobs,
+        kv_bytes_per_token=prefill.kv_bytes_per_token,
+        rld_slots=rld.profile.max_running * rld.count if rld else 0,
+        wan_delay_ms=float(cfg.wan.get("delay_ms", 0.0)),
+        catchup_chunk=int(cfg.handoff["chunk_tokens"]),
+    )
 
 
 def load_sim_config(path: str | Path) -> SimConfig:

@@ -54,8 +54,18 @@ class Slot:
 
 
 class DecodeInstance:
-    def __init__(self, iid: str, role: str, dc: str, profile: ChipProfile, loop: EventLoop, index: PrefixIndex,
-                 block_tokens: int, host: SharedHost, prefix_cache: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        iid: str,
+        role: str,
+        dc: str,
+        profile: ChipProfile,
+        loop: EventLoop,
+        index: PrefixIndex,
+        block_tokens: int,
+        host: SharedHost,
+        prefix_cache: bool = True,
+    ) -> None:
         self.id, self.role, self.dc, self.profile, self.loop = iid, role, dc, profile, loop
         self.host = host
         self.cold = host.spec.cold_start_ms > 0  # the first KV import pays the process's warm-up
@@ -120,8 +130,9 @@ class DecodeInstance:
 
     # -- the step loop ------------------------------------------------------------------------
     def _fits(self, slot: Slot) -> bool:
-        return not self.running or (len(self.running) < self.profile.max_running
-                                    and self.used_tokens + slot.reserve <= self.profile.kv_tokens)  # fmt: skip
+        return not self.running or (
+            len(self.running) < self.profile.max_running and self.used_tokens + slot.reserve <= self.profile.kv_tokens
+        )
 
     def _join(self, now: float) -> None:
         while self.waiting and self._fits(self.waiting[0]):

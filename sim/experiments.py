@@ -23,21 +23,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg")
 
-from benchmarks.summary import build_results
+from benchmarks.trace import MOONCAKE_TRACE
 from sim.config import SimConfig, load_sim_config
 from sim.oscillation import oscillation
-from sim.records import record, settings
-from sim.run import simulate
+from sim.records import cost_per_hour
+from sim.run import summarize
 from sim.workload import hitmix, trace_requests
 
-TRACE = "../shared/data/mooncake_synthetic_trace.jsonl"
 FLEET = "configs/sim/report-fleet.yaml"
-
-
-def summarize(cfg: SimConfig, mode: str, requests, **kw) -> tuple[dict, object, list]:
-    runs, cluster = simulate(cfg, mode, requests, **kw)
-    results = build_results({}, settings(cfg, [mode], {mode: runs}, 0), [record(r, mode) for r in runs])
-    return results["modes"][mode], cluster, runs
 
 
 def scale(cfg: SimConfig, out: Path, trace: str) -> dict:
@@ -46,19 +39,29 @@ def scale(cfg: SimConfig, out: Path, trace: str) -> dict:
     for mode in ("pd-local", "pd-wan", "pd-wan-drc", "pdd"):
         t0 = time.perf_counter()
         s, _, _ = summarize(cfg, mode, reqs)
-        rate = cost_rate(cfg, mode)
-        rows[mode] = {"cost_per_hour": rate, "goodput_rps": s["goodput_rps"], "bcr": s["bcr"],
-                      "ttft_ms": s["ttft_ms"], "tpot_p50_ms": s["tpot_ms"]["p50"], "wan_kv_bytes": s["wan_kv_bytes"],
-                      "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
-                      "wall_s": time.perf_counter() - t0}  # fmt: skip
+        rate = cost_per_hour(cfg, mode)
+        rows[mode] = {
+            "cost_per_hour": rate,
+            "goodput_rps": s["goodput_rps"],
+            "bcr": s["bcr"],
+            "ttft_ms": s["ttft_ms"],
+            "tpot_p50_ms": s["tpot_ms"]["p50"],
+            "wan_kv_bytes": s["wan_kv_bytes"],
+            "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
+            "wall_s": time.perf_counter() - t0,
+        }
         print(f"  scale {mode}: {len(reqs)} requests in {rows[mode]['wall_s']:.1f}s", file=sys.stderr)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     modes = list(rows)
     axes[0].bar(modes, [rows[m]["cost_per_hour"] for m in modes], color="tab:gray")
     axes[0].set_title("hardware cost per hour (chip-A hours)")
     for k, p in enumerate(("p50", "p90", "p99")):
-        axes[1].bar([i + 0.27 * (k - 1) for i in range(len(modes))], [rows[m]["ttft_ms"][p] / 1000 for m in modes],
-                    0.27, label=p)  # fmt: skip
+        axes[1].bar(
+            [i + 0.27 * (k - 1) for i in range(len(modes))],
+            [rows[m]["ttft_ms"][p] / 1000 for m in modes],
+            0.27,
+            label=p,
+        )
     axes[1].set_xticks(range(len(modes)), modes)
     axes[1].set_title("TTFT (s)")
     axes[1].legend()
@@ -69,12 +72,6 @@ def scale(cfg: SimConfig, out: Path, trace: str) -> dict:
     return {"requests": len(reqs), "modes": rows}
 
 
-def cost_rate(cfg: SimConfig, mode: str) -> float:
-    from benchmarks.summary import cost_rate_per_hour
-
-    return cost_rate_per_hour({"prices": cfg.settings_prices(), "instances": {mode: cfg.fleet(mode)}}, mode)
-
-
 def bathtub(cfg: SimConfig, out: Path) -> dict:
     hits = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
     rows = []
@@ -83,11 +80,16 @@ def bathtub(cfg: SimConfig, out: Path) -> dict:
         row = {"hit": h}
         for mode in ("pd-local", "pd-wan", "pdd"):
             s, cluster, _ = summarize(cfg, mode, reqs)
-            row[mode] = {"bcr": s["bcr"], "ttft_p90": s["ttft_ms"]["p90"], "wan_gbps": s["wan_kv_bytes"] * 8 / 1e9 /
-                         max(reqs[-1].arrival_ms / 1000, 1)}  # fmt: skip
+            row[mode] = {
+                "bcr": s["bcr"],
+                "ttft_p90": s["ttft_ms"]["p90"],
+                "wan_gbps": s["wan_kv_bytes"] * 8 / 1e9 / max(reqs[-1].arrival_ms / 1000, 1),
+            }
         rows.append(row)
-        print(f"  bathtub hit {h:.2f}: pdd/pd-local BCR {row['pdd']['bcr'] / max(row['pd-local']['bcr'], 1e-9):.2f}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"  bathtub hit {h:.2f}: pdd/pd-local BCR {row['pdd']['bcr'] / max(row['pd-local']['bcr'], 1e-9):.2f}",
+            file=sys.stderr,
+        )
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     xs = [r["hit"] * 100 for r in rows]
     for mode in ("pdd", "pd-wan"):
@@ -128,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_sim_config(args.config if args.config != "configs/sim/single-host-cpu.yaml" else FLEET)
     out = Path(args.out if args.out != "sim-out" else "docs/sim")
     out.mkdir(parents=True, exist_ok=True)
-    trace = args.workload[6:] if args.workload.startswith("trace:") else TRACE
+    trace = args.workload[6:] if args.workload.startswith("trace:") else str(MOONCAKE_TRACE)
     path = out / "experiments.json"
     results = json.loads(path.read_text()) if path.exists() else {}  # a partial rerun keeps the others
     only = set(args.only.split(",")) if args.only else None

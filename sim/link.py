@@ -58,9 +58,16 @@ class BandwidthSchedule:
 
 
 class SharedLink:
-    def __init__(self, loop: EventLoop, schedule: BandwidthSchedule, delay_ms: float, jitter_ms: float = 0.0,
-                 horizon_ms: float = 3_600_000.0, seed: int = 0,
-                 on_active: Callable[[bool], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loop: EventLoop,
+        schedule: BandwidthSchedule,
+        delay_ms: float,
+        jitter_ms: float = 0.0,
+        horizon_ms: float = 3_600_000.0,
+        seed: int = 0,
+        on_active: Callable[[bool], None] | None = None,
+    ) -> None:
         self.loop, self.delay_ms, self.jitter_ms = loop, delay_ms, jitter_ms
         self.on_active = on_active  # told whether any flow is in flight, whenever that may change
         self._rng = random.Random(f"{seed}:jitter")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import socket
-import statistics
 import threading
 import time
 from functools import partial
@@ -31,6 +30,7 @@ import torch
 import yaml
 
 from benchmarks.runtime_bench import new_sequence, random_tokens, release, rewind, runtime_decode_step
+from benchmarks.summary import percentile
 from shared.runtime.kv_payload import export_kv, import_kv, layer_from_bytes, layer_to_bytes
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.models import kv_layout, load_model
@@ -40,8 +40,18 @@ from shared.runtime.runner import ModelRunner
 PREFILL_CASES = ((64, 0), (256, 0), (1024, 0), (2048, 0), (64, 1024), (256, 2048))
 # batch x context per sequence: the bench's decoders run 1-3 sequences of 0.9-1.7K tokens (its
 # requests.jsonl), so the fit is anchored there; 8 x 512 and 4 x 2048 keep its range honest
-DECODE_CASES = ((1, 512), (4, 512), (8, 512), (1, 1024), (2, 1024), (3, 1024), (1, 1536), (2, 1536), (1, 2048),
-                (4, 2048))  # fmt: skip
+DECODE_CASES = (
+    (1, 512),
+    (4, 512),
+    (8, 512),
+    (1, 1024),
+    (2, 1024),
+    (3, 1024),
+    (1, 1536),
+    (2, 1536),
+    (1, 2048),
+    (4, 2048),
+)
 EXTEND_CASES = (16, 64)
 REPEATS = 3
 DECODE_REPEATS = 9  # a step is ~0.1 s (the setup prefill dominates): more repeats, a median no hiccup moves
@@ -55,7 +65,7 @@ def _ms(fn, reset=None, repeats: int = REPEATS) -> float:
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times[1:])
+    return percentile(sorted(times[1:]), 50)
 
 
 def _prefill(runner: ModelRunner, vocab: int) -> list[tuple[int, int, float]]:
@@ -152,10 +162,15 @@ def fit(prefill, decode, extend, decode_b1_ctx1024: float) -> dict[str, float]:
     d_a = np.array([[1.0, b, b * c] for b, c, _ in decode])
     d = np.linalg.lstsq(d_a, np.array([ms for *_, ms in decode]), rcond=None)[0]
     extra = [(ms - decode_b1_ctx1024) / (k - 1) for k, ms in extend]
-    return {"prefill_fixed_ms": float(max(p[0], 0)), "prefill_ms_per_token": float(max(p[1], 0)),
-            "prefill_ms_per_token_ctx": float(max(p[2], 0)), "step_fixed_ms": float(max(d[0], 0)),
-            "step_ms_per_seq": float(max(d[1], 0)), "step_ms_per_ctx_token": float(max(d[2], 0)),
-            "step_ms_per_extra_token": float(max(statistics.median(extra), 0))}  # fmt: skip
+    return {
+        "prefill_fixed_ms": float(max(p[0], 0)),
+        "prefill_ms_per_token": float(max(p[1], 0)),
+        "prefill_ms_per_token_ctx": float(max(p[2], 0)),
+        "step_fixed_ms": float(max(d[0], 0)),
+        "step_ms_per_seq": float(max(d[1], 0)),
+        "step_ms_per_ctx_token": float(max(d[2], 0)),
+        "step_ms_per_extra_token": float(max(percentile(sorted(extra), 50), 0)),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -171,13 +186,25 @@ def main(args: argparse.Namespace) -> int:
         coeffs = fit(prefill, decode, extend, decode_b1_ctx1024=b1_ctx1024)
         io = _kv_io(pool)
     kv_bytes = layout.num_layers * 2 * layout.kv_heads * layout.head_dim * 4
-    profile = {"kv_bytes_per_token": kv_bytes, "kv_tokens": 32768, "price_per_hour": 1.0, "max_running": 32,
-               **{k: round(v, 6) for k, v in coeffs.items()}, "kv_io_ms_per_token": round(io, 6),
-               "source": f"measured by `pdd sim profile` on this host ({time.strftime('%Y-%m-%d')}), "
-                         f"{args.threads} thread(s): see sim/measure.py"}  # fmt: skip
-    raw = {"cases": {"prefill_ms": [list(x) for x in prefill], "decode_step_ms": [list(x) for x in decode],
-                     "extend_ms_on_1024": [list(x) for x in extend]},
-           "loopback_mbps": round(_loopback_mbps()), "profiles": {args.name: profile}}  # fmt: skip
+    profile = {
+        "kv_bytes_per_token": kv_bytes,
+        "kv_tokens": 32768,
+        "price_per_hour": 1.0,
+        "max_running": 32,
+        **{k: round(v, 6) for k, v in coeffs.items()},
+        "kv_io_ms_per_token": round(io, 6),
+        "source": f"measured by `pdd sim profile` on this host ({time.strftime('%Y-%m-%d')}), "
+        f"{args.threads} thread(s): see sim/measure.py",
+    }
+    raw = {
+        "cases": {
+            "prefill_ms": [list(x) for x in prefill],
+            "decode_step_ms": [list(x) for x in decode],
+            "extend_ms_on_1024": [list(x) for x in extend],
+        },
+        "loopback_mbps": round(_loopback_mbps()),
+        "profiles": {args.name: profile},
+    }
     Path(args.profile_out).write_text(yaml.safe_dump(raw, sort_keys=False))
     print(f"pdd sim profile: wrote {args.profile_out}")
     return 0

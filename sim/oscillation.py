@@ -1,4 +1,5 @@
-"""Experiment 3, the oscillation (DESIGN.md section 2): a small relay pool under low-hit traffic.
+"""Experiment 3, the oscillation (services/scheduler/policy.py, rules 2 and 5): a small relay pool
+under low-hit traffic.
 
 The mechanism the scheduler guards against: low-hit requests routed to the small RLD pool
 overload it; requests that finish on RLD leave their prompt and answer in RLD's cache, not in
@@ -10,7 +11,7 @@ the relay holds `rld_slots` requests.
 Setup: the report fleet with its RLD pool cut to `RLD` instances of `SLOTS` slots (the relay
 small next to 32 MD), the first `N` Mooncake-trace requests at `TIME_SCALE` x their spacing.
 Variants: PDD as configured (guard, DRC); no guard; `p-rld` for every low-hit request (the
-anomalous rule with its output bound lifted: the variant DESIGN.md forbids); no DRC. Sampled
+anomalous rule with its output bound lifted: the routing policy.py's rule 2 forbids); no DRC. Sampled
 every 2 s: relay held (running + queued + planned) / slots and its queue; per 30 s window of
 sends: prefill hit - MD hit (share of prompt) and TTFT P90.
 """
@@ -26,7 +27,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg")
 
+from benchmarks.summary import percentile
+from shared.pipelines import Pipeline
 from sim.config import SimConfig
+from sim.run import summarize
 from sim.workload import trace_requests
 
 RLD, SLOTS = 1, 8
@@ -44,9 +48,12 @@ def variants(cfg: SimConfig) -> dict[str, SimConfig]:
     def sched(**knobs) -> SimConfig:
         return dataclasses.replace(cfg, scheduler={**cfg.scheduler, **knobs})
 
-    return {"PDD (guard, DRC)": cfg, "no guard": sched(guard=False),
-            "p-rld for low-hit": sched(anomalous_min_uncached=2048, anomalous_max_output=1_000_000),
-            "no DRC": dataclasses.replace(cfg, drc=False)}  # fmt: skip
+    return {
+        "PDD (guard, DRC)": cfg,
+        "no guard": sched(guard=False),
+        f"{Pipeline.P_RLD.value} for low-hit": sched(anomalous_min_uncached=2048, anomalous_max_output=1_000_000),
+        "no DRC": dataclasses.replace(cfg, drc=False),
+    }
 
 
 def windows(runs, window_s: float = WINDOW_S) -> list[dict]:
@@ -58,14 +65,12 @@ def windows(runs, window_s: float = WINDOW_S) -> list[dict]:
     for k, rs in sorted(buckets.items()):
         ttfts = sorted(r.token_times[0] - r.sent_ms for r in rs if r.token_times)
         gap = sum((r.hit["prefill"] - r.hit["md"]) / max(r.req.prompt_len, 1) for r in rs) / len(rs)
-        p90 = ttfts[min(int(0.9 * len(ttfts)), len(ttfts) - 1)] if ttfts else float("nan")
+        p90 = percentile(ttfts, 90) if ttfts else float("nan")
         out.append({"t_s": (k + 0.5) * window_s, "hit_gap": gap, "ttft_p90_ms": p90})
     return out
 
 
 def oscillation(cfg: SimConfig, out: Path, trace: str) -> dict:
-    from sim.experiments import summarize  # the shared summary helper (no cycle at import time)
-
     cfg = small_relay(cfg)
     reqs = trace_requests(trace, block_tokens=512, time_scale=TIME_SCALE, max_context=131072, max_requests=N)
     fig, axes = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
@@ -82,14 +87,20 @@ def oscillation(cfg: SimConfig, out: Path, trace: str) -> dict:
         for r in runs:
             reasons[r.reason] = reasons.get(r.reason, 0) + 1
         figures[name] = {
-            "ttft_ms": s["ttft_ms"], "goodput_rps": s["goodput_rps"], "wan_kv_bytes": s["wan_kv_bytes"],
+            "ttft_ms": s["ttft_ms"],
+            "goodput_rps": s["goodput_rps"],
+            "wan_kv_bytes": s["wan_kv_bytes"],
             "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
-            "hit_rate": s["hit_rate"], "reasons": reasons,
+            "hit_rate": s["hit_rate"],
+            "reasons": reasons,
             "max_rld_load": max((x["rld_busy"] / x["rld_slots"] for x in cluster.samples), default=0),
             "max_rld_queue": max((x["rld_waiting"] for x in cluster.samples), default=0),
-        }  # fmt: skip
-        print(f"  oscillation {name}: TTFT P90 {s['ttft_ms']['p90']:.0f} ms, max RLD queue "
-              f"{figures[name]['max_rld_queue']}", file=sys.stderr)  # fmt: skip
+        }
+        print(
+            f"  oscillation {name}: TTFT P90 {s['ttft_ms']['p90']:.0f} ms, max RLD queue "
+            f"{figures[name]['max_rld_queue']}",
+            file=sys.stderr,
+        )
     axes[0].set_ylabel("RLD held / slots")
     axes[0].set_title(f"{RLD} RLD x {SLOTS} slots, 32 MD: Mooncake trace x{1 / TIME_SCALE:.3g}, {len(reqs)} requests")
     axes[1].set_ylabel("RLD queue (requests)")

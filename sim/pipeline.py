@@ -1,6 +1,6 @@
 """What happens to a planned request: prefill, KV on two paths, decoding, the RLD -> MD handoff.
 
-Lifecycle (`Pipeline.start` on a `Decision` from the scheduler's `choose_plan`):
+Lifecycle (`Serving.start` on a `Decision` from the scheduler's `choose_plan`):
 1. Prefill on the chosen instance (its prefix cache first), first token sampled.
 2. KV leaves on every path at once, each decoder getting only what it lacks (its prefix hit):
    in-DC to RLD or to a same-DC decoder (`DirectLink`), across the WAN to MD in datacenter B
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.policy import Decision
+from shared.pipelines import Handoff, Pipeline, decoders_of, hands_off
 from sim.decoder import DecodeInstance, Slot
 from sim.events import EventLoop
 from sim.link import DirectLink, SharedLink
@@ -33,7 +34,7 @@ from sim.request import RequestRun, RunState
 
 
 @dataclass
-class Handoff:
+class Relayed:
     """One p-rld-md request's relay state: which slots, and how far MD has been brought."""
 
     rld: DecodeInstance
@@ -45,7 +46,7 @@ class Handoff:
 
 
 @dataclass
-class Pipeline:
+class Serving:
     loop: EventLoop
     instances: dict[str, PrefillInstance | DecodeInstance]
     wan: SharedLink
@@ -55,20 +56,20 @@ class Pipeline:
     chunk_tokens: int
     final_tokens: int
     on_finish: Callable[[RequestRun], None]
-    handoffs: dict[str, Handoff] = field(default_factory=dict)
+    handoffs: dict[str, Relayed] = field(default_factory=dict)
 
     def start(self, run: RequestRun, d: Decision) -> None:
         run.pipeline, run.handoff, run.reason, run.handoff_reason = d.pipeline, d.handoff, d.reason, d.handoff_reason
         run.instances = dict(d.instances)
         run.estimates = d.estimates.as_dict()
         run.hit["md"] = d.md_cached_tokens
-        for role in ("rld", "md"):
-            if role in d.instances:
-                self.instances[d.instances[role]].pending += 1
-        if d.pipeline == "p-rld-md":
+        for role in decoders_of(d.pipeline):
+            self.instances[d.instances[role]].pending += 1
+        if hands_off(d.pipeline):
             chunk = d.chunk_tokens or self.chunk_tokens
-            self.handoffs[run.req.request_id] = Handoff(self.instances[d.instances["rld"]],
-                                                        self.instances[d.instances["md"]])  # fmt: skip
+            self.handoffs[run.req.request_id] = Relayed(
+                self.instances[d.instances["rld"]], self.instances[d.instances["md"]]
+            )
             run.marks["chunk"] = chunk
         self.instances[d.instances["prefill"]].submit(run, lambda r: self._prefilled(r, d))
 
@@ -76,9 +77,8 @@ class Pipeline:
     def _prefilled(self, run: RequestRun, d: Decision) -> None:
         run.state = RunState.KV_IN_FLIGHT
         prefill = self.instances[d.instances["prefill"]]
-        for role in ("rld", "md"):
-            if role in d.instances:
-                self._push(run, prefill, self.instances[d.instances[role]], d.starts.get(role, 0))
+        for role in decoders_of(d.pipeline):
+            self._push(run, prefill, self.instances[d.instances[role]], d.starts.get(role, 0))
 
     def _push(self, run: RequestRun, prefill: PrefillInstance, dec: DecodeInstance, start: int) -> None:
         tokens = run.req.prompt_len - start
@@ -113,8 +113,9 @@ class Pipeline:
             h.rld_slot = Slot(run, run.req.prompt_len, on_finish=self._finished, on_stop=self._rld_stopped)
             dec.admit(h.rld_slot)
         else:
-            h.md_slot = Slot(run, run.req.prompt_len, emit=False, on_finish=self._finished,
-                             on_extended=self._chunk_extended)  # fmt: skip
+            h.md_slot = Slot(
+                run, run.req.prompt_len, emit=False, on_finish=self._finished, on_extended=self._chunk_extended
+            )
             dec.admit(h.md_slot)
             self.wan.send(0, lambda at, s: self._md_ready(run))  # KVReady crosses to RLD
 
@@ -128,12 +129,12 @@ class Pipeline:
         run.state = RunState.HANDING_OFF
         if h.rld_slot is None:  # the relay never got going: MD takes the request whole
             self._send_final(run, h, 0)
-        elif run.handoff == "catchup":
+        elif run.handoff == Handoff.CATCHUP:
             self._catchup_round(run, h)
         else:
             h.rld.request_stop(h.rld_slot)
 
-    def _catchup_round(self, run: RequestRun, h: Handoff) -> None:
+    def _catchup_round(self, run: RequestRun, h: Relayed) -> None:
         if run.state == RunState.FINISHED:
             h.md.drop(h.md_slot)
             return
@@ -156,7 +157,7 @@ class Pipeline:
         h.rld.cache.insert(run.req.blocks)
         self._send_final(run, h, run.emitted - h.handed)
 
-    def _send_final(self, run: RequestRun, h: Handoff, rest: int) -> None:
+    def _send_final(self, run: RequestRun, h: Relayed, rest: int) -> None:
         h.handed += rest
         run.handoff_chunks += 1
 
@@ -174,7 +175,7 @@ class Pipeline:
             return
         run.state = RunState.FINISHED
         run.marks["finish"] = t
-        on_md = run.pipeline == "p-md" or run.tokens_by_role["md"] > 0
+        on_md = run.pipeline == Pipeline.P_MD or run.tokens_by_role["md"] > 0
         self.instances[run.instances["md" if on_md else "rld"]].cache.insert(run.req.done_blocks)
         h = self.handoffs.get(run.req.request_id)
         if h is not None and not on_md and h.md_slot is not None:

@@ -49,8 +49,16 @@ class _Prompt:
 class PrefillInstance:
     role = "prefill"
 
-    def __init__(self, iid: str, dc: str, profile: ChipProfile, loop: EventLoop, index: PrefixIndex,
-                 block_tokens: int, host: SharedHost) -> None:  # fmt: skip
+    def __init__(
+        self,
+        iid: str,
+        dc: str,
+        profile: ChipProfile,
+        loop: EventLoop,
+        index: PrefixIndex,
+        block_tokens: int,
+        host: SharedHost,
+    ) -> None:
         self.id, self.dc, self.profile, self.loop = iid, dc, profile, loop
         self.proc = Processor(loop, host, iid)
         self.chunked = host.spec.interleave_prefill

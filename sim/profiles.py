@@ -58,16 +58,23 @@ class ChipProfile:
     def prefill_ms(self, new: int, cached: int = 0) -> float:
         if new <= 0:
             return 0.0
-        return (self.prefill_fixed_ms + new * self.prefill_ms_per_token
-                + new * (cached + new / 2) * self.prefill_ms_per_token_ctx)  # fmt: skip
+        return (
+            self.prefill_fixed_ms
+            + new * self.prefill_ms_per_token
+            + new * (cached + new / 2) * self.prefill_ms_per_token_ctx
+        )
 
     def prefill_tok_s(self, new: int = 1024, cached: int = 0) -> float:
         """Throughput at a typical prompt: what a prefill instance would report as measured."""
         return new / self.prefill_ms(new, cached) * 1000.0
 
     def step_ms(self, batch: int, context: int, extra: int = 0) -> float:
-        return (self.step_fixed_ms + batch * self.step_ms_per_seq + context * self.step_ms_per_ctx_token
-                + extra * self.step_ms_per_extra_token)  # fmt: skip
+        return (
+            self.step_fixed_ms
+            + batch * self.step_ms_per_seq
+            + context * self.step_ms_per_ctx_token
+            + extra * self.step_ms_per_extra_token
+        )
 
     def kv_io_ms(self, tokens: int) -> float:
         return max(tokens, 0) * self.kv_io_ms_per_token

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.modes import mode
+from benchmarks.summary import cost_rate_per_hour
 from sim.config import SimConfig
 from sim.request import RequestRun
 
@@ -42,33 +44,62 @@ def record(run: RequestRun, mode: str) -> dict[str, Any]:
     times = [t / 1000.0 for t in seen]
     ttft = seen[0] - run.sent_ms if seen else 0.0
     return {
-        "request_id": req.request_id, "mode": mode, "kind": req.kind, "session": req.session, "turn": req.turn,
-        "arrival_s": req.arrival_ms / 1000.0, "sent_s": run.sent_ms / 1000.0, "token_times_s": times, "text": "",
-        "ok": ok, "error": "" if ok else (run.reason or "did not finish"),
+        "request_id": req.request_id,
+        "mode": mode,
+        "kind": req.kind,
+        "session": req.session,
+        "turn": req.turn,
+        "arrival_s": req.arrival_ms / 1000.0,
+        "sent_s": run.sent_ms / 1000.0,
+        "token_times_s": times,
+        "text": "",
+        "ok": ok,
+        "error": "" if ok else (run.reason or "did not finish"),
         "pdd": {
-            "request_id": req.request_id, "pipeline": run.pipeline, "handoff": run.handoff,
-            "plan_reason": run.reason, "handoff_reason": run.handoff_reason, "plan_estimates": run.estimates,
+            "request_id": req.request_id,
+            "pipeline": run.pipeline,
+            "handoff": run.handoff,
+            "plan_reason": run.reason,
+            "handoff_reason": run.handoff_reason,
+            "plan_estimates": run.estimates,
             "instances": {"prefill": "", "rld": "", "md": "", **run.instances},
-            "tokens_by_role": dict(run.tokens_by_role), "handoff_chunks": run.handoff_chunks,
-            "wan_kv_bytes": run.wan_bytes, "local_kv_bytes": run.local_bytes,
-            "prefix_hit_tokens": dict(run.hit), "md_cached_tokens": run.hit["md"],
-            "timings_ms": {"queue": m.get("prefill_start", run.sent_ms) - run.sent_ms,
-                           "prefill": _span(m, "prefill_start", "prefill_end"),
-                           "kv_local": _span(m, "prefill_end", "kv_local"), "kv_wan": _span(m, "prefill_end", "kv_wan"),
-                           "extend": _extend_ms(run), "ttft": ttft,
-                           "e2e": seen[-1] - run.sent_ms if seen else 0.0},
+            "tokens_by_role": dict(run.tokens_by_role),
+            "handoff_chunks": run.handoff_chunks,
+            "wan_kv_bytes": run.wan_bytes,
+            "local_kv_bytes": run.local_bytes,
+            "prefix_hit_tokens": dict(run.hit),
+            "md_cached_tokens": run.hit["md"],
+            "timings_ms": {
+                "queue": m.get("prefill_start", run.sent_ms) - run.sent_ms,
+                "prefill": _span(m, "prefill_start", "prefill_end"),
+                "kv_local": _span(m, "prefill_end", "kv_local"),
+                "kv_wan": _span(m, "prefill_end", "kv_wan"),
+                "extend": _extend_ms(run),
+                "ttft": ttft,
+                "e2e": seen[-1] - run.sent_ms if seen else 0.0,
+            },
         },
-        "output_tokens": run.emitted, "prompt_tokens": req.prompt_len,
-    }  # fmt: skip
+        "output_tokens": run.emitted,
+        "prompt_tokens": req.prompt_len,
+    }
 
 
 def settings(cfg: SimConfig, modes: list[str], runs: dict[str, list[RequestRun]], seed: int) -> dict[str, Any]:
     """The run's settings block, as `pdd bench` writes it, plus what was simulated on what."""
     duration = {m: max((t for r in rs for t in r.token_times[-1:]), default=0.0) / 1000.0 for m, rs in runs.items()}
     return {
-        "slo": dict(cfg.slo), "prices": cfg.settings_prices(),
-        "instances": {m: cfg.fleet(m) for m in modes}, "duration_s": duration,
-        "wan": {m: dict(cfg.wan) for m in modes}, "md_in_other_dc": {m: m != "pd-local" for m in modes},
-        "seed": seed, "quick": False,
+        "slo": dict(cfg.slo),
+        "prices": cfg.settings_prices(),
+        "instances": {m: cfg.fleet(m) for m in modes},
+        "duration_s": duration,
+        "wan": {m: dict(cfg.wan) for m in modes},
+        "md_in_other_dc": {m: mode(m).wan for m in modes},
+        "seed": seed,
+        "quick": False,
         "simulated": {"config": cfg.path, "chips": dict(cfg.chips), "local": dict(cfg.local)},
-    }  # fmt: skip
+    }
+
+
+def cost_per_hour(cfg: SimConfig, name: str) -> float:
+    """Hourly hardware cost of mode `name`'s fleet (chips plus the line), as the summary prices it."""
+    return cost_rate_per_hour({"prices": cfg.settings_prices(), "instances": {name: cfg.fleet(name)}}, name)

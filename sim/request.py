@@ -19,6 +19,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from shared.pipelines import Handoff
+
 
 @dataclass(frozen=True)
 class SimRequest:
@@ -56,7 +58,7 @@ class RequestRun:
     sent_ms: float = 0.0
     state: RunState = RunState.WAITING_DEPENDENCY
     pipeline: str = ""
-    handoff: str = "none"
+    handoff: str = Handoff.NONE.value
     reason: str = ""
     handoff_reason: str = ""
     estimates: dict = field(default_factory=dict)

@@ -17,14 +17,17 @@ import json
 from pathlib import Path
 
 from benchmarks.summary import request_latencies
-from benchmarks.workloads import load_workload
-from sim.config import SimConfig, load_sim_config
-from sim.run import run_modes, tokenizer_or_none
-from sim.workload import from_bench
+from sim import calibrate
+from sim.config import load_sim_config
+from sim.real import load_real, simulate_real
 
-METRICS = (("TTFT P50", "ttft_ms", "p50", 0.15), ("TTFT P90", "ttft_ms", "p90", 0.25),
-           ("TTFT P99", "ttft_ms", "p99", None), ("TPOT P50", "tpot_ms", "p50", 0.15),
-           ("WAN KV bytes", "wan_kv_bytes", None, 0.15))  # fmt: skip
+METRICS = (
+    ("TTFT P50", "ttft_ms", "p50", 0.15),
+    ("TTFT P90", "ttft_ms", "p90", 0.25),
+    ("TTFT P99", "ttft_ms", "p99", None),
+    ("TPOT P50", "tpot_ms", "p50", 0.15),
+    ("WAN KV bytes", "wan_kv_bytes", None, 0.15),
+)
 
 
 def _value(summary: dict, key: str, stat: str | None) -> float:
@@ -81,33 +84,9 @@ def plot(path: Path, real_records: list[dict], sim_records: list[dict]) -> None:
     plt.close(fig)
 
 
-def load_real(real_dir: Path) -> tuple[dict, list[dict]]:
-    """A real run's results.json and, when it kept them, its per-request records."""
-    real = json.loads((real_dir / "results.json").read_text())
-    path = real_dir / "requests.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-    return real, records
-
-
-def simulate_real(real: dict, real_records: list[dict], cfg: SimConfig, progress: bool = True) -> tuple[dict, list]:
-    """The real run's workload (same generator, seed, rate) on `cfg`, every one of its modes.
-
-    Output lengths are the real ones when the run kept its records, else the generator's
-    (`max_tokens`; the model stops early on few of them)."""
-    w = real["workload"]
-    outputs = {r["request_id"]: int(r["output_tokens"]) for r in real_records if r["ok"]}
-    tokenizer = tokenizer_or_none()
-    wl = load_workload(w["name"], n_requests=w["requests"], seed=w["seed"], rate_rps=w["params"].get("rate_rps", 0.5),
-                       tokenizer=tokenizer)  # fmt: skip
-    requests = from_bench(wl, tokenizer, outputs)
-    return run_modes(cfg, list(real["modes"]), requests, wl.describe(), w["seed"], progress)
-
-
 def main(args: argparse.Namespace) -> int:
     if args.calibrate:
-        from sim.calibrate import main as calibrate
-
-        return calibrate(args)
+        return calibrate.main(args)
     real, real_records = load_real(Path(args.real))
     simulated, sim_records = simulate_real(real, real_records, load_sim_config(args.config))
     rows = compare(real, simulated)

@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.agentic import GENERATION_PROMPT
 from benchmarks.pseudo_text import TokenCounter
-from benchmarks.trace import MOONCAKE_BLOCK, read_trace
+from benchmarks.trace import rescale
 from benchmarks.workload_model import BenchRequest, Workload
 from benchmarks.workloads import load_workload
 from shared.prefix_hash import block_hashes
@@ -67,10 +67,22 @@ def from_bench(
         prompt = list(r.prompt_ids) if r.prompt_ids is not None else _chat_ids(r, tok, answers)
         n_out = (outputs or {}).get(r.request_id, r.max_tokens)  # fewer than max_tokens: it stopped on EOS
         answers[r.request_id] = _ids("answer:" + r.request_id, n_out)
-        out.append(SimRequest(r.request_id, r.arrival_s * 1000.0, len(prompt), n_out,
-                              tuple(block_hashes(prompt, BLOCK)),
-                              tuple(block_hashes(prompt + answers[r.request_id], BLOCK)), BLOCK, r.kind,
-                              r.session, r.turn, r.depends_on, eos=n_out < r.max_tokens))  # fmt: skip
+        out.append(
+            SimRequest(
+                r.request_id,
+                r.arrival_s * 1000.0,
+                len(prompt),
+                n_out,
+                tuple(block_hashes(prompt, BLOCK)),
+                tuple(block_hashes(prompt + answers[r.request_id], BLOCK)),
+                BLOCK,
+                r.kind,
+                r.session,
+                r.turn,
+                r.depends_on,
+                eos=n_out < r.max_tokens,
+            )
+        )
     return out
 
 
@@ -83,25 +95,50 @@ def trace_requests(
     max_context: int = 8192,
     loops: int = 1,
 ) -> list[SimRequest]:
-    """benchmarks/trace.py's rescaling in hash space; `loops` replays the trace back to back
-    (each copy with its own hash ids and sessions) to make a longer run."""
-    rows = read_trace(path, max_requests)
-    span = (rows[-1]["timestamp"] / 1000 * time_scale if rows else 0.0) + 1.0
+    """A Mooncake trace rescaled by benchmarks/trace.py's `rescale`, named in hash space (a full
+    block is its hash id; the rest of the prompt and the answer get names of their own); `loops`
+    replays it back to back (each copy with its own names) to make a longer run."""
+    lines = rescale(
+        path,
+        block_tokens=block_tokens,
+        time_scale=time_scale,
+        output_scale=output_scale,
+        max_requests=max_requests,
+        max_context=max_context,
+    )
+    span = (lines[-1].arrival_s if lines else 0.0) + 1.0
     out = []
     for loop in range(loops):
-        for i, row in enumerate(rows):
-            n_out = min(max(1, round(row["output_length"] * output_scale)), max_context - 1)
-            prompt_len = min(max(1, round(row["input_length"] * block_tokens / MOONCAKE_BLOCK)), max_context - n_out)
-            full = min(len(row["hash_ids"]), row["input_length"] // MOONCAKE_BLOCK, prompt_len // block_tokens)
-            blocks = tuple((loop, h) for h in row["hash_ids"][:full])
-            tail = tuple(("tail", loop, i, k) for k in range((prompt_len + n_out) // block_tokens - full))
-            out.append(SimRequest(f"tr-{loop}-{i:06d}", (row["timestamp"] / 1000 * time_scale + loop * span) * 1000.0,
-                                  prompt_len, n_out, blocks, blocks + tail, block_tokens, "trace"))  # fmt: skip
+        for line in lines:
+            blocks = tuple((loop, h) for h in line.hash_ids[: line.kept_blocks])
+            own = (line.prompt_tokens + line.max_tokens) // block_tokens - len(blocks)
+            tail = tuple(("tail", loop, line.index, k) for k in range(own))
+            out.append(
+                SimRequest(
+                    f"tr-{loop}-{line.index:06d}",
+                    (line.arrival_s + loop * span) * 1000.0,
+                    line.prompt_tokens,
+                    line.max_tokens,
+                    blocks,
+                    blocks + tail,
+                    block_tokens,
+                    "trace",
+                )
+            )
     return sorted(out, key=lambda r: r.arrival_ms)
 
 
-def hitmix(n: int, seed: int, rate_rps: float, hit: float, prompt_tokens: int = 8192, output_tokens: int = 512,
-           block_tokens: int = 64, documents: int = 8, spread: float = 20.0) -> list[SimRequest]:  # fmt: skip
+def hitmix(
+    n: int,
+    seed: int,
+    rate_rps: float,
+    hit: float,
+    prompt_tokens: int = 8192,
+    output_tokens: int = 512,
+    block_tokens: int = 64,
+    documents: int = 8,
+    spread: float = 20.0,
+) -> list[SimRequest]:
     """`n` requests whose prompt hit is Beta(mean `hit`, concentration `spread`) of a shared document."""
     rng = random.Random(f"{seed}:hitmix:{hit}")
     t, out = 0.0, []
@@ -114,8 +151,18 @@ def hitmix(n: int, seed: int, rate_rps: float, hit: float, prompt_tokens: int = 
             ("own", i, k) for k in range(blocks_per_prompt - shared)
         )
         answer = tuple(("ans", i, k) for k in range(output_tokens // block_tokens))
-        out.append(SimRequest(f"hm-{i:06d}", t * 1000.0, prompt_tokens, output_tokens, blocks, blocks + answer,
-                              block_tokens, "continue" if shared else "new"))  # fmt: skip
+        out.append(
+            SimRequest(
+                f"hm-{i:06d}",
+                t * 1000.0,
+                prompt_tokens,
+                output_tokens,
+                blocks,
+                blocks + answer,
+                block_tokens,
+                "continue" if shared else "new",
+            )
+        )
         t += rng.expovariate(rate_rps)
     return out
 

@@ -14,13 +14,44 @@ from tests.bench.test_workloads import _trace_file
 pytestmark = pytest.mark.slow
 
 LATENCY = {"mean", "p50", "p90", "p99", "max"}
-MODE_KEYS = {"requests", "completed", "failed", "ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms",
-             "goodput_rps", "output_tok_s", "wan_kv_bytes", "tokens_by_role", "hit_rate", "cost", "bcr"}  # fmt: skip
+MODE_KEYS = {
+    "requests",
+    "completed",
+    "failed",
+    "ttft_ms",
+    "ttst_ms",
+    "itl_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "max_gap_ms",
+    "goodput_rps",
+    "output_tok_s",
+    "wan_kv_bytes",
+    "tokens_by_role",
+    "hit_rate",
+    "cost",
+    "bcr",
+}
 
 
 def _bench(out, workload: str, modes: str, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "pdd.cli", "bench", "--workload", workload, "--modes", modes, "--out", str(out),
-           "--requests", "3", "--rate", "2", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdd.cli",
+        "bench",
+        "--workload",
+        workload,
+        "--modes",
+        modes,
+        "--out",
+        str(out),
+        "--requests",
+        "3",
+        "--rate",
+        "2",
+        *extra,
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "3/3" in run.stderr  # the progress bar reached the end

@@ -23,8 +23,19 @@ from benchmarks.summary import (
 
 STAT_KEYS = {"mean", "p50", "p90", "p99", "max"}
 LATENCY_KEYS = ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms")
-MODE_KEYS = {"requests", "completed", "failed", *LATENCY_KEYS, "goodput_rps", "output_tok_s", "wan_kv_bytes",
-             "tokens_by_role", "hit_rate", "cost", "bcr"}  # fmt: skip
+MODE_KEYS = {
+    "requests",
+    "completed",
+    "failed",
+    *LATENCY_KEYS,
+    "goodput_rps",
+    "output_tok_s",
+    "wan_kv_bytes",
+    "tokens_by_role",
+    "hit_rate",
+    "cost",
+    "bcr",
+}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -39,19 +50,34 @@ def make_record(rid: str, mode: str, sent: float, times: list[float], out: int, 
         "prefix_hit_tokens": {"prefill": kw.get("hit_p", 0), "md": kw.get("hit_md", 0)},
         "timings_ms": kw.get("timings", {"queue": 1.0, "prefill": 20.0, "kv_local": 5.0, "kv_wan": 50.0}),
     }
-    return {"request_id": rid, "mode": mode, "kind": "new", "session": "s", "turn": 0, "arrival_s": sent,
-            "sent_s": sent, "token_times_s": times if ok else [], "output_tokens": out if ok else 0,
-            "prompt_tokens": kw.get("prompt", 100), "text": kw.get("text", f"text-{rid}"), "ok": ok,
-            "error": "" if ok else "boom", "pdd": pdd if ok else {}}  # fmt: skip
+    return {
+        "request_id": rid,
+        "mode": mode,
+        "kind": "new",
+        "session": "s",
+        "turn": 0,
+        "arrival_s": sent,
+        "sent_s": sent,
+        "token_times_s": times if ok else [],
+        "output_tokens": out if ok else 0,
+        "prompt_tokens": kw.get("prompt", 100),
+        "text": kw.get("text", f"text-{rid}"),
+        "ok": ok,
+        "error": "" if ok else "boom",
+        "pdd": pdd if ok else {},
+    }
 
 
 SETTINGS = {
     "slo": {"ttft_ms": 400.0, "tpot_ms": 200.0},
     "prices": {"chip_a": 2.0, "chip_b": 3.0, "wan_line": 5.0},
-    "instances": {"pdd": {"prefill": 2, "rld": 1, "md": 3}, "pd-wan": {"prefill": 2, "rld": 0, "md": 3},
-                  "pd-local": {"prefill": 2, "rld": 0, "md": 3}},
+    "instances": {
+        "pdd": {"prefill": 2, "rld": 1, "md": 3},
+        "pd-wan": {"prefill": 2, "rld": 0, "md": 3},
+        "pd-local": {"prefill": 2, "rld": 0, "md": 3},
+    },
     "duration_s": {"pdd": 1800.0, "pd-wan": 1800.0, "pd-local": 1800.0},
-}  # fmt: skip
+}
 
 
 def pdd_records() -> list[dict[str, Any]]:
@@ -134,8 +160,10 @@ def test_outputs_match_fraction() -> None:
 
 def test_hit_bucket_boundaries() -> None:
     fractions = [0.0, 0.49, 0.5, 0.899, 0.9, 0.95, 0.979, 0.98, 0.99, 1.0]
-    records = [make_record(f"h{i}", "pdd", 0.0, [0.1 * (i + 1)], 1, prompt=1000, hit_md=round(f * 1000), wan=i)
-               for i, f in enumerate(fractions)]  # fmt: skip
+    records = [
+        make_record(f"h{i}", "pdd", 0.0, [0.1 * (i + 1)], 1, prompt=1000, hit_md=round(f * 1000), wan=i)
+        for i, f in enumerate(fractions)
+    ]
     buckets = hit_buckets(records + [make_record("bad", "pdd", 0.0, [], 1, ok=False)])
     assert [b["bucket"] for b in buckets] == [label for label, _, _ in HIT_BUCKETS]
     assert len(buckets) == 7 and buckets[-1]["bucket"] == "99-100%"
@@ -145,8 +173,15 @@ def test_hit_bucket_boundaries() -> None:
 
 
 def test_timeline_segments_split_rld_and_md() -> None:
-    r = make_record("t", "pdd", 1.0, [1.1, 1.2, 1.5, 1.6], 4, rld=2,
-                    timings={"queue": 10.0, "prefill": 40.0, "kv_local": 5.0, "kv_wan": 300.0})  # fmt: skip
+    r = make_record(
+        "t",
+        "pdd",
+        1.0,
+        [1.1, 1.2, 1.5, 1.6],
+        4,
+        rld=2,
+        timings={"queue": 10.0, "prefill": 40.0, "kv_local": 5.0, "kv_wan": 300.0},
+    )
     segs = {label: (lane, start, width) for label, lane, start, width in timeline_segments(r)}
     assert segs["queue+prefill"] == (0, 0.0, 50.0)
     assert segs["kv_local"] == (0, 50.0, 5.0) and segs["kv_wan"] == (1, 50.0, 300.0)
@@ -160,12 +195,38 @@ def three_mode_records() -> list[dict[str, Any]]:
     out = []
     for i in range(6):
         hit = 990 if i % 3 else 100
-        out.append(make_record(f"q{i}", "pdd", i, [i + 0.2, i + 0.25, i + 0.3], 3, prompt=1000, hit_md=hit,
-                               rld=1 if hit < 500 else 0, wan=100, text=f"t{i}"))  # fmt: skip
-        out.append(make_record(f"q{i}", "pd-wan", i, [i + 0.2 + (2 if hit < 500 else 0), i + 2.5, i + 2.6], 3,
-                               prompt=1000, hit_md=hit, wan=1000, text=f"t{i}"))  # fmt: skip
-        out.append(make_record(f"q{i}", "pd-local", i, [i + 0.18, i + 0.23, i + 0.28], 3, prompt=1000,
-                               hit_md=hit, text=f"t{i}"))  # fmt: skip
+        out.append(
+            make_record(
+                f"q{i}",
+                "pdd",
+                i,
+                [i + 0.2, i + 0.25, i + 0.3],
+                3,
+                prompt=1000,
+                hit_md=hit,
+                rld=1 if hit < 500 else 0,
+                wan=100,
+                text=f"t{i}",
+            )
+        )
+        out.append(
+            make_record(
+                f"q{i}",
+                "pd-wan",
+                i,
+                [i + 0.2 + (2 if hit < 500 else 0), i + 2.5, i + 2.6],
+                3,
+                prompt=1000,
+                hit_md=hit,
+                wan=1000,
+                text=f"t{i}",
+            )
+        )
+        out.append(
+            make_record(
+                f"q{i}", "pd-local", i, [i + 0.18, i + 0.23, i + 0.28], 3, prompt=1000, hit_md=hit, text=f"t{i}"
+            )
+        )
     return out
 
 
@@ -200,8 +261,15 @@ def test_write_report_writes_every_file(tmp_path: Path) -> None:
     assert [json.loads(line) for line in lines] == records
 
     report = (tmp_path / "out" / "report.md").read_text()
-    for row in ("TTFT P50 vs pd-wan", "TTFT P99 vs pd-local", "WAN KV bytes vs pd-wan", "goodput vs pd-local",
-                "BCR vs pd-wan", "## Targets", "PASS"):  # fmt: skip
+    for row in (
+        "TTFT P50 vs pd-wan",
+        "TTFT P99 vs pd-local",
+        "WAN KV bytes vs pd-wan",
+        "goodput vs pd-local",
+        "BCR vs pd-wan",
+        "## Targets",
+        "PASS",
+    ):
         assert row in report
     for name in ("ttft_cdf.png", "timeline.png", "hit_buckets.png"):
         data = (tmp_path / "out" / name).read_bytes()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.trace import MOONCAKE_TRACE
 from benchmarks.workloads import (
     AgenticParams,
     BenchRequest,
@@ -19,19 +20,20 @@ from benchmarks.workloads import (
     trace,
 )
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-
 
 def _as_data(w: Workload) -> list[tuple]:
-    return [(r.request_id, r.session, r.turn, r.arrival_s, r.messages, r.prompt_ids, r.max_tokens, r.kind,
-             r.depends_on) for r in w.requests]  # fmt: skip
+    return [
+        (r.request_id, r.session, r.turn, r.arrival_s, r.messages, r.prompt_ids, r.max_tokens, r.kind, r.depends_on)
+        for r in w.requests
+    ]
 
 
 def _prompt_tokens(req: BenchRequest, tokenizer, answers: dict[str, str]) -> list[int]:
     if req.prompt_ids is not None:
         return req.prompt_ids
-    text = tokenizer.apply_chat_template(fill_answers(req.messages, answers), tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        fill_answers(req.messages, answers), tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -52,8 +54,11 @@ def agentic200(smol_tokenizer) -> tuple[Workload, dict]:
 # -- determinism --------------------------------------------------------------------------------
 def test_same_seed_same_workload_different_seed_differs(tmp_path):
     path = _trace_file(tmp_path)
-    for make in (lambda s: agentic(60, s, 1.0), lambda s: random_workload(20, s, 1.0, input_tokens=32),
-                 lambda s: trace(path, seed=s)):  # fmt: skip
+    for make in (
+        lambda s: agentic(60, s, 1.0),
+        lambda s: random_workload(20, s, 1.0, input_tokens=32),
+        lambda s: trace(path, seed=s),
+    ):
         assert _as_data(make(3)) == _as_data(make(3))
         assert _as_data(make(3)) != _as_data(make(4))
 
@@ -161,18 +166,26 @@ def test_describe_names_the_workload(agentic200):
 
 # -- trace --------------------------------------------------------------------------------------
 def _trace_file(tmp_path: Path) -> Path:
-    """The first 20 lines of the shared trace (or a small stand-in), plus two lines that reuse
-    the first line's leading hash ids, as agent turns do in real Mooncake traces."""
-    if SHARED_TRACE.exists():
-        rows = [json.loads(line) for line in SHARED_TRACE.read_text().splitlines()[:20]]
-    else:
-        rows = [{"timestamp": 250 * i, "input_length": 512 * (i % 5 + 3) + 100, "output_length": 10 + i,
-                 "hash_ids": list(range(10 * i, 10 * i + i % 5 + 3))} for i in range(20)]  # fmt: skip
+    """The first 20 lines of the repository's trace, plus two lines that reuse the first line's
+    leading hash ids, as agent turns do in real Mooncake traces."""
+    rows = [json.loads(line) for line in MOONCAKE_TRACE.read_text().splitlines()[:20]]
     head = rows[0]["hash_ids"][:3]
-    rows.append({"timestamp": rows[-1]["timestamp"] + 100, "input_length": 4 * 512, "output_length": 50,
-                 "hash_ids": head + [10**6]})  # fmt: skip
-    rows.append({"timestamp": rows[-1]["timestamp"] + 100, "input_length": 4 * 512 + 200, "output_length": 900,
-                 "hash_ids": head + [10**6 + 1, 10**6 + 2]})  # fmt: skip
+    rows.append(
+        {
+            "timestamp": rows[-1]["timestamp"] + 100,
+            "input_length": 4 * 512,
+            "output_length": 50,
+            "hash_ids": head + [10**6],
+        }
+    )
+    rows.append(
+        {
+            "timestamp": rows[-1]["timestamp"] + 100,
+            "input_length": 4 * 512 + 200,
+            "output_length": 900,
+            "hash_ids": head + [10**6 + 1, 10**6 + 2],
+        }
+    )
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

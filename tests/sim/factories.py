@@ -13,8 +13,15 @@ from sim.config import SimConfig
 from sim.profiles import ChipProfile
 from sim.request import SimRequest
 
-TRIVIAL = ChipProfile(name="trivial", kv_bytes_per_token=1000, kv_tokens=100_000, max_running=8,
-                      prefill_ms_per_token=1.0, step_fixed_ms=10.0, step_ms_per_extra_token=1.0)  # fmt: skip
+TRIVIAL = ChipProfile(
+    name="trivial",
+    kv_bytes_per_token=1000,
+    kv_tokens=100_000,
+    max_running=8,
+    prefill_ms_per_token=1.0,
+    step_fixed_ms=10.0,
+    step_ms_per_extra_token=1.0,
+)
 
 
 def make_config(**overrides: Any) -> SimConfig:
@@ -30,8 +37,14 @@ def make_config(**overrides: Any) -> SimConfig:
     return SimConfig(**{**base, **overrides})
 
 
-def make_request(rid: str = "r0", prompt: int = 100, output: int = 3, arrival_ms: float = 0.0,
-                 shared: int = 0, depends_on: str | None = None) -> SimRequest:  # fmt: skip
+def make_request(
+    rid: str = "r0",
+    prompt: int = 100,
+    output: int = 3,
+    arrival_ms: float = 0.0,
+    shared: int = 0,
+    depends_on: str | None = None,
+) -> SimRequest:
     """`prompt` tokens in 16-token blocks, the first `shared` blocks common to every request."""
     n = prompt // 16
     blocks = tuple(("s", k) if k < shared else (rid, k) for k in range(n))

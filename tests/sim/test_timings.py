@@ -86,8 +86,9 @@ def test_relay_finishing_first_drops_main_decodes_copy():
 
 def test_drc_keeps_prompt_and_answer_for_the_next_turn():
     first = make_request("t1", prompt=160, output=32)
-    second = dataclasses.replace(make_request("t2", prompt=224, output=4), blocks=first.done_blocks + (("t2", 0),) * 2,
-                                 depends_on="t1")  # fmt: skip
+    second = dataclasses.replace(
+        make_request("t2", prompt=224, output=4), blocks=first.done_blocks + (("t2", 0),) * 2, depends_on="t1"
+    )
     runs, _ = simulate(make_config(), "pd-wan-drc", [first, second])
     assert runs[1].hit["md"] == 192  # 12 blocks: the first prompt and its answer
     assert runs[1].wan_bytes == (224 - 192) * 1000
