@@ -130,13 +130,15 @@ class FusedDecoder:
             self.layers = [_layer(layer) for layer in inner.layers]
             self.lm_head = Dense([model.lm_head])
         self.rotary = inner.rotary_emb
+        self.source = _source(model)
         self.cos: torch.Tensor | None = None  # [positions, D]
         self.sin: torch.Tensor | None = None  # sin with its first half negated (see `_rope`)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecoder:
+        """The model's cached decoder, rebuilt if the model moved or changed dtype since (`.to()`)."""
         decoder = _decoders.get(model)
-        if decoder is None:
+        if decoder is None or decoder.source != _source(model):
             decoder = _decoders[model] = cls(model)
         return decoder
 
@@ -187,6 +189,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rot = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
     return x.mul_(cos).add_(rot)
+
+
+def _source(model: torch.nn.Module) -> tuple:
+    """What the cached decoder was built from: the embedding's storage, dtype and device."""
+    w = model.model.embed_tokens.weight
+    return w.data_ptr(), w.dtype, w.device
 
 
 def _layer(block: torch.nn.Module) -> _Layer:

@@ -16,9 +16,10 @@ first decodes (or after something invalidated it), so a context is copied once, 
 Rows: a sequence keeps its row while it decodes; a row unused for `IDLE_STEPS` steps is freed and
 new sequences take the lowest free row, so the rows of a step stay a dense range. Rows inside the
 range that are not in the step are computed with a one-key mask and their output is dropped. A
-row is trusted only for positions it saw written: it is cut back when its sequence rewinds, when
-the sequence's block table changed, or when `KVPool.write` (KV imported from elsewhere) touched
-one of its blocks. The runner clears the mirror when a step fails half-way.
+row is trusted only for positions it saw written: it is cut back when its sequence is recomputed
+from an earlier position (a rewind, then a prefill chunk or extend: `recompute`), when the
+sequence's block table changed, or when `KVPool.write` (KV imported from elsewhere) touched one
+of its blocks. The runner clears the mirror when a step fails half-way.
 
 Cost: memory, `rows x capacity` tokens of KV in float32, bounded by `budget_bytes` (the pool's
 own capacity does not count it); a step that does not fit falls back to the gather path.
@@ -78,6 +79,13 @@ class DecodeMirror:
     def clear(self) -> None:
         self.rows, self.kt, self.v = [], None, None
 
+    def recompute(self, seq: Sequence, start: int) -> None:
+        """The step recomputes `seq` from `start` (a prefill chunk or extend, through the pool only):
+        its row, if any, is trusted below `start` only (a rewound sequence may get new tokens there)."""
+        for row in self.rows:
+            if row is not None and row.seq is seq:
+                row.n = min(row.n, start)
+
     def prepare(self, decodes: list[tuple[int, Sequence, int]]) -> MirrorStep | None:
         """Rows for this step's decodes `(flat index, sequence, position)`, filled up to each position;
         None (and an empty mirror) when they would not fit in the budget."""
@@ -95,9 +103,11 @@ class DecodeMirror:
                 row.n, row.blocks = 0, ()
             row.n, row.last_step = min(row.n, pos), self.steps  # a rewound sequence recomputes from pos
             used.append((i, flat, pos))
+        used = self._compact(used)
         lo, hi = min(i for i, _, _ in used), max(i for i, _, _ in used) + 1
         lmax = max(pos for _, _, pos in used) + 1
-        if not self._reserve(hi, lmax):
+        table_tokens = max(len(seq.block_table) for _, seq, _ in decodes) * self.pool.block_size
+        if not self._reserve(hi, lmax, table_tokens):
             self.clear()
             return None
         self._fill(used)
@@ -118,18 +128,44 @@ class DecodeMirror:
         self.rows[i] = _Row(seq)
         return i
 
-    def _reserve(self, rows: int, tokens: int) -> bool:
-        """Room for `rows` rows of `tokens` positions; False when over the budget."""
+    def _compact(self, used: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Move the step's highest rows into free rows below them when a quarter of its range would
+        be rows it does not use (computed for nothing every layer); a move copies the row's KV once."""
+        ids = sorted(i for i, _, _ in used)
+        if ids[-1] + 1 - ids[0] <= len(ids) + len(ids) // 4:
+            return used
+        free = [j for j, r in enumerate(self.rows[: ids[-1]]) if r is None]
+        moved: dict[int, int] = {}
+        for i in reversed(ids):
+            if not free or free[0] >= i:
+                break
+            j = free.pop(0)
+            if self.rows[i].n:
+                self.kt[:, j, :, :, : self.rows[i].n] = self.kt[:, i, :, :, : self.rows[i].n]
+                self.v[:, j, :, : self.rows[i].n] = self.v[:, i, :, : self.rows[i].n]
+            self.rows[j], self.rows[i], moved[i] = self.rows[i], None, j
+        return [(moved.get(i, i), flat, pos) for i, flat, pos in used]
+
+    def _reserve(self, rows: int, tokens: int, table_tokens: int) -> bool:
+        """Room for `rows` rows of `tokens` positions; False when over the budget. Grows by half again
+        (tokens: up to what the block tables can hold), since each growth copies the whole mirror."""
         have_rows, have_tokens = (0, 0) if self.kt is None else (self.kt.shape[1], self.kt.shape[-1])
         if rows <= have_rows and tokens <= have_tokens:
             return True
-        new_rows = max(rows, have_rows)
-        new_tokens = max(-(-tokens // CAPACITY_STEP) * CAPACITY_STEP, have_tokens)
         layout = self.pool.layout
         item = torch.empty((), dtype=MIRROR_DTYPE).element_size()
-        if layout.num_layers * 2 * new_rows * new_tokens * layout.kv_heads * layout.head_dim * item > self.budget_bytes:
-            return False
+        per_token = layout.num_layers * 2 * layout.kv_heads * layout.head_dim * item
+
+        def size(r: int, t: int) -> tuple[int, int]:
+            return max(r, have_rows), max(-(-t // CAPACITY_STEP) * CAPACITY_STEP, have_tokens)
+
+        new_rows, new_tokens = size(max(rows, have_rows * 3 // 2), max(tokens, min(have_tokens * 3 // 2, table_tokens)))
+        if new_rows * new_tokens * per_token > self.budget_bytes:
+            new_rows, new_tokens = size(rows, tokens)
+            if new_rows * new_tokens * per_token > self.budget_bytes:
+                return False
         shape = (layout.num_layers, new_rows, layout.kv_heads)
+        # zeros, not empty: keys past a row's length are read (then masked) and must be finite
         kt = torch.zeros(*shape, layout.head_dim, new_tokens, dtype=MIRROR_DTYPE, device=self.pool.device)
         v = torch.zeros(*shape, new_tokens, layout.head_dim, dtype=MIRROR_DTYPE, device=self.pool.device)
         if self.kt is not None:

@@ -147,6 +147,9 @@ class ModelRunner:
             slot_mapping=torch.tensor(batch.slots, device=dev),
             spans=[self._span(*s) for s in batch.spans],
         )
+        if self.mirror is not None:
+            for _, seq, start, _ in batch.spans:
+                self.mirror.recompute(seq, start)
         if not batch.decodes:
             return step
         if self.mirror is not None:

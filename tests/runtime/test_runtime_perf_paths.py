@@ -1,0 +1,148 @@
+"""The runtime's fast paths compute what the plain ones do.
+
+- the fused layer loop (fused.py) against transformers' forward with the paged attention, for
+  Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms), over mixed prefill/extend/decode;
+- a decode step from a CUDA-graph bucket (padded batch, scratch slots; captured on a GPU, run
+  eagerly on CPU) against the eager step, KV included;
+- the engine on each path against `generate()`, token for token.
+
+The device follows PDD_TEST_DEVICE (tests/runtime/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from shared.runtime.attention import ATTN_IMPLEMENTATION
+from shared.runtime.cuda_graphs import CONTEXT_STEP, DecodeGraphs
+from shared.runtime.engine import Engine
+from shared.runtime.kv_pool import KVPool
+from shared.runtime.models import kv_layout, tiny_llama
+from shared.runtime.runner import ModelRunner
+from shared.runtime.sequence import Sequence
+from tests.helpers import greedy, random_prompts, reference_generate, reference_model, run_to_completion
+
+DEVICE = os.environ.get("PDD_TEST_DEVICE", "cpu")
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+
+
+def _tiny(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        return tiny_llama().to(DEVICE)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SMALL))
+        for layer in model.model.layers:  # biases at zero would not test that they are applied
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16))
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    return model.eval().to(DEVICE)
+
+
+def _runner(model: torch.nn.Module, **kwargs) -> ModelRunner:
+    pool = KVPool(kv_layout(model), 64, 16, next(model.parameters()).dtype, DEVICE)
+    kwargs.setdefault("cuda_graphs", False)
+    return ModelRunner(model, pool, **kwargs)
+
+
+def _seq(runner: ModelRunner, name: str, tokens: list[int]) -> Sequence:
+    s = Sequence(name, list(tokens), greedy(64))
+    s.block_table = runner.pool.allocator.allocate(runner.pool.blocks_for(len(tokens) + 64))
+    return s
+
+
+def _step(runner: ModelRunner, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+    """One forward; computed tokens advance and every sampled sequence appends its argmax."""
+    result = runner.forward(work)
+    for seq, n in work:
+        seq.num_computed += n
+    for seq, token in zip(result.sampled, result.logits.argmax(-1).tolist()):
+        seq.token_ids.append(token)
+    return result.logits
+
+
+def _mixed_steps(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Prefills, a chunked prefill joining running decodes, an extend, then plain decodes."""
+    a, b, c = (_seq(runner, n, p) for n, p in zip("abc", prompts))
+    out = [_step(runner, [(a, len(a.token_ids)), (b, 7)])]  # b: first chunk only
+    out.append(_step(runner, [(a, 1), (b, b.num_tokens - 7), (c, 10)]))
+    c.token_ids += [5, 6, 7]  # c: the rest of its prompt plus 3 handed tokens, one extend
+    out.append(_step(runner, [(a, 1), (b, 1), (c, c.num_tokens - 10)]))
+    for _ in range(4):
+        out.append(_step(runner, [(s, 1) for s in (a, b, c)]))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_loop_matches_transformers_forward(kind):
+    model = _tiny(kind)
+    prompts = random_prompts(model.config.vocab_size, [20, 30, 25], seed=5)
+    fused = _mixed_steps(_runner(model, fused=True), prompts)
+    plain = _mixed_steps(_runner(model, fused=False, mirror_bytes=0), prompts)
+    for i, (x, y) in enumerate(zip(fused, plain)):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
+
+
+def test_unsupported_model_runs_transformers_forward():
+    model = _tiny("llama")
+    model.config.hidden_act = "gelu"  # not the fused loop's silu
+    runner = _runner(model)
+    assert runner.decoder is None
+    with pytest.raises(ValueError, match="activation"):
+        _runner(model, fused=True)
+    model.config.hidden_act = "silu"
+
+
+def _decode_rounds(runner: ModelRunner, prompts: list[list[int]], batches: list[int]) -> list[torch.Tensor]:
+    seqs = [_seq(runner, f"s{i}", p) for i, p in enumerate(prompts)]
+    _step(runner, [(s, s.num_tokens) for s in seqs])
+    return [_step(runner, [(s, 1) for s in seqs[:b]]) for b in batches]
+
+
+def test_graph_bucket_step_matches_eager_step_and_keeps_kv():
+    """Batch sizes that pad to a bucket, and contexts crossing a context bucket's edge."""
+    model = _tiny("llama")
+    prompts = random_prompts(model.config.vocab_size, [CONTEXT_STEP - 3, 40, 17, 90, 5], seed=9)
+    batches = [1, 3, 5, 5, 2, 5, 5, 5]
+    eager = _runner(model)
+    graphed = _runner(model, cuda_graphs=DEVICE == "cuda")
+    if graphed.graphs is None:  # CPU: the same static-shape step, run eagerly
+        graphed.graphs = DecodeGraphs(graphed, capture=False)
+    expected = _decode_rounds(eager, prompts, batches)
+    got = _decode_rounds(graphed, prompts, batches)
+    for i, (x, y) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"round {i}: {m}")
+    assert {key[0] for key in graphed.graphs.graphs} == {1, 4, 8, 2}  # buckets used
+    assert {key[1] for key in graphed.graphs.graphs} == {CONTEXT_STEP, 2 * CONTEXT_STEP}
+    blocks = [b for b in range(eager.pool.num_blocks) if eager.pool.allocator.refcount(b)]
+    slots = torch.cat([torch.arange(b * 16, (b + 1) * 16) for b in blocks])
+    torch.testing.assert_close(graphed.pool.export_tokens(slots), eager.pool.export_tokens(slots), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"mirror_bytes": 0}, {"fused": False}], ids=["default", "gather", "hf"])
+def test_engine_on_each_path_equals_generate(options):
+    model = _tiny("llama")
+    ref = reference_model(tiny_llama())  # the same weights (seeded), plain CPU transformers
+    prompts = random_prompts(model.config.vocab_size, [5, 40, 17, 71, 33], seed=1)
+    engine = Engine(_runner(model, **options))
+    for i, p in enumerate(prompts):
+        engine.add(Sequence(str(i), list(p), greedy(10)))
+    outs = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        assert outs[str(i)] == reference_generate(ref, p, 10), f"sequence {i}"
