@@ -133,6 +133,7 @@ class FusedDecoder:
         self.source = _source(model)
         self.cos: torch.Tensor | None = None  # [positions, D]
         self.sin: torch.Tensor | None = None  # sin with its first half negated (see `_rope`)
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecoder:
@@ -143,9 +144,12 @@ class FusedDecoder:
         return decoder
 
     def ensure_positions(self, n: int) -> None:
-        """RoPE tables for positions [0, n) at least (grown by doubling; a CUDA graph needs them fixed)."""
+        """RoPE tables for positions [0, n) at least, grown by doubling. Old tables stay referenced:
+        a CUDA graph captured their addresses (another runner may grow the tables it shares)."""
         if self.cos is not None and self.cos.shape[0] >= n:
             return
+        if self.cos is not None:  # captured graphs may read the old tables: keep them alive
+            self._retired.append((self.cos, self.sin))
         n = max(n, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
         pos = torch.arange(n, device=self.embed.device).unsqueeze(0)
         cos, sin = self.rotary(self.embed[:1], pos)  # the model's own rotary module: same values

@@ -78,7 +78,8 @@ class ModelRunner:
         fused: bool | None = None,
         mirror_bytes: int | None = None,
     ) -> None:
-        """`cuda_graphs`: replay decode steps from CUDA graphs (default: on when the pool is on a GPU).
+        """`cuda_graphs`: replay decode steps from CUDA graphs (default: on when the pool is on a GPU and
+        the fused decoder runs the model).
         `fused`: the fused layer loop (default: when the model supports it). `mirror_bytes`: the
         CPU decode mirror's budget (default 1 GiB; 0 = gather every step)."""
         self.model = model
@@ -96,9 +97,9 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs and not cuda:
             raise ValueError("cuda_graphs=True needs the pool on a CUDA device")
-        if (cuda_graphs is None and cuda) or cuda_graphs:
-            if self.decoder is None:
-                raise ValueError("CUDA graphs need the fused decoder (a Llama-family model)")
+        if cuda_graphs and self.decoder is None:
+            raise ValueError("CUDA graphs need the fused decoder (a Llama-family model)")
+        if cuda_graphs or (cuda_graphs is None and cuda and self.decoder is not None):
             from shared.runtime.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)

@@ -47,34 +47,52 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """Pick the next token from one row of logits `[vocab]`."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+    """Pick the next token from one row of logits `[vocab]` (the batch path with one row, so a
+    sequence draws the same token whether it is sampled alone or in a batch)."""
+    return sample_batch(logits.unsqueeze(0), [params], [step])[0]
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+    """Sample one token per row. Greedy rows share one argmax; the other rows share each filter's
+    tensor ops (temperature, top-k, softmax, top-p over all of them at once: a per-row top-p sort of
+    a 49k vocabulary took about a millisecond each) and draw with their own generator."""
+    if not params:
+        return []
+    out = torch.argmax(logits, dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
+        for j, i in enumerate(rows):
+            out[i] = int(torch.multinomial(probs[j], 1, generator=_generator(params[i], steps[i])))
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Row-wise: temperature, top-k, softmax, top-p. Each row's result depends on that row alone."""
+    vocab = logits.shape[-1]
+    logits = logits / torch.tensor([[p.temperature] for p in params])
+    ks = torch.tensor([[min(p.top_k, vocab)] for p in params])
+    if bool((ks > 0).any()):
+        top = torch.topk(logits, int(ks.max()), dim=-1).values
+        kth = top.gather(1, (ks - 1).clamp(min=0))
+        kth = torch.where(ks > 0, kth, torch.full_like(kth, float("-inf")))  # top_k = 0: keep all
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
+    nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        sub = probs[nucleus]
+        sorted_p, order = torch.sort(sub, dim=-1, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
-        drop = cum - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        top_p = torch.tensor([[params[j].top_p] for j in nucleus])
+        sorted_p = sorted_p.masked_fill(cum - sorted_p > top_p, 0.0)  # keep the smallest prefix reaching top_p
+        probs[nucleus] = torch.zeros_like(sub).scatter_(1, order, sorted_p)
+    return probs
+
+
+def _generator(params: SamplingParams, step: int) -> torch.Generator:
     generator = torch.Generator()
     if params.seed is None:
         generator.seed()
     else:
         generator.manual_seed(step_seed(params.seed, step))
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """Sample one token per row; greedy rows share one argmax."""
-    if not params:
-        return []
-    out = torch.argmax(logits, dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = sample(logits[i], p, steps[i])
-    return out
+    return generator
