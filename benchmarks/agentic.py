@@ -23,6 +23,11 @@ tool message, chat-template tokens, a partly filled last block), and it clears 0
 prompt is over 20x that. Production agents have tens of thousands of tokens of context and tool
 outputs of hundreds; scaled to a 2-core CPU's 1-2K-token prompts, tool outputs shrink alike.
 (With 40-120-token tool outputs the skew needs ~2.2K-token prompts and still tops out near 0.65.)
+
+`agent_sessions` draws the same sessions at fleet scale for the simulator: every length of
+`AgenticParams.scaled(k)` k times the bench's (a 128K context at k = 16), message bodies as
+named `Segment`s of a known length instead of text (sim/workload.py names their blocks), so a
+run of tens of thousands of 64K-token prompts is drawn in seconds. Same rules, same shares.
 """
 
 from __future__ import annotations
@@ -75,6 +80,74 @@ class AgenticParams:
         if first_turn * 1.5 > self.max_context:  # 1.5: room for the estimate without a tokenizer
             raise ValueError(f"max_context={self.max_context} leaves no room for a first turn of ~{first_turn}")
 
+    def scaled(self, k: int) -> AgenticParams:
+        """Every length (context, prompts, tools, answers) k times longer; shares and the anomalous
+        answer budget (short by definition) unchanged."""
+
+        def times(pair: tuple[int, int]) -> tuple[int, int]:
+            return (pair[0] * k, pair[1] * k)
+
+        return AgenticParams(
+            max_context=self.max_context * k,
+            output_tokens=times(self.output_tokens),
+            anomalous_share=self.anomalous_share,
+            new_session_share=self.new_session_share,
+            concurrent_sessions=self.concurrent_sessions,
+            system_tokens=self.system_tokens * k,
+            task_tokens=times(self.task_tokens),
+            tool_tokens=times(self.tool_tokens),
+            anomalous_input_tokens=times(self.anomalous_input_tokens),
+            anomalous_output_tokens=self.anomalous_output_tokens,
+            context_margin=self.context_margin * k,
+        )
+
+
+class _Text:
+    """Message bodies as pseudo-text, counted by the tokenizer (or estimated): what `pdd bench` sends."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.counter = TokenCounter(tokenizer)
+
+    def draw(self, rng: random.Random, n_tokens: int) -> str:
+        return text_of_tokens(rng, n_tokens)
+
+    def join(self, lead: str, body: str) -> str:
+        return lead + body
+
+    def tokens(self, body: str) -> int:
+        return self.counter.count(body)
+
+    def shrink(self, body: str) -> str:
+        return body[: len(body) * 9 // 10]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A message body known by name and length only (equal names, equal content)."""
+
+    name: str
+    tokens: int
+
+
+class _Segments:
+    """Message bodies as `Segment`s: each draw a fresh name; a lead's text counts ~5 characters a token."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def draw(self, rng: random.Random, n_tokens: int) -> Segment:
+        self.drawn += 1
+        return Segment(f"m{self.drawn}", n_tokens)
+
+    def join(self, lead: str, body: Segment) -> Segment:
+        return Segment(body.name, body.tokens + len(lead) // 5 + 1)
+
+    def tokens(self, body: Segment) -> int:
+        return body.tokens
+
+    def shrink(self, body: Segment) -> Segment:
+        return Segment(body.name, body.tokens * 9 // 10)
+
 
 @dataclass
 class _Session:
@@ -90,7 +163,7 @@ class _Session:
 class _Builder:
     params: AgenticParams
     seed: int
-    counter: TokenCounter
+    material: _Text | _Segments
     rng: random.Random = field(init=False)
     pool: list[_Session] = field(default_factory=list)
     sessions_started: int = 0
@@ -98,7 +171,8 @@ class _Builder:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(f"{self.seed}:agentic")
-        text = SYSTEM_PREAMBLE + text_of_tokens(random.Random(f"{self.seed}:system"), self.params.system_tokens)
+        body = self.material.draw(random.Random(f"{self.seed}:system"), self.params.system_tokens)
+        text = self.material.join(SYSTEM_PREAMBLE, body)
         self.system = {"role": "system", "content": text}
         self.system_cost = self.cost(text)
 
@@ -106,8 +180,8 @@ class _Builder:
         """Mostly short, sometimes long: how tool outputs are sized."""
         return round(math.exp(self.rng.uniform(math.log(lo), math.log(hi))))
 
-    def cost(self, text: str) -> int:
-        return self.counter.count(text) + MESSAGE_OVERHEAD
+    def cost(self, body: str | Segment) -> int:
+        return self.material.tokens(body) + MESSAGE_OVERHEAD
 
     def plan_kinds(self, n: int) -> list[str]:
         """Exact shares, shuffled: a 200-request run has its 7 anomalous requests, not 3 or 12."""
@@ -128,10 +202,10 @@ class _Builder:
         p = self.params
         max_tokens = self.rng.randint(*p.anomalous_output_tokens)
         room = p.max_context - self.system_cost - GENERATION_PROMPT - max_tokens - p.context_margin
-        doc = text_of_tokens(self.rng, min(self.rng.randint(*p.anomalous_input_tokens), room))
-        while self.cost(ANOMALOUS_ASK + doc) > room:  # only without a tokenizer: estimates run high
-            doc = doc[: len(doc) * 9 // 10]
-        user = {"role": "user", "content": ANOMALOUS_ASK + doc}
+        doc = self.material.draw(self.rng, min(self.rng.randint(*p.anomalous_input_tokens), room))
+        while self.cost(self.material.join(ANOMALOUS_ASK, doc)) > room:  # only without a tokenizer: estimates run high
+            doc = self.material.shrink(doc)
+        user = {"role": "user", "content": self.material.join(ANOMALOUS_ASK, doc)}
         self.prompt_tokens.append(self.system_cost + self.cost(user["content"]) + GENERATION_PROMPT)
         return BenchRequest(rid, "", 0, t, max_tokens, "anomalous", messages=[dict(self.system), user])
 
@@ -139,7 +213,7 @@ class _Builder:
         if len(self.pool) >= self.params.concurrent_sessions:
             self.pool.pop(0)  # the oldest session ends
         self.sessions_started += 1
-        task = "Task: " + text_of_tokens(self.rng, self.rng.randint(*self.params.task_tokens))
+        task = self.material.join("Task: ", self.material.draw(self.rng, self.rng.randint(*self.params.task_tokens)))
         session = _Session(
             f"s{self.sessions_started:04d}",
             [dict(self.system), {"role": "user", "content": task}],
@@ -150,7 +224,8 @@ class _Builder:
 
     def continue_session(self, s: _Session, rid: str, t: float) -> BenchRequest:
         p = self.params
-        tool = f"Tool result (step {s.turn}):\n" + text_of_tokens(self.rng, self.log_uniform(*p.tool_tokens))
+        body = self.material.draw(self.rng, self.log_uniform(*p.tool_tokens))
+        tool = self.material.join(f"Tool result (step {s.turn}):\n", body)
         grown = s.tokens + s.last_max_tokens + MESSAGE_OVERHEAD + self.cost(tool)
         if grown + GENERATION_PROMPT + p.output_tokens[1] + p.context_margin > p.max_context:
             self.pool.remove(s)
@@ -173,17 +248,27 @@ def agentic(n_requests: int, seed: int, rate_rps: float, tokenizer: Any | None =
 
     With a tokenizer, context budgets count real tokens; without, a conservative estimate.
     """
-    params = AgenticParams(**knobs)
-    builder = _Builder(params, seed, TokenCounter(tokenizer))
-    arrivals = poisson_arrivals(n_requests, rate_rps, seed)
-    kinds = builder.plan_kinds(n_requests)
-    requests = [builder.next_request(k, f"ag-{i:05d}", t) for i, (k, t) in enumerate(zip(kinds, arrivals))]
+    counts = "tokenizer" if tokenizer is not None else "estimated (chars/3)"
+    return _draw("agentic", n_requests, seed, rate_rps, AgenticParams(**knobs), _Text(tokenizer), counts)
+
+
+def agent_sessions(n_requests: int, seed: int, rate_rps: float, params: AgenticParams) -> Workload:
+    """The same sessions with `Segment` bodies (see the module docstring), for the simulator."""
+    return _draw("agents", n_requests, seed, rate_rps, params, _Segments(), "segments (exact)")
+
+
+def _draw(name: str, n: int, seed: int, rate_rps: float, params: AgenticParams, material, counts: str) -> Workload:
+    builder = _Builder(params, seed, material)
+    arrivals = poisson_arrivals(n, rate_rps, seed)
+    kinds = builder.plan_kinds(n)
+    prefix = "ag" if name == "agentic" else "ags"
+    requests = [builder.next_request(k, f"{prefix}-{i:05d}", t) for i, (k, t) in enumerate(zip(kinds, arrivals))]
     tokens = builder.prompt_tokens
     stats = {
         "sessions": builder.sessions_started,
-        "token_counts": "tokenizer" if tokenizer is not None else "estimated (chars/3)",
+        "token_counts": counts,
         "est_mean_prompt_tokens": round(sum(tokens) / max(1, len(tokens)), 1),
         "est_max_prompt_tokens": max(tokens, default=0),
         "system_prompt_tokens": builder.system_cost,
     }
-    return Workload("agentic", requests, seed, {"rate_rps": rate_rps, **asdict(params)}, stats)
+    return Workload(name, requests, seed, {"rate_rps": rate_rps, **asdict(params)}, stats)

@@ -10,11 +10,11 @@ from benchmarks.modes import MODES
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", nargs="?", choices=["run", "profile", "validate", "experiments"], default="run")
     p.add_argument("--config", default="configs/sim/single-host-cpu.yaml", help="fleet YAML (configs/sim/)")
-    p.add_argument("--workload", default="agentic", help="agentic | random | trace:FILE | hitmix:H")
+    p.add_argument("--workload", default="agentic", help="agentic | agents | random | trace:FILE | hitmix:H")
     p.add_argument("--modes", default="pd-local,pd-wan,pdd", help=f"comma-separated: {','.join(MODES)}")
     p.add_argument("--out", default="sim-out")
     p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--rate", type=float, default=0.5, help="arrivals per second (agentic, random, hitmix)")
+    p.add_argument("--rate", type=float, default=0.5, help="arrivals per second (agentic, agents, random, hitmix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-tokens", type=int, default=16, help="trace: tokens per 512-token block")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times")

@@ -9,10 +9,11 @@
     scheduler: {...}                      # PolicyConfig knobs; each mode pins its own pipeline
     fleets: {default: {prefill, rld, md}, <mode>: {...}}
     slo: {ttft_ms, tpot_ms}
-    prices: {wan_line}                    # chip prices come from the profiles
+    prices: {wan_line, wan_line_gbps}     # the line's price (for a line of that size); chips: the profiles
     host: {cores, background_cores, request_overhead_ms, cold_start_ms, interleave_prefill}
                                           # sim/host.py; absent: every instance on its own chip
     views: {heartbeat_s, measured}        # sim/views.py: what the scheduler sees; absent: live, measured
+    proposed: [relay-finishes, ...]       # sim/proposed.py: scheduler rules under trial
 
 Modes mean what they mean in `pdd bench`: benchmarks/modes.py's `MODE_TABLE` says where MD runs
 (pd-local: chip A in datacenter A, no WAN), whether it keeps a DRC (not in pd-wan), whether a
@@ -32,6 +33,7 @@ import yaml
 from benchmarks.modes import mode
 from services.scheduler import inputs
 from services.scheduler.policy import PolicyConfig
+from sim import proposed
 from sim.host import HostSpec
 from sim.link import BandwidthSchedule
 from sim.profiles import ChipProfile, load_profiles
@@ -62,6 +64,7 @@ class SimConfig:
     drc: bool = True  # False: main-decode keeps no radix cache in any mode (an ablation)
     host: dict[str, Any] = field(default_factory=dict)
     views: dict[str, Any] = field(default_factory=dict)
+    proposed: tuple[str, ...] = ()  # scheduler rules under trial (sim/proposed.py), applied after choose_plan
     path: str = ""
 
     def chip(self, dc: str, role: str) -> ChipProfile:
@@ -103,11 +106,13 @@ class SimConfig:
         )
 
     def settings_prices(self) -> dict[str, float]:
-        return {
-            "chip_a": self.chip("A", "prefill").price_per_hour,
-            "chip_b": self.chip("B", "md").price_per_hour,
-            "wan_line": float(self.prices.get("wan_line", 0.0)),
-        }
+        """Chip A's and B's hourly price (from their profiles) and the line's: `prices.wan_line` for a
+        line of `prices.wan_line_gbps`, scaled to this line's capacity (flat when no size is given)."""
+        line = float(self.prices.get("wan_line", 0.0))
+        if "wan_line_gbps" in self.prices:
+            line *= float(self.wan["bandwidth_mbps"]) / 1000.0 / float(self.prices["wan_line_gbps"])
+        return {"chip_a": self.chip("A", "prefill").price_per_hour, "chip_b": self.chip("B", "md").price_per_hour,
+                "wan_line": line}  # fmt: skip
 
 
 def policy_config(cfg: SimConfig, name: str) -> PolicyConfig:
@@ -145,9 +150,10 @@ def load_sim_config(path: str | Path) -> SimConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown}")
-    cfg = SimConfig(profiles=profiles, path=str(path), **raw)
+    cfg = SimConfig(profiles=profiles, path=str(path), **{**raw, "proposed": tuple(raw.get("proposed", ()))})
     for dc in ("A", "B"):
         cfg.chip(dc, "md")  # names a real profile, or fail now with its name
     cfg.host_spec()  # a bad host value fails now, named
     cfg.view_spec()
+    proposed.check(cfg.proposed)
     return cfg

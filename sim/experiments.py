@@ -7,7 +7,10 @@
    with `p-rld` for low-hit traffic, and without DRC: relay load, the prefill-vs-MD hit gap
    and TTFT over time.
 4. `wan_bytes`: WAN KV bytes with and without DRC at ~90% hit.
-Each writes its PNG and a JSON of its figures into `--out` (default docs/sim).
+5-7. `headline`, `sensitivity`, `relay` (sim/headline.py): the report's headline at fleet scale
+   on sized lines, BCR against line capacity / B's price / prefix hit, and the relay's share.
+Each writes its PNG and a JSON of its figures into `--out` (default docs/sim); `sensitivity` and
+`relay` read `headline`'s figures from experiments.json.
 """
 
 from __future__ import annotations
@@ -18,14 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # after use("Agg")
-
 from benchmarks.trace import MOONCAKE_TRACE
+from sim import headline
 from sim.config import SimConfig, load_sim_config
 from sim.oscillation import oscillation
+from sim.plotting import plt, save
 from sim.records import cost_per_hour
 from sim.run import summarize
 from sim.workload import hitmix, trace_requests
@@ -68,7 +68,7 @@ def scale(cfg: SimConfig, out: Path, trace: str) -> dict:
     axes[2].bar(modes, [rows[m]["bcr"] for m in modes], color="tab:green")
     axes[2].set_title("BCR (SLA goodput / hourly cost)")
     fig.suptitle(f"88 A intra-DC vs 43 A + 32 B + line: Mooncake trace x2, {len(reqs)} requests")
-    _save(fig, out / "scale.png")
+    save(fig, out / "scale.png")
     return {"requests": len(reqs), "modes": rows}
 
 
@@ -102,7 +102,7 @@ def bathtub(cfg: SimConfig, out: Path) -> dict:
     ax2.plot(xs, [r["pdd"]["ttft_p90"] / 1000 for r in rows], "s-", color="tab:blue", label="PDD TTFT P90 (s)")
     ax2.set_xlabel("average prefix hit (%)")
     ax2.legend()
-    _save(fig, out / "bathtub.png")
+    save(fig, out / "bathtub.png")
     return {"rows": rows}
 
 
@@ -116,14 +116,8 @@ def wan_bytes(cfg: SimConfig, out: Path) -> dict:
         ax.text(i, v, f"{v:,.0f} GB ({v / gb['pd-wan']:.0%})", ha="center", va="bottom")
     ax.set_ylabel("WAN KV bytes (GB)")
     ax.set_title("WAN KV at ~90% prefix hit: DRC sends only the increment")
-    _save(fig, out / "wan_bytes.png")
+    save(fig, out / "wan_bytes.png")
     return {m: {"wan_gb": gb[m], "md_hit": s["hit_rate"]["md"], "ttft_ms": s["ttft_ms"]} for m, s in figures.items()}
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -139,6 +133,9 @@ def main(args: argparse.Namespace) -> int:
         ("scale", lambda: scale(cfg, out, trace)),
         ("oscillation", lambda: oscillation(cfg, out, trace)),
         ("bathtub", lambda: bathtub(cfg, out)),
+        ("headline", lambda: headline.headline(out, trace)),
+        ("sensitivity", lambda: headline.sensitivity(out, results["headline"])),
+        ("relay", lambda: headline.relay(out, trace, cfg, results["headline"])),
     ):
         if only is not None and name not in only:
             continue

@@ -5,7 +5,8 @@ each get bandwidth(t) / n. Every change (a flow starts or ends, the bandwidth sw
 the bytes moved so far and schedules the next completion; a stale completion (one scheduled
 before a later change) is recognised by its version and ignored. A flow's last byte then pays
 the one-way delay plus a uniform jitter in [0, jitter_ms]: the receiver has it at that time.
-A zero-byte send (a "done" frame, a token-id handoff, an ack) pays the delay alone.
+A zero-byte send (a "done" frame, a token-id handoff, an ack) pays the delay alone. A flow can
+be cancelled while on the line (a KV its decoder no longer needs): the others share the rate.
 
 `BandwidthSchedule` gives the WAN's swings: piecewise-constant bandwidth, either flat, a
 square wave (`square`: nominal, then `low` x nominal, `period_s` each) or a seeded random walk
@@ -84,16 +85,29 @@ class SharedLink:
     def active(self) -> int:
         return len(self._flows)
 
-    def send(self, nbytes: int, on_done: Callable[[float, float], None]) -> None:
-        """Move `nbytes`; `on_done(arrival_ms, seconds_in_flight)` runs when the receiver has them."""
+    def send(self, nbytes: int, on_done: Callable[[float, float], None]) -> int | None:
+        """Move `nbytes`; `on_done(arrival_ms, seconds_in_flight)` runs when the receiver has them.
+        Returns the flow's id (None for a zero-byte send), which `cancel` takes."""
         self.bytes_sent += nbytes
         if nbytes <= 0:
             self._deliver(on_done, self.loop.now)
-            return
+            return None
         self._settle()
         self._ids += 1
         self._flows[self._ids] = [float(nbytes), on_done, nbytes, self.loop.now]
         self._reschedule()
+        return self._ids
+
+    def cancel(self, flow: int | None) -> float | None:
+        """Stop a flow still on the line: its `on_done` never runs, its fair share goes to the others.
+        Returns the bytes it had left (not sent after all), or None when it is no longer on the line."""
+        if flow not in self._flows:
+            return None
+        self._settle()
+        left = max(self._flows.pop(flow)[0], 0.0)
+        self.bytes_sent -= round(left)
+        self._reschedule()
+        return left
 
     def _deliver(self, on_done: Callable[[float, float], None], started: float) -> None:
         lag = self.delay_ms + (self._rng.uniform(0.0, self.jitter_ms) if self.jitter_ms else 0.0)

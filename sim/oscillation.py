@@ -22,14 +22,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # after use("Agg")
-
 from benchmarks.summary import percentile
 from shared.pipelines import Pipeline
 from sim.config import SimConfig
+from sim.plotting import plt, save
 from sim.run import summarize
 from sim.workload import trace_requests
 
@@ -109,7 +105,5 @@ def oscillation(cfg: SimConfig, out: Path, trace: str) -> dict:
     axes[3].set_yscale("log")
     axes[3].set_xlabel("time (s)")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "oscillation.png", dpi=100)
-    plt.close(fig)
+    save(fig, out / "oscillation.png")
     return figures

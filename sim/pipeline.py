@@ -14,7 +14,8 @@ Lifecycle (`Serving.start` on a `Decision` from the scheduler's `choose_plan`):
    - catch-up: while RLD's backlog is over `final_tokens`, it sends up to `chunk_tokens`, MD
      extends them inside its next step and acks; then RLD stops and sends the rest.
    The final chunk turns MD's shadow live: its next step extends the chunk and samples the
-   next token. If RLD streams every token before the handoff, MD's copy is dropped.
+   next token. If RLD streams every token before the handoff, MD's copy is dropped, and a KV
+   still crossing the WAN to it is cancelled (the rest of its bytes never cross).
 5. Finish: the finishing decoder's DRC keeps prompt plus answer (`done_blocks`); `on_finish`.
 """
 
@@ -43,6 +44,7 @@ class Relayed:
     md_slot: Slot | None = None
     handed: int = 0  # tokens MD has been sent
     started: bool = False
+    wan_flow: int | None = None  # MD's KV on the line (cancelled if the relay finishes first)
 
 
 @dataclass
@@ -57,6 +59,8 @@ class Serving:
     final_tokens: int
     on_finish: Callable[[RequestRun], None]
     handoffs: dict[str, Relayed] = field(default_factory=dict)
+    wan_outstanding: float = 0.0  # KV bytes planned across the WAN that have not landed (or been cancelled)
+    _owed: dict[str, float] = field(default_factory=dict)  # request -> its share of `wan_outstanding`
 
     def start(self, run: RequestRun, d: Decision) -> None:
         run.pipeline, run.handoff, run.reason, run.handoff_reason = d.pipeline, d.handoff, d.reason, d.handoff_reason
@@ -65,6 +69,11 @@ class Serving:
         run.hit["md"] = d.md_cached_tokens
         for role in decoders_of(d.pipeline):
             self.instances[d.instances[role]].pending += 1
+        prefill_dc = self.instances[d.instances["prefill"]].dc
+        if "md" in d.instances and self.instances[d.instances["md"]].dc != prefill_dc:
+            owed = (run.req.prompt_len - d.starts.get("md", 0)) * self.kv_bytes_per_token
+            self._owed[run.req.request_id] = owed
+            self.wan_outstanding += owed
         if hands_off(d.pipeline):
             chunk = d.chunk_tokens or self.chunk_tokens
             self.handoffs[run.req.request_id] = Relayed(
@@ -94,9 +103,16 @@ class Serving:
         def landed(at_ms: float, seconds: float) -> None:
             if across:  # the receiver times first byte -> last (kv_transport `Transfer.elapsed_ms`): no delay
                 self.estimator.add(nbytes, seconds - self.wan.delay_ms / 1000.0, at_ms / 1000.0)
+                self._settle(run)
             self.loop.after(io_ms, self._landed, run, dec, "kv_wan" if across else "kv_local")
 
-        link.send(nbytes, landed)
+        flow = link.send(nbytes, landed)
+        h = self.handoffs.get(run.req.request_id)
+        if across and h is not None and dec is h.md:
+            h.wan_flow = flow
+
+    def _settle(self, run: RequestRun) -> None:
+        self.wan_outstanding -= self._owed.pop(run.req.request_id, 0.0)
 
     def _landed(self, run: RequestRun, dec: DecodeInstance, path: str) -> None:
         run.marks[path] = self.loop.now
@@ -178,6 +194,12 @@ class Serving:
         on_md = run.pipeline == Pipeline.P_MD or run.tokens_by_role["md"] > 0
         self.instances[run.instances["md" if on_md else "rld"]].cache.insert(run.req.done_blocks)
         h = self.handoffs.get(run.req.request_id)
-        if h is not None and not on_md and h.md_slot is not None:
-            h.md.drop(h.md_slot)  # the relay streamed every token: MD's copy goes
+        if h is not None and not on_md:  # the relay streamed every token: MD's copy goes
+            if h.md_slot is not None:
+                h.md.drop(h.md_slot)
+            elif (left := self.wan.cancel(h.wan_flow)) is not None:  # still crossing: stop it, as the real one does
+                run.wan_bytes -= round(left)
+                run.marks["kv_wan_cancelled"] = t
+                h.md.pending -= 1
+                self._settle(run)
         self.on_finish(run)

@@ -6,6 +6,10 @@
   earlier answer is that request's own answer ids — and named by `shared.prefix_hash` in
   16-token blocks. Equal text, equal blocks; so hits on prefill (prompts) and on the DRC
   (prompts and answers) come out as the real caches see them.
+- `agents`: the same agent sessions at fleet scale (benchmarks/agentic.py `agent_sessions`:
+  every length 16x the bench's, a 128K context; bodies known by name and length), named in
+  `AGENT_BLOCK`-token blocks by a chain over the message bodies' names and offsets: equal
+  conversation so far, equal blocks, as with token ids, at a fraction of the cost.
 - `trace:FILE`: a Mooncake trace, rescaled by the same rules as benchmarks/trace.py but kept in
   hash space (a block name is the trace's hash id; the tail and the answer get unique names).
 - `hitmix:H`: synthetic traffic whose requests each hit a fraction ~H of their prompt (Beta
@@ -17,12 +21,14 @@ model stopped on its EOS token, which the client never sees as a chunk (`SimRequ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
+from collections.abc import Hashable
 from typing import Any
 
-from benchmarks.agentic import GENERATION_PROMPT
+from benchmarks.agentic import GENERATION_PROMPT, AgenticParams, Segment, agent_sessions
 from benchmarks.pseudo_text import TokenCounter
 from benchmarks.trace import rescale
 from benchmarks.workload_model import BenchRequest, Workload
@@ -31,6 +37,9 @@ from shared.prefix_hash import block_hashes
 from sim.request import SimRequest
 
 BLOCK = 16
+AGENT_SCALE = 16  # `agents`: the bench's agent sessions, every length 16x (a 128K context)
+AGENT_BLOCK = BLOCK * AGENT_SCALE  # ... in blocks 16x longer, so a block is the same share of a prompt
+AGENT_SESSIONS = 512  # agents working at once across the fleet (the bench's 8 on one host)
 VOCAB = 49152
 OPEN_TOKENS, CLOSE_TOKENS = 3, 2  # "<|im_start|>role\n" ... "<|im_end|>\n"
 
@@ -84,6 +93,80 @@ def from_bench(
             )
         )
     return out
+
+
+class _Chain:
+    """Block names of a token sequence known as named pieces: block k's name hashes block k-1's
+    name with the (piece, offset, length) runs it holds, so equal sequences give equal names."""
+
+    def __init__(self, block: int) -> None:
+        self.block, self.names, self.runs, self.fill, self.tokens = block, [], [], 0, 0
+
+    def copy(self) -> _Chain:
+        out = _Chain(self.block)
+        out.names, out.runs, out.fill, out.tokens = list(self.names), list(self.runs), self.fill, self.tokens
+        return out
+
+    def add(self, key: Hashable, n: int) -> _Chain:
+        offset = 0
+        while offset < n:
+            take = min(n - offset, self.block - self.fill)
+            self.runs.append((key, offset, take))
+            self.fill, offset = self.fill + take, offset + take
+            if self.fill == self.block:
+                self.names.append(hash((self.names[-1] if self.names else None, tuple(self.runs))))
+                self.runs, self.fill = [], 0
+        self.tokens += n
+        return self
+
+
+def _message(chain: _Chain, m: dict, answers: dict[str, int]) -> None:
+    body: Segment | None = m.get("content")
+    chain.add(("open", m["role"]), OPEN_TOKENS)
+    if body is None:
+        chain.add(("answer", m["from"]), answers[m["from"]])
+    else:
+        chain.add(body.name, body.tokens)
+    chain.add(("close",), CLOSE_TOKENS)
+
+
+def from_segments(workload: Workload, block_tokens: int = AGENT_BLOCK) -> list[SimRequest]:
+    """`agent_sessions` requests as SimRequests: a prompt is its messages, each its template tokens
+    around its body (a `Segment`, or an earlier answer), then the generation prompt; a session's
+    turn starts from where the turn before it stopped (the chain is kept per conversation)."""
+    answers: dict[str, int] = {}
+    kept: dict[tuple, _Chain] = {}  # conversation (its message names) -> its chain before the generation prompt
+    out = []
+    for r in workload.requests:
+        names = tuple(m["from"] if m.get("content") is None else m["content"].name for m in r.messages)
+        if len(names) > 2 and names[:-2] in kept:  # the session's turn before: its answer and a tool result follow
+            start, chain = len(names) - 2, kept.pop(names[:-2])
+        elif names[:1] in kept:  # the system prompt every conversation starts with
+            start, chain = 1, kept[names[:1]].copy()
+        else:
+            start, chain = 0, _Chain(block_tokens)
+        for j in range(start, len(names)):
+            _message(chain, r.messages[j], answers)
+            if j == 0:
+                kept[names[:1]] = chain.copy()
+        if r.session:
+            kept[names] = chain.copy()
+        chain.add(("open", "assistant"), GENERATION_PROMPT)  # the assistant message's own opening
+        prompt, prompt_len = tuple(chain.names), chain.tokens
+        answers[r.request_id] = r.max_tokens
+        chain.add(("answer", r.request_id), r.max_tokens)
+        out.append(
+            SimRequest(r.request_id, r.arrival_s * 1000.0, prompt_len, r.max_tokens, prompt, tuple(chain.names),
+                       block_tokens, r.kind, r.session, r.turn, r.depends_on)
+        )  # fmt: skip
+    return out
+
+
+def agents(n: int, seed: int, rate_rps: float, sessions: int = AGENT_SESSIONS) -> tuple[list[SimRequest], dict]:
+    """The bench's agent sessions at fleet scale (`agents`), and the workload's description."""
+    params = dataclasses.replace(AgenticParams().scaled(AGENT_SCALE), concurrent_sessions=sessions)
+    wl = agent_sessions(n, seed, rate_rps, params)
+    return from_segments(wl), {**wl.describe(), "block_tokens": AGENT_BLOCK, "scale": AGENT_SCALE}
 
 
 def trace_requests(
@@ -181,7 +264,7 @@ def load_sim_workload(
     max_context: int = 8192,
     loops: int = 1,
 ) -> tuple[list[SimRequest], dict]:
-    """The workload `spec` names (agentic | random | trace:FILE | hitmix:H) and its description."""
+    """The workload `spec` names (agentic | agents | random | trace:FILE | hitmix:H) and its description."""
     if spec.startswith("trace:"):
         reqs = trace_requests(
             spec[6:], block_tokens, time_scale, output_scale, max_requests or n_requests, max_context, loops
@@ -198,9 +281,35 @@ def load_sim_workload(
                 "max_context": max_context,
             },
         }
+    if spec == "agents":
+        return agents(n_requests, seed, rate_rps)
     if spec.startswith("hitmix:"):
         hit = float(spec[7:])
         reqs = hitmix(n_requests, seed, rate_rps, hit)
         return reqs, {"name": spec, "requests": len(reqs), "seed": seed, "params": {"hit": hit, "rate_rps": rate_rps}}
     wl = load_workload(spec, n_requests=n_requests, seed=seed, rate_rps=rate_rps, tokenizer=tokenizer)
     return from_bench(wl, tokenizer), wl.describe()
+
+
+def reuse(requests: list[SimRequest]) -> dict[str, float]:
+    """How much of each prompt was seen before, by an infinite cache of earlier prompts (what prefill
+    could hit) and of earlier prompts and answers (what main-decode's DRC could hit), in arrival order."""
+    prompts: set[Hashable] = set()
+    done: set[Hashable] = set()
+    hits: dict[str, list[float]] = {"prompts": [], "prompts_and_answers": []}
+    ordered = sorted(requests, key=lambda r: r.arrival_ms)
+    for r in ordered:
+        for name, seen in (("prompts", prompts), ("prompts_and_answers", done)):
+            n = 0
+            while n < len(r.blocks) and r.blocks[n] in seen:
+                n += 1
+            hits[name].append(r.hit_tokens(n) / max(r.prompt_len, 1))
+        prompts.update(r.blocks)
+        done.update(r.done_blocks)
+    tokens = sum(r.prompt_len for r in requests)
+    out: dict[str, float] = {}
+    for name, hs in hits.items():
+        out[f"{name}_mean"] = sum(hs) / max(len(hs), 1)
+        out[f"{name}_over_95"] = sum(h > 0.95 for h in hs) / max(len(hs), 1)
+        out[f"{name}_token_weighted"] = sum(h * r.prompt_len for h, r in zip(hs, ordered)) / max(tokens, 1)
+    return out

@@ -76,12 +76,16 @@ def test_catch_up_hands_chunks_while_the_relay_keeps_streaming():
     assert max(gaps) < 20.0  # no one-shot stall: every extend was small
 
 
-def test_relay_finishing_first_drops_main_decodes_copy():
+def test_relay_finishing_first_drops_main_decodes_copy_and_cancels_its_kv():
+    # RLD streams 3 tokens at 100.1, 110.1, 120.1; MD's KV left at 100 at 1000 B/ms: at 120.1 it has
+    # sent 20,100 of its 100,000 B, and the rest never crosses (as the real transfer is aborted)
     cfg = make_config(scheduler={"ttft_slo_ms": 1.0})
     [run], cluster = simulate(cfg, "pdd", [make_request(output=3)])
     assert run.tokens_by_role == {"rld": 3, "md": 0}
+    assert run.wan_bytes == 20_100 and run.marks["kv_wan_cancelled"] == pytest.approx(120.1)
+    assert "kv_wan" not in run.marks and cluster.wan.bytes_sent == 20_100
     md = next(d for d in cluster.decoders if d.role == "md")
-    assert not md.running and md.used_tokens == 0
+    assert not md.running and md.used_tokens == 0 and md.pending == 0
 
 
 def test_drc_keeps_prompt_and_answer_for_the_next_turn():
@@ -95,3 +99,15 @@ def test_drc_keeps_prompt_and_answer_for_the_next_turn():
     assert runs[1].sent_ms == pytest.approx(runs[0].token_times[-1])  # waits for the turn before
     no_drc, _ = simulate(make_config(), "pd-wan", [first, second])
     assert no_drc[1].hit["md"] == 0 and no_drc[1].wan_bytes == 224_000
+
+
+def test_proposed_relay_finishes_keeps_the_kv_that_main_decode_would_drop_off_the_line():
+    # p-md's estimated TTFT: prefill 100 ms + 100,000 B at 1000 B/ms + 5 ms + a 10 ms step = 215 ms;
+    # p-rld-md's: 100 + 0.1 + 10 = 110.1 ms. The relay's lead, ~105 ms, is 11 steps: an answer of 3
+    # tokens is over before MD could take it (p-rld, no WAN bytes, the same token times); 20 is not.
+    cfg = make_config(scheduler={"ttft_slo_ms": 1.0}, proposed=("relay-finishes",))
+    [short], _ = simulate(cfg, "pdd", [make_request(output=3)])
+    assert (short.pipeline, short.reason, short.estimates["backlog_tokens"]) == ("p-rld", "relay-finishes", 3)
+    assert short.wan_bytes == 0 and short.token_times == pytest.approx([100.1, 110.1, 120.1])
+    [long], _ = simulate(cfg, "pdd", [make_request(output=20)])
+    assert (long.pipeline, long.reason, long.estimates["backlog_tokens"]) == ("p-rld-md", "slo-miss-relay", 11)

@@ -1,0 +1,293 @@
+"""Experiments 5-7 (docs/sim/README.md): the report's headline at fleet scale, when PDD pays, and
+why the relay streams what it streams.
+
+5. `headline`: both chip pairs (`PAIRS`) and both workloads that match the report's (agent
+   sessions at fleet scale, `agents`; the Mooncake trace at 2x its rate), each on a line sized
+   for PDD (sim/sizing.py): every mode, PDD with the proposed scheduler rules (sim/proposed.py:
+   line-backlog, relay-finishes), and naive cross-DC PD on a line sized for it.
+6. `sensitivity`: BCR of PDD over 88 A intra-DC against (a) the line's capacity (its price
+   scales with it), (b) B's price relative to A (arithmetic on experiment 5's goodputs), (c) the
+   average prefix hit (`hitmix`, agent-sized requests), each pair on its experiment-5 line.
+7. `relay`: experiment 1 request by request (`anatomy`: did the relay stream the whole answer,
+   and did the policy know it would?), the same run with the proposed rules, the trace on its
+   sized line, and the report's 64K-in / 1K-out set-up at ~90% hit for the relay's share.
+Each writes its PNGs into `--out` and returns its figures for experiments.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from shared.pipelines import Pipeline
+from sim.config import SimConfig, load_sim_config
+from sim.plotting import plt, save
+from sim.records import cost_per_hour
+from sim.request import RequestRun, SimRequest
+from sim.run import simulate, summarize
+from sim.sizing import smallest_line_gbps
+from sim.workload import agents, hitmix, reuse, trace_requests
+
+PAIRS = {"H100 + H200": "configs/sim/report-fleet.yaml", "H100 + H20": "configs/sim/report-fleet-h20.yaml"}
+AGENT_REQUESTS, AGENT_RATE = 12_000, 60.0  # offered rate: 512 agents keep ~40 req/s going, 88 A saturate
+UNBOUNDED_MBPS = 1e9  # a line that holds nothing back, to measure demand
+MODES = ("pd-local", "pd-wan", "pd-wan-drc", "pdd")
+RULES = ("line-backlog", "relay-finishes")  # sim/proposed.py
+PROPOSED = "pdd + proposed rules"
+LINE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+PRICES = tuple(round(0.3 + 0.05 * k, 2) for k in range(28))  # B's price / A's: 0.3 .. 1.65
+HITS = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+HIT_REQUESTS, HIT_RATE = 3000, 20.0
+LONG = {"prompt_tokens": 65536, "output_tokens": 1024, "hit": 0.9, "rate": 8.0, "requests": 2000}
+
+
+def with_line(cfg: SimConfig, gbps: float) -> SimConfig:
+    return dataclasses.replace(cfg, wan={**cfg.wan, "bandwidth_mbps": gbps * 1000.0})
+
+
+def with_rules(cfg: SimConfig, rules: tuple[str, ...] = RULES) -> SimConfig:
+    return dataclasses.replace(cfg, proposed=rules)
+
+
+def figures(cfg: SimConfig, mode: str, reqs: list[SimRequest], label: str = "") -> tuple[dict, list[RequestRun]]:
+    """One mode's row: price, SLA goodput, BCR, latency, WAN, relay share, hits."""
+    t0 = time.perf_counter()
+    s, _, runs = summarize(cfg, mode, reqs)
+    span = max((r.token_times[-1] for r in runs if r.token_times), default=1.0) / 1000.0
+    row = {
+        "line_gbps": float(cfg.wan["bandwidth_mbps"]) / 1000.0,
+        "cost_per_hour": cost_per_hour(cfg, mode),
+        "goodput_rps": s["goodput_rps"],
+        "bcr": s["bcr"],
+        "slo_share": s["goodput_rps"] * span / max(s["requests"], 1),
+        "ttft_ms": s["ttft_ms"],
+        "tpot_ms": s["tpot_ms"],
+        "wan_kv_bytes": s["wan_kv_bytes"],
+        "wan_gbps": s["wan_kv_bytes"] * 8 / 1e9 / span,
+        "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
+        "hit_rate": s["hit_rate"],
+        "failed": s["failed"],
+    }
+    print(
+        f"  {label or mode}: {len(reqs)} requests, {time.perf_counter() - t0:.0f}s, BCR {s['bcr']:.4f}", file=sys.stderr
+    )
+    return row, runs
+
+
+def size(cfg: SimConfig, mode: str, reqs: list[SimRequest]) -> dict:
+    """The line an operator would buy for `mode` on this workload (sim/sizing.py)."""
+    runs, _ = simulate(with_line(cfg, UNBOUNDED_MBPS / 1000.0), mode, reqs)
+    return smallest_line_gbps(runs, cfg.bandwidth())
+
+
+def workloads(trace: str) -> dict[str, tuple[list[SimRequest], dict]]:
+    reqs, info = agents(AGENT_REQUESTS, 0, AGENT_RATE)
+    moon = trace_requests(trace, block_tokens=512, time_scale=0.5, max_context=131072, loops=2)
+    return {"agents": (reqs, info), "mooncake x2": (moon, {"name": trace, "requests": len(moon), "time_scale": 0.5})}
+
+
+# -- 5. the headline ------------------------------------------------------------------------------
+def headline(out: Path, trace: str) -> dict:
+    result: dict = {}
+    for wname, (reqs, info) in workloads(trace).items():
+        result[wname] = {"workload": {**info, "reuse": reuse(reqs)}}
+        for pair, path in PAIRS.items():
+            cfg = load_sim_config(path)
+            sized, naive = size(cfg, "pdd", reqs), size(cfg, "pd-wan", reqs)
+            line = with_line(cfg, sized["line_gbps"])
+            rows = {m: figures(line, m, reqs, f"{wname} {pair} {m}")[0] for m in MODES}
+            rows[PROPOSED] = figures(with_rules(line), "pdd", reqs, f"{wname} {pair} {PROPOSED}")[0]
+            own = with_line(cfg, naive["line_gbps"])
+            rows["pd-wan, own line"] = figures(own, "pd-wan", reqs, f"{wname} {pair} pd-wan on its line")[0]
+            result[wname][pair] = {"line": sized, "naive_line": naive, "modes": rows}
+    _plot_headline(out / "headline.png", result)
+    return result
+
+
+def _plot_headline(path: Path, result: dict) -> None:
+    shown = ("pd-wan", "pd-wan-drc", "pdd", PROPOSED, "pd-wan, own line")
+    fig, axes = plt.subplots(1, len(result), figsize=(6.5 * len(result), 4.2), squeeze=False)
+    for ax, (wname, w) in zip(axes[0], result.items()):
+        pairs = [p for p in PAIRS if p in w]
+        for k, mode in enumerate(shown):
+            ys = [w[p]["modes"][mode]["bcr"] / max(w[p]["modes"]["pd-local"]["bcr"], 1e-12) for p in pairs]
+            ax.bar([i + 0.16 * (k - 2) for i in range(len(pairs))], ys, 0.16, label=mode)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(pairs)), [f"{p}\n{w[p]['line']['line_gbps']:.0f} Gbps line" for p in pairs])
+        ax.set_title(f"{wname}: BCR relative to 88 A intra-DC")
+        ax.legend(fontsize=7)
+    save(fig, path)
+
+
+# -- 6. when PDD pays -----------------------------------------------------------------------------
+def sensitivity(out: Path, head: dict) -> dict:
+    reqs, _ = agents(AGENT_REQUESTS, 0, AGENT_RATE)
+    result: dict = {"line": {}, "price": {}, "hit": {}}
+    for pair, path in PAIRS.items():
+        cfg = load_sim_config(path)
+        base = head["agents"][pair]
+        sized, local = base["line"]["line_gbps"], base["modes"]["pd-local"]
+        rows = []
+        for f in LINE_FACTORS:
+            row, _ = figures(with_line(cfg, sized * f), "pdd", reqs, f"line x{f} {pair}")
+            ruled, _ = figures(with_rules(with_line(cfg, sized * f)), "pdd", reqs, f"line x{f} {pair} {PROPOSED}")
+            rows.append(
+                {
+                    "factor": f,
+                    **row,
+                    "vs_local": row["bcr"] / local["bcr"],
+                    "proposed": ruled,
+                    "proposed_vs_local": ruled["bcr"] / local["bcr"],
+                }
+            )
+        result["line"][pair] = rows
+        result["price"][pair] = {w: _price_curve(head[w][pair], load_sim_config(path)) for w in head if pair in head[w]}
+        result["hit"][pair] = _hit_sweep(with_line(cfg, sized), pair)
+    _plot_sensitivity(out, result)
+    return result
+
+
+def _price_curve(h: dict, cfg: SimConfig) -> list[dict]:
+    """BCR ratio at B's price p: goodputs unchanged, only PDD's hourly cost moves (32 B chips)."""
+    local, pdd = h["modes"]["pd-local"], h["modes"]["pdd"]
+    n_b = cfg.fleet("pdd")["md"]
+    rows = []
+    for p in PRICES:
+        cost = pdd["cost_per_hour"] + n_b * (p - cfg.chip("B", "md").price_per_hour)
+        rows.append({"price": p, "cost_per_hour": cost, "vs_local": (pdd["goodput_rps"] / cost) / local["bcr"]})
+    return rows
+
+
+def _hit_sweep(cfg: SimConfig, pair: str) -> list[dict]:
+    rows = []
+    for h in HITS:
+        reqs = hitmix(HIT_REQUESTS, 0, HIT_RATE, h, prompt_tokens=20480, output_tokens=512, block_tokens=256)
+        local, _ = figures(cfg, "pd-local", reqs, f"hit {h} {pair} pd-local")
+        pdd, _ = figures(cfg, "pdd", reqs, f"hit {h} {pair} pdd")
+        ruled, _ = figures(with_rules(cfg), "pdd", reqs, f"hit {h} {pair} {PROPOSED}")
+        base = max(local["bcr"], 1e-12)
+        rows.append(
+            {
+                "hit": h,
+                "pd-local": local,
+                "pdd": pdd,
+                "vs_local": pdd["bcr"] / base,
+                "proposed": ruled,
+                "proposed_vs_local": ruled["bcr"] / base,
+            }
+        )
+    return rows
+
+
+def _plot_sensitivity(out: Path, r: dict) -> None:
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for k, (pair, rows) in enumerate(r["line"].items()):
+        xs = [x["line_gbps"] for x in rows]
+        ax.plot(xs, [x["vs_local"] for x in rows], "o-", color=f"C{k}", label=f"{pair}, pdd")
+        ax.plot(xs, [x["proposed_vs_local"] for x in rows], "s--", color=f"C{k}", label=f"{pair}, {PROPOSED}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("line capacity (Gbps, nominal; price scales with it)")
+    ax.set_ylabel("BCR of PDD / BCR of 88 A intra-DC")
+    ax.set_title("(a) agent sessions: line capacity")
+    ax.legend()
+    save(fig, out / "sensitivity_line.png")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for pair, curves in r["price"].items():
+        for w, rows in curves.items():
+            ax.plot([x["price"] for x in rows], [x["vs_local"] for x in rows], label=f"{pair}, {w}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axvspan(1.2, 1.3, color="tab:orange", alpha=0.15, label="the report's B premium")
+    ax.set_xlabel("chip B's hourly price / chip A's")
+    ax.set_ylabel("BCR of PDD / BCR of 88 A intra-DC")
+    ax.set_title("(b) B's price (goodputs of experiment 5)")
+    ax.legend(fontsize=8)
+    save(fig, out / "sensitivity_price.png")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for k, (pair, rows) in enumerate(r["hit"].items()):
+        xs = [x["hit"] * 100 for x in rows]
+        ax.plot(xs, [x["vs_local"] for x in rows], "o-", color=f"C{k}", label=f"{pair}, pdd")
+        ax.plot(xs, [x["proposed_vs_local"] for x in rows], "s--", color=f"C{k}", label=f"{pair}, {PROPOSED}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("average prefix hit (%)")
+    ax.set_ylabel("BCR of PDD / BCR of 88 A intra-DC")
+    ax.set_title(f"(c) hitmix, 20K in / 512 out, {HIT_RATE:g} req/s, on the agents' line")
+    ax.legend()
+    save(fig, out / "sensitivity_hit.png")
+
+
+# -- 7. the relay's share -------------------------------------------------------------------------
+def fate(r: RequestRun) -> str:
+    """What became of one request's plan, as far as the relay is concerned."""
+    if r.pipeline != Pipeline.P_RLD_MD:
+        return f"{r.pipeline} [{r.reason}]"
+    if r.tokens_by_role["md"] > 0:
+        return "handed off to MD"
+    if "kv_wan" in r.marks and r.marks["kv_wan"] < r.token_times[-1]:
+        return "MD's KV in before the end, no handoff"
+    return "relay streamed it all: MD's KV still on the line"
+
+
+def anatomy(runs: list[RequestRun]) -> dict:
+    """Request by request: each plan's fate, the relay's tokens by fate, and whether the policy knew."""
+    fates = Counter(fate(r) for r in runs)
+    tokens = Counter()
+    for r in runs:
+        tokens[fate(r)] += r.tokens_by_role["rld"]
+    relayed = [r for r in runs if r.pipeline == Pipeline.P_RLD_MD]
+    whole = [r for r in relayed if fate(r).startswith("relay streamed")]
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else 0.0
+
+    total = sum(sum(r.tokens_by_role.values()) for r in runs)
+    return {
+        "requests": fates,
+        "relay_tokens": tokens,
+        "rld_share": sum(tokens.values()) / max(total, 1),
+        "relayed": len(relayed),
+        "knew": sum(r.estimates.get("backlog_tokens", 0) >= r.req.output_len for r in relayed) / max(len(relayed), 1),
+        "whole_median_output": med([r.req.output_len for r in whole]),
+        "whole_median_stream_s": med([(r.token_times[-1] - r.token_times[0]) / 1000 for r in whole]),
+        "whole_median_lead_s": med(
+            [(r.estimates["ttft_ms"][Pipeline.P_MD] - r.estimates["ttft_ms"][Pipeline.P_RLD_MD]) / 1000 for r in whole]
+        ),
+        "whole_median_wan_est_mbps": med([r.estimates["wan_mbps"] for r in whole]),
+    }
+
+
+def relay(out: Path, trace: str, fleet: SimConfig, head: dict) -> dict:
+    moon = trace_requests(trace, block_tokens=512, time_scale=0.5, max_context=131072, loops=2)
+    result: dict = {}
+    variants = (
+        ("experiment 1", fleet),
+        ("experiment 1 + relay-finishes", with_rules(fleet, ("relay-finishes",))),
+        (f"experiment 1, {PROPOSED}", with_rules(fleet)),
+    )
+    for label, cfg in variants:
+        row, runs = figures(cfg, "pdd", moon, label)
+        result[label] = {**row, "anatomy": anatomy(runs)}
+    sized = head["mooncake x2"]["H100 + H200"]["line"]["line_gbps"]
+    for label, cfg in (("", with_line(fleet, sized)), (f", {PROPOSED}", with_rules(with_line(fleet, sized)))):
+        row, runs = figures(cfg, "pdd", moon, f"mooncake on its line{label}")
+        result[f"mooncake x2 on its line{label}"] = {**row, "anatomy": anatomy(runs)}
+    cfg = load_sim_config(PAIRS["H100 + H200"])
+    long = hitmix(
+        LONG["requests"],
+        0,
+        LONG["rate"],
+        LONG["hit"],
+        prompt_tokens=LONG["prompt_tokens"],
+        output_tokens=LONG["output_tokens"],
+        block_tokens=256,
+    )
+    line = size(cfg, "pdd", long)
+    local, _ = figures(with_line(cfg, line["line_gbps"]), "pd-local", long, "64K/1K pd-local")
+    for label, c in (("", cfg), (f", {PROPOSED}", with_rules(cfg))):
+        row, runs = figures(with_line(c, line["line_gbps"]), "pdd", long, f"64K/1K pdd{label}")
+        result[f"64K in / 1K out, 90% hit{label}"] = {**row, "line": line, "pd-local": local, "anatomy": anatomy(runs)}
+    return result
