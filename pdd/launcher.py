@@ -1,9 +1,19 @@
-"""One-host launcher: NATS, Redis, the WAN emulator and every service as child processes.
+"""One-host launcher: both sites (a NATS server each, Redis in the scheduler's), the emulated
+line between them, and every service, as child processes.
+
+Lifecycle of a cluster:
+1. `Cluster(config)`: the config is resolved for this host (pdd/topology.py): free ports, site
+   URLs, the forwards through the line, a throwaway CA and credentials unless it names its own.
+2. `launch()`: the servers start (each site's NATS with its users, permissions and leafnode
+   link; Redis with a password), then every service process, none waited for; `wait_ready()`
+   returns once the gateway reports every role alive. `start()` is both. The test suite
+   launches its clusters at session start and waits for them only when a test needs one.
+3. `kill(name)` / `start_process(name)`: faults and restarts for the tests.
+4. `stop()`: SIGTERM to every child, SIGKILL to any left, then the servers: no process outlives
+   the cluster. Each child logs to `<run_dir>/<name>.log`.
 
 `pdd up` runs `Cluster(...).start()` and waits for Ctrl-C; the tests and `pdd bench` use the
-same class, so there is one way to bring a cluster up. Each child logs to
-`<run_dir>/<name>.log`; stopping sends SIGTERM to every child, then SIGKILL to any left, so
-no process outlives the cluster.
+same class, so there is one way to bring a cluster up.
 """
 
 from __future__ import annotations
@@ -15,38 +25,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 import yaml
 
-from pdd.servers import EmbeddedServer, die_with_parent, free_port
+from pdd.natsconf import server_conf
+from pdd.servers import EmbeddedServer, die_with_parent
+from pdd.topology import ProcessSpec, plan_processes, resolve
 from shared.config import ClusterConfig, config_from_dict, load_config, to_dict
+from shared.security import Secrets
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    name: str
-    role: str
-    argv: tuple[str, ...]
-
-
-def plan_processes(cfg: ClusterConfig, config_path: str) -> list[ProcessSpec]:
-    """Every service process of the cluster, in start order (docker-compose mirrors this)."""
-
-    def spec(name: str, role: str, *extra: str) -> ProcessSpec:
-        return ProcessSpec(name, role, ("pdd", "serve", role, "--config", config_path, *extra))
-
-    specs = [spec("wanlink", "wanlink")] if cfg.wan.enabled else []
-    specs.append(spec("scheduler", "scheduler"))
-    specs += [spec(i.id, i.role, "--instance", i.id) for i in cfg.instances]
-    specs.append(spec("gateway", "gateway"))
-    return specs
+CHILD_ENV_DROPPED = ("PDD_NATS_URL", "PDD_REDIS_URL", "PDD_SECRETS_DIR")  # the run config says it all
 
 
 def serve_argv(role: str, config_path: str | None, instance: str | None) -> list[str]:
@@ -58,87 +50,52 @@ def serve_argv(role: str, config_path: str | None, instance: str | None) -> list
     return argv
 
 
-def serve_one(role: str, config_path: str | None, instance: str | None) -> int:
-    """`pdd serve ROLE`: become that service (per-datacenter deployment)."""
-    argv = serve_argv(role, config_path, instance)
-    os.chdir(ROOT)
-    os.execv(argv[0], argv)
-
-
 class Cluster:
     def __init__(self, config: str | Path | dict | None = None, log=print, **overrides: Any) -> None:
-        if isinstance(config, dict):
-            self.cfg = config_from_dict(config, **overrides)
-        else:
-            self.cfg = load_config(config, **overrides)
+        given = config_from_dict(config, **overrides) if isinstance(config, dict) else load_config(config, **overrides)
         self.log = log
         self.run_dir = Path(tempfile.mkdtemp(prefix="pdd-cluster-"))
+        self.embedded_nats = [dc.name for dc in given.datacenters if not dc.nats_url]
+        self.embedded_redis = not given.redis_url
+        self.cfg: ClusterConfig = resolve(given, self.run_dir)
+        self.config_path = str(self.run_dir / "config.yaml")
+        Path(self.config_path).write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        self.secrets = Secrets.of(self.cfg)
+        self.specs = {s.name: s for s in plan_processes(self.cfg, self.config_path)}
         self.servers: dict[str, EmbeddedServer] = {}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.specs: dict[str, ProcessSpec] = {}
-        self.config_path = str(self.run_dir / "config.yaml")
-        self.wan_port = 0
 
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
+    def nats_url(self, dc: str | None = None) -> str:
+        return self.cfg.datacenter(dc or self.cfg.control_dc).nats_url
+
     # -- start ----------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> Cluster:
+        self.launch()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> Cluster:
+        """Start the servers and every process; wait for none of the processes."""
         if self.procs:
             raise RuntimeError("cluster already started (`with Cluster(...)` starts it; do not also call start())")
         try:
             self._start_servers()
-            for spec in plan_processes(self.cfg, self.config_path):
-                self.specs[spec.name] = spec
-                self.start_process(spec.name)
-                if spec.role == "wanlink":
-                    self._register_wan_route(timeout)
-            self._wait_ready(timeout)
+            for name in self.specs:
+                self.start_process(name)
         except BaseException:
             self.stop()
             raise
-        self.log(f"pdd: cluster ready at {self.url} (logs in {self.run_dir})")
         return self
 
-    def _start_servers(self) -> None:
-        settings = to_dict(self.cfg)
-        for kind in ("nats", "redis"):
-            if not settings[f"{kind}_url"]:
-                self.log(f"pdd: starting embedded {kind} server")
-                self.servers[kind] = EmbeddedServer(kind).start()
-                settings[f"{kind}_url"] = self.servers[kind].url
-        if settings["port"] == 0:
-            settings["port"] = free_port()
-        self.cfg = config_from_dict(settings)
-        Path(self.config_path).write_text(yaml.safe_dump(settings, sort_keys=False))
-
-    def start_process(self, name: str) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            # PR_SET_PDEATHSIG fires when the forking thread exits: the child would die with it
-            raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
-        spec = self.specs[name]
-        extra = ["--ready-file", str(self.run_dir / "wanlink.port")] if spec.role == "wanlink" else []
-        argv = serve_argv(spec.role, self.config_path, None) + list(spec.argv[5:]) + extra
-        logf = open(self.run_dir / f"{name}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDD_NATS_URL": self.cfg.nats_url,
-               "PDD_REDIS_URL": self.cfg.redis_url, "PDD_PORT": str(self.cfg.port)}  # fmt: skip
-        self.log(f"pdd: starting {name}")
-        self.procs[name] = subprocess.Popen(
-            argv, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-        logf.close()
-
-    def _register_wan_route(self, timeout: float) -> None:
-        ready = self.run_dir / "wanlink.port"
-        self._until(lambda: ready.exists() and ready.read_text().strip(), timeout, "wanlink to listen", "wanlink")
-        self.wan_port = int(ready.read_text().strip())
-        r = redis.Redis.from_url(self.cfg.redis_url)
-        r.set(f"pdd:route:{self.cfg.wan.src_dc}:{self.cfg.wan.dst_dc}", f"{self.cfg.host}:{self.wan_port}")
-        r.close()
-
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         def healthy() -> bool:
             try:
                 return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
@@ -146,12 +103,38 @@ class Cluster:
                 return False
 
         self._until(healthy, timeout, "the gateway to report every role alive")
+        self.log(f"pdd: cluster ready at {self.url} (logs in {self.run_dir})")
 
-    def _until(self, predicate, timeout: float, what: str, watch: str | None = None) -> None:
+    def _start_servers(self) -> None:
+        for dc in self.cfg.datacenters:
+            if dc.name in self.embedded_nats:
+                conf = self.run_dir / f"nats-{dc.name}.conf"
+                conf.write_text(server_conf(self.cfg, dc, self.secrets))
+                self.log(f"pdd: starting the NATS server of datacenter {dc.name}")
+                self.servers[f"nats-{dc.name}"] = EmbeddedServer.nats(f"nats-{dc.name}", conf, dc.nats_port,
+                                                                      self.run_dir).start()  # fmt: skip
+        if self.embedded_redis:
+            self.log(f"pdd: starting Redis (datacenter {self.cfg.control_dc})")
+            password = self.secrets.redis_password if self.secrets else None
+            self.servers["redis"] = EmbeddedServer.redis(self.cfg.redis_port, password, self.run_dir).start()
+
+    def start_process(self, name: str) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the forking thread exits: the child would die with it
+            raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
+        spec = self.specs[name]
+        argv = serve_argv(spec.role, self.config_path, name if spec.role in ("prefill", "rld", "md") else None)
+        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED} | {"PYTHONUNBUFFERED": "1"}
+        self.log(f"pdd: starting {name}" + (f" (datacenter {spec.dc})" if spec.dc else " (the line between sites)"))
+        with open(self.run_dir / f"{name}.log", "ab") as logf:
+            self.procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                                start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+
+    def _until(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
-                if (watch is None or name == watch) and proc.poll() is not None:
+                if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.run_dir / name}.log")
             if predicate():
                 return
@@ -196,24 +179,28 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def serve_one(role: str, config_path: str | None, instance: str | None) -> int:
+    """`pdd serve ROLE`: become that service (per-datacenter deployment)."""
+    argv = serve_argv(role, str(Path(config_path).resolve()) if config_path else None, instance)
+    os.chdir(ROOT)
+    os.execv(argv[0], argv)
+
+
 def run_cluster(config_path: str | None) -> int:
-    cluster = Cluster(config_path)
-    stop = {"now": False}
-
-    def on_signal(*_: Any) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    cluster.start()
+    """`pdd up`: the whole two-site cluster on this host until Ctrl-C."""
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    cluster = Cluster(config_path).start()
     print(f"PDD serving on {cluster.url}  (OpenAI API: {cluster.url}/v1; Ctrl-C stops everything)", flush=True)
+    print(f"pdd: throwaway certificates and credentials in {cluster.cfg.secrets_dir}", flush=True)
     try:
-        while not stop["now"]:
+        while not stop.is_set():
             for name, proc in cluster.procs.items():
                 if proc.poll() is not None:
                     print(f"pdd: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
-                    stop["now"] = True
-            time.sleep(0.5)
+                    stop.set()
+            stop.wait(0.5)
     finally:
         cluster.stop()
     return 0

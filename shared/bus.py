@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 
 from shared.messages import BadMessage, M, Message
+from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,16 @@ class Bus:
         self._tasks: set[asyncio.Task] = set()  # handler tasks, referenced so they are not collected
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> Bus:
+    async def connect(cls, url: str, name: str, role: str = "", secrets: Secrets | None = None) -> Bus:
+        """Connect to a NATS server as `role`'s user (its password from `secrets`, when the
+        cluster has them: the servers then refuse anyone without credentials)."""
+
         async def on_error(e: Exception) -> None:
             log.warning("%s: NATS error: %s", name, e)
 
+        creds = {"user": role, "password": secrets.nats_password(role)} if secrets and role else {}
+        if role:  # replies come on the role's own inbox prefix: no role can read another's replies
+            creds["inbox_prefix"] = f"_INBOX.{role}"
         nc = await nats.connect(
             url,
             name=name,
@@ -50,6 +57,7 @@ class Bus:
             reconnect_time_wait=0.5,
             error_cb=on_error,
             allow_reconnect=True,
+            **creds,
         )
         return cls(nc, name)
 

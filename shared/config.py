@@ -1,10 +1,12 @@
 """Cluster configuration: frozen dataclasses from one YAML file plus `PDD_` environment overrides.
 
-Overrides: PDD_NATS_URL, PDD_REDIS_URL (use these servers instead of embedded ones),
-PDD_PORT (gateway port), PDD_MODEL (model folder, or "default"), PDD_ADVERTISE_HOST (the address
-other services dial to reach this one, where it differs from the bind address `host`, e.g. one
-container per service binding 0.0.0.0).
-Validation errors name the bad value and where it came from.
+One file describes the whole two-site cluster; each process reads it and takes its own part
+(its instance, its datacenter's NATS server). Overrides for the process reading it:
+PDD_NATS_URL (its own datacenter's NATS server), PDD_REDIS_URL (the scheduler's Redis),
+PDD_SECRETS_DIR (certificates and credentials, see pdd/certs.py), PDD_PORT (gateway port),
+PDD_MODEL (model folder, or "default"), PDD_ADVERTISE_HOST (the address other services dial to
+reach this one, where it differs from the bind address `host`, e.g. one container per service
+binding 0.0.0.0). Validation errors name the bad value and where it came from.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class InstanceConfig:
     max_running: int = 32
     max_waiting: int = 64  # requests held beyond max_running (queued, or KV on its way); past it, refused
     prefix_cache: bool = True  # radix cache of earlier requests' KV (the DRC on decoders)
+    kv_port: int = 0  # decoders: the KV listener (0 = any free port; name one so a firewall can)
+    kv_advertise: str = ""  # "host:port" prefill dials for this decoder ("" = public host, kv_port)
+    metrics_port: int = 0  # Prometheus /metrics (0 = none)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -52,8 +57,21 @@ class InstanceConfig:
 
 
 @dataclass(frozen=True)
+class DatacenterConfig:
+    """One site: its NATS server, and how it joins the scheduler's site (a NATS leafnode link)."""
+
+    name: str
+    nats_url: str = ""  # its services' NATS server ("" = embedded, started by the launcher)
+    nats_port: int = 0  # the embedded server's client port (0 = a free one)
+    leaf_port: int = 0  # the scheduler's site: where other sites' NATS servers connect (TLS)
+    leaf_remote: str = ""  # the other sites: "host:port" of the scheduler's site's leaf port
+
+
+@dataclass(frozen=True)
 class WanConfig:
-    """The emulated link from datacenter A to B (absent in a real multi-DC deployment)."""
+    """The emulated line between datacenter A and B (absent in a real deployment). Every
+    connection between the sites crosses it: the KV pushes to B's decoders and the NATS link.
+    The settings are each direction's; `reverse` overrides some for B -> A."""
 
     name: str = "a-b"
     src_dc: str = "A"
@@ -68,6 +86,8 @@ class WanConfig:
     walk_max_mbps: float = 2000.0
     seed: int = 0
     enabled: bool = True
+    reverse: dict[str, Any] = field(default_factory=dict)  # B -> A settings that differ
+    ports: dict[str, int] = field(default_factory=dict)  # forward name -> emulator listen port
 
 
 @dataclass(frozen=True)
@@ -125,8 +145,12 @@ class ClusterConfig:
     host: str = "127.0.0.1"  # where services listen
     advertise_host: str = ""  # where others reach them ("" = host); PDD_ADVERTISE_HOST overrides
     port: int = 8000
-    nats_url: str = ""  # "" = embedded nats-server on a free port
+    control_dc: str = "A"  # where the gateway, the scheduler and Redis run
+    datacenters: tuple[DatacenterConfig, ...] = ()
+    nats_url: str = ""  # this process's NATS server, overriding its datacenter's (PDD_NATS_URL)
     redis_url: str = ""  # "" = embedded redis-server on a free port
+    redis_port: int = 0
+    secrets_dir: str = ""  # certificates and credentials (pdd certs); "" = `pdd up` makes throwaway ones
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     max_queue: int = 64  # requests admitted and not finished, per gateway
@@ -150,6 +174,40 @@ class ClusterConfig:
     def public_host(self) -> str:
         """The address this process advertises for its listeners (KV receiver, WAN link)."""
         return self.advertise_host or self.host
+
+    def datacenter(self, name: str) -> DatacenterConfig:
+        for dc in self.datacenters:
+            if dc.name == name:
+                return dc
+        raise ConfigError(f"no datacenter {name!r} in the config (have {[d.name for d in self.datacenters]})")
+
+    def nats_url_for(self, dc: str) -> str:
+        """The NATS server a process in datacenter `dc` connects to (only its own site's)."""
+        url = self.nats_url or self.datacenter(dc).nats_url
+        if not url:
+            raise ConfigError(f"no NATS server for datacenter {dc}: set PDD_NATS_URL or datacenters.{dc}.nats_url")
+        return url
+
+    def wan_forwards(self) -> list[tuple[str, str, tuple[str, int]]]:
+        """What crosses the line: (forward name, the site that dials, the endpoint it reaches).
+        Each decoder outside the scheduler's site takes KV pushes from prefill; each other site's
+        NATS server joins the scheduler's site's leafnode port. Nothing else crosses."""
+        home = self.datacenter(self.control_dc)
+        out = [(i.id, self.control_dc, (self.host, i.kv_port)) for i in self.instances
+               if i.dc != self.control_dc and i.role != "prefill"]  # fmt: skip
+        out += [(f"nats-{d.name}", d.name, (self.host, home.leaf_port)) for d in self.datacenters
+                if d.name != self.control_dc]  # fmt: skip
+        return out
+
+    def kv_endpoint(self, inst: InstanceConfig) -> tuple[str, int]:
+        """Where prefill dials a decoder's KV listener: across the emulated line when the decoder
+        is in the other site, its advertised address in a real deployment, else its own port."""
+        if self.wan.enabled and inst.dc != self.control_dc and inst.id in self.wan.ports:
+            return self.host, self.wan.ports[inst.id]
+        if inst.kv_advertise:
+            host, _, port = inst.kv_advertise.rpartition(":")
+            return host, int(port)
+        return self.public_host, inst.kv_port
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
@@ -185,9 +243,13 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     handoff = _build(HandoffConfig, raw.pop("handoff", {}) or {}, f"{where}: handoff")
     scheduler = _build(SchedulerConfig, raw.pop("scheduler", {}) or {}, f"{where}: scheduler")
     instances = tuple(_build(InstanceConfig, i, f"{where}: instance") for i in raw.pop("instances", []))
+    dcs = raw.pop("datacenters", None) or {d: {} for d in sorted({i.dc for i in instances} | {wan.src_dc, wan.dst_dc})}
+    datacenters = tuple(_build(DatacenterConfig, {"name": name, **(v or {})}, f"{where}: datacenters.{name}")
+                        for name, v in (dcs.items() if isinstance(dcs, dict) else ((d["name"], d) for d in dcs)))  # fmt: skip
     env = {
         "nats_url": os.environ.get("PDD_NATS_URL"),
         "redis_url": os.environ.get("PDD_REDIS_URL"),
+        "secrets_dir": os.environ.get("PDD_SECRETS_DIR"),
         "port": os.environ.get("PDD_PORT"),
         "model": os.environ.get("PDD_MODEL"),
         "advertise_host": os.environ.get("PDD_ADVERTISE_HOST"),
@@ -196,13 +258,17 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
         if value:
             raw[key] = int(value) if key == "port" else value
     cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "handoff": handoff, "scheduler": scheduler,
-                                      "instances": instances}, where)
+                                      "instances": instances, "datacenters": datacenters}, where)
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")
     for role in ("prefill", "md"):
         if not cfg.of_role(role):
             raise ConfigError(f"{where}: needs at least one {role} instance")
+    known = {d.name for d in cfg.datacenters}
+    for dc in {i.dc for i in cfg.instances} | {cfg.control_dc}:
+        if dc not in known:
+            raise ConfigError(f"{where}: datacenter {dc!r} is used but not in datacenters {sorted(known)}")
     if cfg.scheduler.default_pipeline == Pipeline.P_RLD_MD and not cfg.of_role("rld"):
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline=Pipeline.P_MD))
     return cfg
@@ -210,7 +276,9 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
 
 def to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     """Plain data (for YAML round trips, e.g. the launcher handing a config to its children)."""
-    return dataclasses.asdict(cfg)
+    out = dataclasses.asdict(cfg)
+    out["datacenters"] = {d.pop("name"): d for d in out["datacenters"]}
+    return out
 
 
 def service_args(role: str, argv: list[str] | None = None) -> tuple[ClusterConfig, str | None]:
@@ -222,5 +290,5 @@ def service_args(role: str, argv: list[str] | None = None) -> tuple[ClusterConfi
     parser.add_argument("--config", default=None, help="cluster YAML (default configs/single-host.yaml)")
     parser.add_argument("--instance", default=None, help="instance id (roles with several instances)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.instance or role} %(levelname)s %(message)s")
     return load_config(args.config), args.instance

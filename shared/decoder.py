@@ -20,6 +20,8 @@ Lifecycle of a request on a decoder: one `DecodeRequest` in `requests`; its `pha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import logging
 import time
 from collections import deque
@@ -30,13 +32,14 @@ from shared import subjects
 from shared.decode_state import DecodeRequest, End, Phase
 from shared.handoff import MainSide, RelaySide
 from shared.instance import InstanceService, to_params
-from shared.kv_transport import KVReceiver, Transfer
-from shared.messages import Abort, Ack, DecodeTask, RequestStats, TokenChunk, WanSample
+from shared.kv_transport import KVReceiver, Transfer, Verdict
+from shared.messages import Abort, Ack, BadMessage, DecodeTask, RequestStats, TokenChunk, WanSample
 from shared.recent import RecentIds
 from shared.runtime.engine import Engine, TokenOutput
-from shared.runtime.kv_payload import KVHeader, KVPayload, import_kv, layer_from_bytes
+from shared.runtime.kv_payload import WIRE_DTYPES, KVHeader, KVPayload, import_kv, layer_from_bytes
 from shared.runtime.kv_pool import PoolExhausted
 from shared.runtime.sequence import FinishReason, Sequence
+from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +51,20 @@ class DecoderService(InstanceService):
         self.side = RelaySide(self) if inst.role == "rld" else MainSide(self)
         self.requests: dict[str, DecodeRequest] = {}
         self.aborted = RecentIds()  # a task arriving after its abort is refused
-        self.receiver = KVReceiver(self.on_transfer, cfg.timeouts.kv_stall_s, self._on_transfer_error,
-                                   wanted=lambda rid: rid in self.requests)  # fmt: skip
+        self.receiver: KVReceiver | None = None
         self.parked: deque[str] = deque()  # requests whose KV waits for pool room, in arrival order
         self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._admitting = asyncio.Lock()
         self._room = asyncio.Event()  # set when blocks may have been freed
 
     async def serve(self) -> None:
-        self.info.kv_host = self.cfg.public_host
-        self.info.kv_port = await self.receiver.start(self.cfg.host, 0)
+        engine = self.worker.engine  # immutable facts of the engine, read once: its KV layout, vocabulary
+        self.layout, self.vocab_size = engine.pool.layout, engine.runner.model.config.vocab_size
+        secrets = Secrets.of(self.cfg)
+        tls = secrets.kv_server_context(self.inst.id) if secrets else None  # mutual TLS on the KV plane
+        self.receiver = KVReceiver(self.on_transfer, self.cfg.timeouts.kv_stall_s, vet=self.vet, tls=tls)
+        port = await self.receiver.start(self.cfg.host, self.inst.kv_port)
+        self.info.kv_host, self.info.kv_port = self.cfg.kv_endpoint(dataclasses.replace(self.inst, kv_port=port))
         await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
         await self.bus.serve(subjects.decode_drop(self.inst.id), Abort, self.on_drop)
         await self.side.serve()
@@ -66,7 +73,8 @@ class DecoderService(InstanceService):
         self.spawn(self._unparker())
 
     async def shutdown(self) -> None:
-        await self.receiver.stop()
+        if self.receiver is not None:
+            await self.receiver.stop()
         await super().shutdown()
 
     def held_requests(self) -> list[str]:
@@ -120,18 +128,41 @@ class DecoderService(InstanceService):
         return Ack(rid)
 
     # -- 2. KV arrives ----------------------------------------------------------------------
+    def vet(self, t: Transfer) -> tuple[Verdict, str]:
+        """Before a byte of KV is read: is this the transfer the scheduler told us to expect?"""
+        req = self.requests.get(t.request_id)
+        if req is None:
+            return Verdict.REFUSE, f"no decode task for {t.request_id!r} here (aborted?)"
+        if not req.task.kv_token or not hmac.compare_digest(t.token, req.task.kv_token):
+            return Verdict.REFUSE, f"wrong transfer token for {t.request_id}"
+        if req.phase != Phase.PENDING:  # a retried push whose first attempt landed after all
+            return Verdict.HAVE_IT, ""
+        kv, n, layout = t.kv, len(req.task.prompt_ids), self.layout
+        planned = {"start": req.task.kv_start, "end": n, "num_layers": layout.num_layers,
+                   "kv_heads": layout.kv_heads, "head_dim": layout.head_dim}  # fmt: skip
+        wrong = {k: kv.get(k) for k, v in planned.items() if kv.get(k) != v}
+        if wrong or kv.get("dtype") not in WIRE_DTYPES:
+            return Verdict.REFUSE, f"KV header of {t.request_id} differs from its task: {wrong or kv.get('dtype')}"
+        return Verdict.RECEIVE, ""
+
     async def on_transfer(self, t: Transfer) -> str:
         req = self.requests.get(t.request_id)
         if req is None:
             return f"{self.inst.id} has no decode task for {t.request_id}"
         if req.phase != Phase.PENDING:  # a retried push whose first attempt landed after all
             return ""
-        header = KVHeader(**t.kv)
+        first = t.done.get("first_token")
+        if not isinstance(first, int) or not 0 <= first < self.vocab_size:
+            return f"first token {first!r} is not in the vocabulary"
+        try:
+            stats = RequestStats.from_dict(t.done.get("stats", {}))
+        except BadMessage as e:
+            return f"bad stats: {e}"
+        header = KVHeader(**{k: t.kv[k] for k in ("start", "end", "num_layers", "kv_heads", "head_dim", "dtype")})
         layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
         if self.requests.get(t.request_id) is not req or req.phase != Phase.PENDING:
             return ""  # aborted (or a duplicate landed) while the bytes were converted
-        first = int(t.done["first_token"])
-        req.stats.merge(RequestStats.from_dict(t.done.get("stats", {})))
+        req.stats.merge(stats)
         if t.via_wan:
             req.stats.wan_kv_bytes, req.stats.kv_wan_ms = t.wire_bytes, t.elapsed_ms
             self.spawn(self.bus.publish(subjects.WAN_SAMPLE, WanSample(t.wire_bytes, t.elapsed_ms / 1000)))
@@ -238,10 +269,6 @@ class DecoderService(InstanceService):
         self.receiver.cancel(msg.request_id)
         if self.end(msg.request_id, End.DROPPED) is not None:
             await self.abort_engine(msg.request_id)
-
-    def _on_transfer_error(self, request_id: str, error: str) -> None:
-        # The sender retries (and reports if it gives up); the deadline below is the backstop.
-        log.info("%s: KV transfer for %s broke off: %s", self.inst.id, request_id or "?", error)
 
     async def _watchdog(self) -> None:
         # A backstop for a KV that never comes (prefill died before pushing). Prefill may queue

@@ -43,6 +43,7 @@ from shared.messages import (
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.worker import EngineWorker
+from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class InstanceService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        bus = await Bus.connect(self.cfg.nats_url, self.inst.id)
+        bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.role, Secrets.of(self.cfg))
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
         await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.inst.threads, observe=engine_load))
         log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)

@@ -1,27 +1,33 @@
-"""KV plane: length-prefixed frames on a dedicated TCP connection per transfer.
+"""KV plane: length-prefixed frames on a dedicated (mutual-TLS) TCP connection per transfer.
 
 Wire format, one frame = `u32 length (big endian) | u8 type | body[length - 1]`:
 
-    ROUTE   msgpack {host, port, request_id}   only when going through a WAN proxy: the proxy
-                                               reads it, connects upstream, forwards the rest
-    HEADER  msgpack {request_id, sender, kv: KVHeader fields}
-    LAYER   raw K then V bytes of one layer, `num_layers` frames in layer order
-    DONE    msgpack {first_token, stats}
-    ACK     msgpack {ok, error}                receiver -> sender, after the KV is committed
+    HEADER  msgpack {request_id, sender, token, wan, kv: KVHeader fields}    at most 4 KiB
+    LAYER   raw K then V bytes of one layer, `num_layers` frames in layer order, each exactly
+            the size the header implies
+    DONE    msgpack {first_token, stats}                                     at most 16 KiB
+    ACK     msgpack {ok, error}      receiver -> sender, after the KV is committed
 
-A transfer whose peer makes no progress for `stall_s` fails on both sides (never a hang): the
-sender raises `KVTransferError`, the receiver drops what it had and reports nothing committed.
-A transfer that ends any other way than with its ACK (a failure, or the sender's task cancelled
-by an abort) resets its socket, and `KVReceiver.cancel` resets a receiving one: data still in
-buffers is dropped rather than carried on to the end across a slow WAN.
+The receiver checks before it reads a body: the TLS peer is a prefill instance of this
+cluster, the header is small and names a transfer it expects (`vet`: the request, the token
+the scheduler minted for it, the token range and layout), and every frame has exactly its
+planned size; anything else is cut at once, logged once with the peer's address, and fails
+nothing but that transfer. A transfer whose peer makes no progress for `stall_s` (no byte at
+all, not "a frame took longer": a big layer on a slow line is progress) fails on both sides.
+A transfer that ends any other way than with its ACK (a failure, or the sender's task
+cancelled by an abort) resets its socket, and `KVReceiver.cancel` resets a receiving one: data
+still in buffers is dropped rather than carried on to the end across a slow WAN.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import ssl
 import struct
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -29,12 +35,17 @@ from typing import Any
 
 import msgpack
 
+from shared.security import peer_unit
+
+log = logging.getLogger(__name__)
+
 _LEN = struct.Struct(">IB")
-MAX_FRAME = 1 << 31
+MAX_HEADER = 4 * 1024
+MAX_CONTROL = 16 * 1024
+WRITE_SLICE = 256 * 1024  # the sender drains per slice: a stall is a slice that does not move
 
 
 class Frame(IntEnum):
-    ROUTE = 1
     HEADER = 2
     LAYER = 3
     DONE = 4
@@ -53,21 +64,43 @@ def packed(kind: Frame, obj: Any) -> bytes:
     return frame(kind, msgpack.packb(obj, use_bin_type=True))
 
 
-async def read_frame(reader: asyncio.StreamReader, timeout: float) -> tuple[Frame, bytes]:
+async def _read_exactly(reader: asyncio.StreamReader, n: int, stall_s: float) -> bytes:
+    """`n` bytes, failing only when `stall_s` passes with no byte arriving."""
+    parts, left = [], n
+    while left:
+        try:
+            part = await asyncio.wait_for(reader.read(min(left, 1 << 20)), stall_s)
+        except TimeoutError:
+            raise KVTransferError(f"KV transfer stalled: no data for {stall_s:.1f}s") from None
+        if not part:
+            raise KVTransferError("KV connection closed mid-transfer")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+async def read_frame(reader: asyncio.StreamReader, stall_s: float, kind: Frame, max_body: int,
+                     exact: int | None = None) -> bytes:  # fmt: skip
+    """The body of the next frame, which must be of `kind` and at most `max_body` bytes (exactly
+    `exact` when given): checked on the 5-byte prefix, before any of the body is read."""
+    length, got = _LEN.unpack(await _read_exactly(reader, _LEN.size, stall_s))
+    if got != kind:
+        raise KVTransferError(f"expected a {kind.name} frame, got type {got}")
+    size = length - 1
+    if size < 0 or size > max_body or (exact is not None and size != exact):
+        want = f"exactly {exact}" if exact is not None else f"at most {max_body}"
+        raise KVTransferError(f"{kind.name} frame of {size} bytes; {want} allowed")
+    return await _read_exactly(reader, size, stall_s)
+
+
+def _unpack(body: bytes, what: str) -> dict[str, Any]:
     try:
-        head = await asyncio.wait_for(reader.readexactly(_LEN.size), timeout)
-        length, kind = _LEN.unpack(head)
-        if length < 1 or length > MAX_FRAME:
-            raise KVTransferError(f"bad frame length {length}")
-        body = await asyncio.wait_for(reader.readexactly(length - 1), timeout)
-    except TimeoutError:
-        raise KVTransferError(f"KV transfer stalled: no data for {timeout:.1f}s") from None
-    except asyncio.IncompleteReadError:
-        raise KVTransferError("KV connection closed mid-transfer") from None
-    try:
-        return Frame(kind), body
-    except ValueError:
-        raise KVTransferError(f"unknown frame type {kind}") from None
+        obj = msgpack.unpackb(body, raw=False)
+    except Exception:
+        raise KVTransferError(f"{what} is not msgpack") from None
+    if not isinstance(obj, dict):
+        raise KVTransferError(f"{what} is not a map")
+    return obj
 
 
 @dataclass
@@ -77,6 +110,7 @@ class Transfer:
     request_id: str
     sender: str
     kv: dict[str, Any]
+    token: str = ""
     layers: list[bytes] = field(default_factory=list)
     done: dict[str, Any] = field(default_factory=dict)
     wire_bytes: int = 0
@@ -96,46 +130,48 @@ def reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-async def send_kv(
-    host: str,
-    port: int,
-    request_id: str,
-    sender: str,
-    kv_header: dict[str, Any],
-    layers: list[bytes],
-    done: dict[str, Any],
-    stall_s: float,
-    via: tuple[str, int] | None = None,
-) -> int:
-    """Push one transfer and wait for the receiver's ACK. Returns the bytes sent past any proxy."""
+@dataclass(frozen=True)
+class KVPush:
+    """One push: a decoder's range of a request's KV, and prefill's first token with it."""
+
+    request_id: str
+    sender: str
+    token: str  # minted by the scheduler for (request, this decoder): the receiver checks it
+    kv_header: dict[str, Any]
+    layers: list[bytes]
+    done: dict[str, Any]
+    wan: bool = False
+
+
+async def send_kv(host: str, port: int, push: KVPush, stall_s: float, tls: ssl.SSLContext | None = None,
+                  server_name: str | None = None) -> int:  # fmt: skip
+    """Push one transfer and wait for the receiver's ACK. Returns the bytes sent. With `tls`
+    the receiver must prove it is `server_name` (the decoder the scheduler picked)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*(via or (host, port))), stall_s)
-    except (TimeoutError, OSError) as e:
-        raise KVTransferError(f"cannot connect to KV endpoint {via or (host, port)}: {e}") from None
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=tls, server_hostname=server_name if tls else None), stall_s)
+    except (TimeoutError, OSError, ssl.SSLError) as e:
+        raise KVTransferError(f"cannot connect to KV endpoint {host}:{port}: {e}") from None
     sent, acked = 0, False
     try:
-        if via is not None:
-            writer.write(packed(Frame.ROUTE, {"host": host, "port": port, "request_id": request_id}))
-        head = {"request_id": request_id, "sender": sender, "kv": kv_header, "wan": via is not None}
-        frames = [packed(Frame.HEADER, head)]
-        frames += [frame(Frame.LAYER, data) for data in layers]
-        frames.append(packed(Frame.DONE, done))
+        head = {"request_id": push.request_id, "sender": push.sender, "token": push.token, "wan": push.wan,
+                "kv": push.kv_header}  # fmt: skip
+        frames = [packed(Frame.HEADER, head), *(frame(Frame.LAYER, d) for d in push.layers),
+                  packed(Frame.DONE, push.done)]  # fmt: skip
         for data in frames:
-            writer.write(data)
+            for i in range(0, len(data), WRITE_SLICE):
+                writer.write(data[i : i + WRITE_SLICE])
+                await asyncio.wait_for(writer.drain(), stall_s)
             sent += len(data)
-            await asyncio.wait_for(writer.drain(), stall_s)
         # The last frames may still sit in buffers on a slow link: allow them 1 Mbps before the ACK.
-        kind, body = await read_frame(reader, stall_s + sent * 8 / 1e6)
-        if kind != Frame.ACK:
-            raise KVTransferError(f"expected ACK, got {kind.name}")
-        ack = msgpack.unpackb(body)
+        ack = _unpack(await read_frame(reader, stall_s + sent * 8 / 1e6, Frame.ACK, MAX_CONTROL), "ACK")
         acked = True
         if not ack.get("ok"):
             raise KVTransferError(f"receiver refused the KV: {ack.get('error')}")
         return sent
     except TimeoutError:
         raise KVTransferError(f"KV transfer to {host}:{port} stalled for {stall_s:.1f}s") from None
-    except (ConnectionError, OSError) as e:
+    except (ConnectionError, OSError, ssl.SSLError) as e:
         raise KVTransferError(f"KV connection to {host}:{port} failed: {e}") from None
     finally:
         if not acked:  # failed or cancelled mid-way: drop what is still buffered, tell the peer now
@@ -144,56 +180,42 @@ async def send_kv(
             writer.close()
             try:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
-            except (TimeoutError, OSError):
+            except (TimeoutError, OSError, ssl.SSLError):
                 pass
 
 
+class Verdict(IntEnum):
+    """What the receiver makes of a header, before reading anything else."""
+
+    RECEIVE = 0
+    HAVE_IT = 1  # already committed (the sender's retry after a lost ACK): ACK at once, read nothing
+    REFUSE = 2
+
+
 Handler = Callable[[Transfer], Awaitable[str]]  # returns "" when committed, else an error
-
-
-async def _receive_header(reader: asyncio.StreamReader, stall_s: float) -> Transfer:
-    kind, body = await read_frame(reader, stall_s)
-    if kind != Frame.HEADER:
-        raise KVTransferError(f"expected HEADER, got {kind.name}")
-    head = msgpack.unpackb(body)
-    return Transfer(
-        head["request_id"], head.get("sender", ""), head["kv"], wire_bytes=len(body) + _LEN.size,
-        via_wan=bool(head.get("wan")),
-    )  # fmt: skip
-
-
-async def _receive_body(reader: asyncio.StreamReader, t: Transfer, stall_s: float) -> None:
-    for _ in range(t.kv["num_layers"]):
-        kind, body = await read_frame(reader, stall_s)
-        if kind != Frame.LAYER:
-            raise KVTransferError(f"expected LAYER, got {kind.name}")
-        t.layers.append(body)
-        t.wire_bytes += len(body) + _LEN.size
-    kind, body = await read_frame(reader, stall_s)
-    if kind != Frame.DONE:
-        raise KVTransferError(f"expected DONE, got {kind.name}")
-    t.done = msgpack.unpackb(body)
-    t.wire_bytes += len(body) + _LEN.size
-    t.elapsed_ms = (time.perf_counter() - t.started) * 1000
+Vet = Callable[[Transfer], tuple[Verdict, str]]
 
 
 class KVReceiver:
     """A TCP listener that hands each complete transfer to `handler` and ACKs its verdict."""
 
-    def __init__(
-        self, handler: Handler, stall_s: float, on_error: Callable[[str, str], None] | None = None,
-        wanted: Callable[[str], bool] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, handler: Handler, stall_s: float, vet: Vet | None = None, tls: ssl.SSLContext | None = None,
+                 layer_bytes: Callable[[Transfer], int] | None = None, max_per_peer: int = 16) -> None:  # fmt: skip
         self.handler = handler
         self.stall_s = stall_s
-        self.on_error = on_error  # (request_id or "", message) for transfers that failed mid-way
-        self.wanted = wanted  # request id -> still expected here; a transfer for one that is not is cut
+        self.vet = vet
+        self.tls = tls  # with it, only a peer whose certificate says OU=prefill is served
+        self.layer_bytes = layer_bytes or (lambda t: _layer_bytes(t.kv))
+        self.max_per_peer = max_per_peer
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
+        self.refused = 0  # transfers cut before or while reading: bad peer, header, token or frame
         self._receiving: dict[str, asyncio.StreamWriter] = {}  # request id -> its connection, mid-transfer
+        self._per_peer: Counter[str] = Counter()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        self.server = await asyncio.start_server(self._serve, host, port)
+        handshake = {"ssl": self.tls, "ssl_handshake_timeout": self.stall_s} if self.tls else {}
+        self.server = await asyncio.start_server(self._serve, host, port, **handshake)
         self.port = self.server.sockets[0].getsockname()[1]
         return self.port
 
@@ -209,17 +231,37 @@ class KVReceiver:
         return writer is not None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str((writer.get_extra_info("peername") or ("?",))[0])
+        self._per_peer[peer] += 1
+        try:
+            if self._per_peer[peer] > self.max_per_peer:
+                self._refuse(writer, None, peer, f"more than {self.max_per_peer} connections from {peer}")
+                return
+            await self._receive(reader, writer, peer)
+        finally:
+            self._per_peer[peer] -= 1
+            if not self._per_peer[peer]:
+                del self._per_peer[peer]
+
+    async def _receive(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         transfer = None
         try:
-            transfer = await _receive_header(reader, self.stall_s)
-            if self.wanted is not None and not self.wanted(transfer.request_id):  # aborted before its KV came
-                raise KVTransferError("no such request here (aborted?): transfer cut")
+            if self.tls is not None and peer_unit(writer.get_extra_info("peercert")) != "prefill":
+                raise KVTransferError("the peer's certificate is not a prefill instance's")
+            head = await read_frame(reader, self.stall_s, Frame.HEADER, MAX_HEADER)
+            transfer = _transfer(_unpack(head, "HEADER"))
+            transfer.wire_bytes = len(head) + _LEN.size
+            verdict, why = self.vet(transfer) if self.vet is not None else (Verdict.RECEIVE, "")
+            if verdict == Verdict.REFUSE:
+                raise KVTransferError(why)
+            if verdict == Verdict.HAVE_IT:  # a retried push whose first attempt landed: no body needed
+                writer.write(packed(Frame.ACK, {"ok": True, "error": ""}))
+                writer.close()
+                return
             self._receiving[transfer.request_id] = writer
-            await _receive_body(reader, transfer, self.stall_s)
-        except (KVTransferError, KeyError, ValueError, ConnectionError) as e:
-            if self.on_error:
-                self.on_error(transfer.request_id if transfer else "", str(e))
-            reset(writer)  # the sender (and a proxy between) stop at once rather than drain to the end
+            await self._receive_body(reader, transfer)
+        except (KVTransferError, ConnectionError, ssl.SSLError) as e:
+            self._refuse(writer, transfer, peer, str(e))
             return
         finally:
             if transfer is not None and self._receiving.get(transfer.request_id) is writer:
@@ -231,7 +273,45 @@ class KVReceiver:
         try:
             writer.write(packed(Frame.ACK, {"ok": not error, "error": error}))
             await asyncio.wait_for(writer.drain(), self.stall_s)
-        except (TimeoutError, OSError):
+        except (TimeoutError, OSError, ssl.SSLError):
             pass
         finally:
             writer.close()
+
+    async def _receive_body(self, reader: asyncio.StreamReader, t: Transfer) -> None:
+        size = self.layer_bytes(t)
+        for _ in range(int(t.kv["num_layers"])):
+            t.layers.append(await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size))
+            t.wire_bytes += size + _LEN.size
+        body = await read_frame(reader, self.stall_s, Frame.DONE, MAX_CONTROL)
+        t.done = _unpack(body, "DONE")
+        t.wire_bytes += len(body) + _LEN.size
+        t.elapsed_ms = (time.perf_counter() - t.started) * 1000
+
+    def _refuse(self, writer: asyncio.StreamWriter, t: Transfer | None, peer: str, why: str) -> None:
+        self.refused += 1
+        log.warning("KV transfer %sfrom %s refused: %s", f"of {t.request_id} " if t else "", peer, why)
+        reset(writer)  # the sender (and a proxy between) stop at once rather than drain to the end
+
+
+def _transfer(head: dict[str, Any]) -> Transfer:
+    kv = head.get("kv")
+    rid, sender, token = head.get("request_id"), head.get("sender", ""), head.get("token", "")
+    if not isinstance(rid, str) or not isinstance(sender, str) or not isinstance(token, str) or not isinstance(kv, dict):
+        raise KVTransferError("HEADER lacks request_id, sender, token or kv")
+    return Transfer(rid, sender, kv, token=token, via_wan=bool(head.get("wan")))
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _layer_bytes(kv: dict[str, Any]) -> int:
+    """One layer's K and V on the wire, from the header's fields (checked: all small integers)."""
+    try:
+        n, heads, dim = int(kv["end"]) - int(kv["start"]), int(kv["kv_heads"]), int(kv["head_dim"])
+        item = _ITEMSIZE[kv["dtype"]]
+    except (KeyError, TypeError, ValueError):
+        raise KVTransferError(f"bad KV header {kv!r}") from None
+    if min(n, heads, dim) < 0 or max(n, heads, dim) > 1 << 20:
+        raise KVTransferError(f"KV header out of range {kv!r}")
+    return 2 * n * heads * dim * item

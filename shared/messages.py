@@ -128,15 +128,15 @@ class Plan(Message):
 
 @dataclass
 class KVTarget(Message):
-    """Where prefill pushes KV: a decoder's advertised endpoint."""
+    """Where prefill pushes KV: a decoder's advertised endpoint (across the WAN when `wan`)."""
 
-    instance_id: str
+    instance_id: str  # the TLS peer must prove to be this instance
     role: str  # "md" or "rld"
     host: str
     port: int
     start: int = 0  # send positions [start, prompt_len): the decoder already holds [0, start)
-    via_host: str = ""  # WAN emulator in front of the target ("" = direct)
-    via_port: int = 0
+    token: str = ""  # the transfer token the decoder was told to expect
+    wan: bool = False
 
 
 @dataclass
@@ -152,12 +152,15 @@ class PrefillTask(Message):
 
 @dataclass
 class DecodeTask(Message):
-    """scheduler -> md / rld: expect this request's KV and decode it."""
+    """scheduler -> md / rld: expect this request's KV [kv_start, prompt) and decode it. Only a
+    transfer carrying `kv_token` is accepted (the scheduler mints one per request and decoder)."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
     plan: Plan
+    kv_start: int = 0
+    kv_token: str = ""
 
 
 @dataclass
@@ -338,10 +341,39 @@ class WanSample(Message):
 
 @dataclass
 class WanControl(Message):
-    """Change the WAN emulator at run time; None leaves a setting as it is."""
+    """Change the WAN emulator at run time; None leaves a setting as it is. The reply is its
+    `WanState` after the change (an empty WanControl only asks for it)."""
 
+    direction: str = "both"  # "both", "a-b" or "b-a"
+    forward: str = ""  # stall, down and drop only this forward's connections (e.g. one decoder's KV)
     bandwidth_mbps: float | None = None
     delay_ms: float | None = None
     jitter_ms: float | None = None
     stall_s: float | None = None  # stop forwarding for this long
+    down: bool | None = None  # True: the line carries nothing until `down=False`
     drop: bool = False  # cut every open connection now
+
+
+@dataclass
+class LineState(Message):
+    """One direction of the emulated line."""
+
+    bandwidth_mbps: float
+    delay_ms: float
+    jitter_ms: float
+    down: bool = False
+    stalled: bool = False
+    bytes: int = 0  # carried in this direction since start
+    bytes_by_forward: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class WanState(Message):
+    """The WAN emulator's settings and counts: what `pdd wan show` prints."""
+
+    name: str
+    lines: dict[str, LineState] = field(default_factory=dict)  # "a-b", "b-a"
+    forwards: dict[str, int] = field(default_factory=dict)  # name -> listen port
+    connections: dict[str, int] = field(default_factory=dict)  # forward -> connections open now
+    accepted: dict[str, int] = field(default_factory=dict)  # forward -> connections accepted since start
+    error: str = ""

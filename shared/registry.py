@@ -1,4 +1,4 @@
-"""Redis: the instance registry (heartbeats with a TTL), load figures, WAN routes, request state.
+"""Redis: the instance registry (heartbeats with a TTL), load figures, request state, prefix index.
 
 Redis lives in datacenter A. Instances never write it: they report over NATS (heartbeats,
 prefix-cache events) and the scheduler's registrar (services/scheduler/registrar.py) writes
@@ -6,7 +6,6 @@ them here; the scheduler and the gateway read them.
 
 Keys
     pdd:instance:<id>          hash  InstanceInfo fields; expires unless refreshed by heartbeats
-    pdd:route:<src>:<dst>      str   "host:port" of the WAN link from datacenter src to dst
     pdd:request:<id>           hash  plan of an in-flight request; deleted when it ends
     pdd:kv:<id>                set   chained hashes of the KV blocks instance <id> caches
     pdd:kv:<id>:seq            int   count of index events applied (one per stored/removed batch)
@@ -47,11 +46,12 @@ return out
 """
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(url: str, password: str | None = None) -> aioredis.Redis:
     """A client that rides out a Redis restart: a command on a dropped connection is retried on
-    a fresh one instead of failing."""
+    a fresh one instead of failing. `password`: the cluster's (pdd certs), unless the URL has one."""
     return aioredis.Redis.from_url(
         url,
+        password=password,
         decode_responses=True,
         socket_timeout=5,
         socket_connect_timeout=5,
@@ -90,16 +90,6 @@ class Registry:
             rows = await pipe.execute()
         infos = [_info_from_hash(row) for row in rows if row]
         return sorted((i for i in infos if role is None or i.role == role), key=lambda i: i.id)
-
-    async def set_route(self, src_dc: str, dst_dc: str, host: str, port: int) -> None:
-        await self.r.set(f"pdd:route:{src_dc}:{dst_dc}", f"{host}:{port}")
-
-    async def route(self, src_dc: str, dst_dc: str) -> tuple[str, int] | None:
-        value = await self.r.get(f"pdd:route:{src_dc}:{dst_dc}")
-        if not value:
-            return None
-        host, port = value.rsplit(":", 1)
-        return host, int(port)
 
     async def set_request(self, request_id: str, fields: dict[str, str], ttl_s: float) -> None:
         async with self.r.pipeline(transaction=True) as pipe:

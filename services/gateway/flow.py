@@ -155,8 +155,9 @@ class RequestFlow:
         for retry in itertools.count():  # the survivors may be full for a moment: an admitted stream waits
             self.attempt_id = f"{self.request_id}.m{self.stats.migrations}" + (f".r{retry}" if retry else "")
             try:
-                # the policy replans among the survivors: p-rld when no main-decode is reachable
-                await self._submit(self.parsed.prompt_ids + self.generated, sampling, None)
+                # the policy replans among the survivors (p-rld when no main-decode is reachable),
+                # unless the client forced a pipeline
+                await self._submit(self.parsed.prompt_ids + self.generated, sampling, self.parsed.pipeline)
                 return
             except APIError as e:
                 if e.status != 429 or time.perf_counter() + wait_s > deadline:

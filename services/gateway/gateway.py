@@ -15,6 +15,7 @@ from shared.bus import Bus
 from shared.config import ClusterConfig
 from shared.model_info import load_model_info
 from shared.registry import Registry, connect
+from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ class Gateway:
         self.inflight: dict[str, RequestFlow] = {}
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.cfg.nats_url, "gateway")
-        self.registry = Registry(connect(self.cfg.redis_url), self.cfg.heartbeat_ttl_s)
+        secrets = Secrets.of(self.cfg)
+        self.bus = await Bus.connect(self.cfg.nats_url_for(self.cfg.control_dc), "gateway", "gateway", secrets)
+        password = secrets.redis_password if secrets else None
+        self.registry = Registry(connect(self.cfg.redis_url, password), self.cfg.heartbeat_ttl_s)
 
     async def stop(self) -> None:
         for flow in list(self.inflight.values()):

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.instance import InstanceService, service_main, to_params
-from shared.kv_transport import KVTransferError, send_kv
+from shared.kv_transport import KVPush, KVTransferError, send_kv
 from shared.messages import Abort, Ack, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
 from shared.pipelines import hands_off
 from shared.recent import RecentIds
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVPayload, export_kv, layer_to_bytes
 from shared.runtime.sequence import Sequence
+from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,11 @@ class Prefiller(InstanceService):
         super().__init__(cfg, inst)
         self.requests: dict[str, PrefillState] = {}
         self.seen = RecentIds()  # request ids already accepted or aborted (idempotence)
+        self._tls = None
 
     async def serve(self) -> None:
+        secrets = Secrets.of(self.cfg)
+        self._tls = secrets.kv_client_context(self.inst.id) if secrets else None  # mutual TLS on the KV plane
         await self.bus.serve(subjects.prefill_task(self.inst.id), PrefillTask, self.on_task)
 
     def held_requests(self) -> list[str]:
@@ -125,14 +129,11 @@ class Prefiller(InstanceService):
     async def _send(self, target: KVTarget, rid: str, payload: KVPayload, done: dict) -> int:
         """Push one target's KV; a dropped or stalled connection is retried from the start."""
         layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v) for k, v in payload.layers])
-        via = (target.via_host, target.via_port) if target.via_host else None
+        push = KVPush(rid, self.inst.id, target.token, payload.header.to_dict(), layers, done, wan=target.wan)
         t = self.cfg.timeouts
         for attempt in range(t.kv_retries + 1):
             try:
-                return await send_kv(
-                    target.host, target.port, rid, self.inst.id, payload.header.to_dict(), layers, done,
-                    t.kv_stall_s, via=via,
-                )  # fmt: skip
+                return await send_kv(target.host, target.port, push, t.kv_stall_s, self._tls, target.instance_id)
             except KVTransferError as e:
                 error = e
                 log.warning("%s: %s: KV push to %s failed (attempt %d): %s", self.inst.id, rid,

@@ -6,8 +6,8 @@ Lifecycle of a request here:
 2. Alive instances and their load are read from Redis; `policy.choose_plan` decides the
    pipeline and the instances (pure function, no I/O).
 3. Decoders first: each gets a `DecodeTask` and must ack, so it is ready before any KV flies.
-   Then prefill gets a `PrefillTask` with the KV targets (through the WAN link when the
-   decoder sits in the other datacenter).
+   Then prefill gets a `PrefillTask` with the KV targets: each decoder's advertised endpoint
+   and a fresh transfer token that only that decoder expects for this request.
 4. The plan is recorded in Redis (`pdd:request:<id>`, removed by the gateway at the end) and
    returned to the gateway.
 5. If any dispatch fails, the request is aborted everywhere and the gateway gets an error plan:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import time
 
@@ -32,6 +33,7 @@ from shared.config import ClusterConfig
 from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, KVTarget, Plan, PrefillTask, Submit, WanSample
 from shared.prefix_hash import block_hashes
 from shared.registry import Registry, connect
+from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,10 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        self.bus = await Bus.connect(self.cfg.nats_url, "scheduler")
-        self.registry = Registry(connect(self.cfg.redis_url), self.cfg.heartbeat_ttl_s)
+        secrets = Secrets.of(self.cfg)
+        self.bus = await Bus.connect(self.cfg.nats_url_for(self.cfg.control_dc), "scheduler", "scheduler", secrets)
+        password = secrets.redis_password if secrets else None
+        self.registry = Registry(connect(self.cfg.redis_url, password), self.cfg.heartbeat_ttl_s)
         await Registrar(self.registry).serve(self.bus)
         await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
         await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
@@ -138,13 +142,13 @@ class Scheduler:
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         for iid in d.instances.values():  # before any await: a request planned meanwhile must see these
             self.dispatched.add(iid, time.time())
-        acks = await asyncio.gather(*(self._dispatch_decode(sub, plan, inst) for inst in decoders),
+        prefill = alive[plan.prefill]
+        targets = [_target(prefill, inst, d.starts[inst.role]) for inst in decoders]
+        acks = await asyncio.gather(*(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)),
                                     return_exceptions=True)  # fmt: skip
         try:
             if failed := [e for e in acks if isinstance(e, BaseException)]:
                 raise failed[0]
-            prefill = alive[plan.prefill]
-            targets = [await self._target(prefill, inst, d.starts[inst.role]) for inst in decoders]
             task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan)
             await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
         except Unreachable:  # planned again: the decoders that took it let go (not an abort, which sticks)
@@ -154,8 +158,9 @@ class Scheduler:
         await self._record(plan)
         return plan
 
-    async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo) -> None:
-        task = DecodeTask(sub.request_id, sub.prompt_ids, sub.sampling, plan)
+    async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:
+        task = DecodeTask(sub.request_id, sub.prompt_ids, sub.sampling, plan, kv_start=target.start,
+                          kv_token=target.token)  # fmt: skip
         await self._expect_ack(subjects.decode_task(inst.id), task, inst.id)
 
     async def _prefix_hits(self, instance_ids: list[str], prompt_ids: list[int]) -> dict[str, int]:
@@ -168,14 +173,6 @@ class Scheduler:
             log.warning("prefix lookup failed: %s", e)
             return {}
         return {iid: n * bs for iid, n in blocks.items()}
-
-    async def _target(self, prefill: InstanceInfo, decoder: InstanceInfo, start: int) -> KVTarget:
-        target = KVTarget(decoder.id, decoder.role, decoder.kv_host, decoder.kv_port, start=start)
-        if decoder.dc != prefill.dc:
-            route = await self.registry.route(prefill.dc, decoder.dc)
-            if route is not None:  # the WAN emulator on one host; absent across real datacenters
-                target.via_host, target.via_port = route
-        return target
 
     async def _expect_ack(self, subject: str, msg, instance_id: str) -> None:
         try:
@@ -196,3 +193,10 @@ class Scheduler:
         self.plans[plan.request_id] = plan
         while len(self.plans) > 10_000:
             self.plans.pop(next(iter(self.plans)))
+
+
+def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int) -> KVTarget:
+    """Where prefill pushes a decoder's KV (its advertised endpoint: across the line when it is
+    in the other site), with a fresh token only that decoder expects for this request."""
+    return KVTarget(decoder.id, decoder.role, decoder.kv_host, decoder.kv_port, start=start,
+                    token=secrets.token_hex(16), wan=decoder.dc != prefill.dc)  # fmt: skip

@@ -1,10 +1,9 @@
-"""WAN emulator between datacenter A and B: a shaped, faultable TCP proxy for the KV plane.
+"""WAN emulator between datacenter A and B: a shaped, faultable line of TCP port forwards.
 
 Run it as a process (`python -m services.wanlink --config FILE`) or in the event loop
-(`WanLink(cfg.wan, bus, redis).start()`). Production services never import this package.
+(`WanLink(cfg.wan, forwards, bus).start()`). Production services never import this package.
 """
 
-from services.wanlink.ledger import bytes_key, state_key, total_key
-from services.wanlink.link import WanLink
+from services.wanlink.link import Forward, WanLink, forwards_of
 
-__all__ = ["WanLink", "bytes_key", "state_key", "total_key"]
+__all__ = ["Forward", "WanLink", "forwards_of"]

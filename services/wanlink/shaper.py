@@ -2,7 +2,7 @@
 
 - `BandwidthProfile`: the link's rate over time: fixed, a repeating step schedule, or a seeded
   random walk (WanConfig.swing); `pin()` fixes it at a rate set at run time.
-- `TokenBucket`: ONE per link, shared by every connection: each chunk reserves its bytes and
+- `TokenBucket`: ONE per direction of the line, shared by every connection: each chunk reserves its bytes and
   waits until they have gone through. Reservations are served in call order, so connections
   that reserve one chunk at a time take turns (round robin by chunk).
 - `DelayLine`: one per connection direction: when a chunk is due at the far end (one-way delay
@@ -20,6 +20,7 @@ from shared.messages import WanControl
 
 MBPS = 1e6 / 8  # bytes per second in one Mbps (1 Mbps = 1e6 bits/s)
 SWINGS = ("none", "schedule", "random_walk")
+DIRECTIONS = ("both", "a-b", "b-a")
 
 
 def _positive(value: object) -> bool:
@@ -56,6 +57,10 @@ def check_config(cfg: WanConfig) -> None:
 
 def control_error(msg: WanControl) -> str:
     """Why a WanControl cannot be applied ("" when it can). Nothing is applied on an error."""
+    if msg.direction not in DIRECTIONS:
+        return f"direction must be one of {DIRECTIONS}, got {msg.direction!r}"
+    if msg.forward and (msg.bandwidth_mbps, msg.delay_ms, msg.jitter_ms) != (None, None, None):
+        return "bandwidth, delay and jitter belong to the line, not to one forward"
     if msg.bandwidth_mbps is not None and not _positive(msg.bandwidth_mbps):
         return f"bandwidth_mbps must be a finite number > 0, got {msg.bandwidth_mbps!r}"
     for name in ("delay_ms", "jitter_ms", "stall_s"):

@@ -16,7 +16,7 @@ import torch
 from shared import subjects
 from shared.bus import Bus
 from pdd.launcher import Cluster
-from shared.messages import Ack, Inspect, InstanceState, WanControl
+from shared.messages import Inspect, InstanceState, WanControl, WanState
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +126,7 @@ class Operator:
 
     def run(self, coro_fn):
         async def main():
-            bus = await Bus.connect(self.cluster.cfg.nats_url, "test-operator")
+            bus = await Bus.connect(self.cluster.nats_url(), "test-operator", "operator", self.cluster.secrets)
             try:
                 return await coro_fn(bus)
             finally:
@@ -137,18 +137,17 @@ class Operator:
     def inspect(self, instance_id: str) -> InstanceState:
         return self.run(lambda bus: bus.request(subjects.inspect(instance_id), Inspect(instance_id), InstanceState, 5))
 
-    def wan(self, **settings) -> Ack:
+    def wan(self, **settings) -> WanState:
+        """Change the emulated line (both directions unless `direction=`); its state after."""
         name = self.cluster.cfg.wan.name
-        return self.run(lambda bus: bus.request(subjects.wan_control(name), WanControl(**settings), Ack, 5))
+        state = self.run(lambda bus: bus.request(subjects.wan_control(name), WanControl(**settings), WanState, 5))
+        assert not state.error, state.error
+        return state
 
-    def wan_forwarded(self, request_id: str) -> int:
-        import redis
-
-        r = redis.Redis.from_url(self.cluster.cfg.redis_url, decode_responses=True)
-        try:
-            return int(r.hget(f"pdd:wan:{self.cluster.cfg.wan.name}:bytes", request_id) or 0)
-        finally:
-            r.close()
+    def line_bytes(self, forward: str, direction: str = "a-b") -> int:
+        """Bytes the line carried in `direction` on `forward` (a decoder's KV port, `nats-B`) so far.
+        The line sees only TLS records: a request's KV is the difference around it, plus overhead."""
+        return self.wan().lines[direction].bytes_by_forward.get(forward, 0)
 
     def idle(self, timeout: float = 2.0) -> dict[str, InstanceState]:
         """Wait until no instance holds a request and every block is free or cached."""
@@ -159,10 +158,14 @@ class Operator:
                 return states
             time.sleep(0.1)
 
-    def request_keys(self) -> list[str]:
+    def redis(self):
         import redis
 
-        r = redis.Redis.from_url(self.cluster.cfg.redis_url, decode_responses=True)
+        return redis.Redis.from_url(self.cluster.cfg.redis_url, password=self.cluster.secrets.redis_password,
+                                    decode_responses=True)  # fmt: skip
+
+    def request_keys(self) -> list[str]:
+        r = self.redis()
         try:
             return list(r.scan_iter("pdd:request:*"))
         finally:
@@ -176,3 +179,9 @@ def operator(cluster) -> Operator:
 
 def _idle(state: InstanceState) -> bool:
     return not state.requests and state.free_blocks + state.extra.get("cached_blocks", 0) == state.total_blocks
+
+
+def tls_overhead(kv_bytes: int) -> int:
+    """What TLS adds on the line to `kv_bytes` of KV frames: the handshake (certificates both
+    ways, a few KiB) and 22 bytes per record of at most 16 KiB."""
+    return 8192 + 32 * (kv_bytes // 16384 + 1)

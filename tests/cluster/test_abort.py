@@ -81,7 +81,7 @@ def slow_wan(cluster, operator):
     """Set the WAN to `mbps` for one test; restored after."""
 
     def set_to(mbps: float) -> None:
-        assert operator.wan(bandwidth_mbps=mbps).ok
+        operator.wan(bandwidth_mbps=mbps)
 
     yield set_to
     operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
@@ -116,14 +116,15 @@ def test_abort_while_prefilling(cluster, model_id, operator):
 def test_abort_with_the_kv_on_the_wan_tears_the_transfer_down(cluster, model_id, operator, slow_wan, reference,
                                                               smol_tokenizer):  # fmt: skip
     slow_wan(3.0)  # ~10 MB of KV: half a minute on the wire
+    before = operator.line_bytes("md-0")
     s = Stream(cluster.url, _body(model_id, fresh_prompt(200, "kv-in-flight"), pipeline="p-md"))
-    _until(lambda: operator.wan_forwarded(s.request_id), 30, "the KV to be on the WAN")
+    _until(lambda: operator.line_bytes("md-0") - before > 256 * 1024, 30, "the KV to be on the WAN")
     left = s.disconnect()
     _assert_dropped(operator, s.request_id, left)
-    time.sleep(0.3)  # a chunk already on the emulated wire may still land
-    carried = operator.wan_forwarded(s.request_id)
-    time.sleep(1.5)
-    assert operator.wan_forwarded(s.request_id) == carried  # the link no longer carries it
+    _until(lambda: not operator.wan().connections.get("md-0"), 5, "the line to drop the transfer's connection")
+    carried = operator.line_bytes("md-0") - before
+    time.sleep(1.5)  # long enough for a 3 Mbps line to carry another 500 KB if it still were
+    assert operator.line_bytes("md-0") - before == carried  # the line no longer carries it
     print(f"WAN carried {carried / 1e6:.1f} MB of the request's KV before the abort")
     slow_wan(cluster.cfg.wan.bandwidth_mbps)
     prompt = fresh_prompt(30, "after-teardown")
@@ -172,18 +173,18 @@ def test_abort_while_main_decode_streams(cluster, model_id, operator):
 
 
 def test_a_stream_that_fails_ends_with_an_error_event(cluster, model_id, operator):
-    """The KV can never reach main-decode (WAN stalled past retries) and there is no relay copy:
+    """The KV can never reach main-decode (its connections stall past the retries) and the
+    client forced p-md, so there is no relay copy and the move after it fails has nowhere to go:
     the response has started (200, SSE), so the failure comes as an error event, then [DONE]."""
-    stall_s, t0 = 14.0, time.monotonic()  # past two 5 s attempts (the cluster's kv_stall_s, kv_retries)
     try:
-        assert operator.wan(stall_s=stall_s).ok
+        operator.wan(forward="md-0", down=True)
         with httpx.stream("POST", cluster.url + "/v1/completions", timeout=120,
                           json={**_body(model_id, fresh_prompt(40, "doomed"), 8, pipeline="p-md"),
                                 "stream": True}) as r:  # fmt: skip
             assert r.status_code == 200
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     finally:
-        time.sleep(max(0.0, t0 + stall_s + 0.5 - time.monotonic()))  # let the stall pass for later tests
+        operator.wan(forward="md-0", down=False)
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][len("data: ") :])["error"]
     print(f"\nerror event: {error}")

@@ -21,28 +21,36 @@ def _body(model_id: str, prompt: str, n: int, pipeline: str) -> dict:
             "pdd": {"pipeline": pipeline}}  # fmt: skip
 
 
-def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 15.0) -> tuple[str, dict, list]:
-    """Run a request with a slow WAN and inject `fault` once its KV is on the wire."""
+def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 15.0) -> tuple[str, dict, int]:
+    """Run a request with a slow line and inject `fault` on md-0's KV forward once its KV is on
+    the wire. Returns (text, pdd, connections the line accepted for md-0's KV meanwhile)."""
     result: dict = {}
+    accepted = operator.wan().accepted.get("md-0", 0)
+    before = operator.line_bytes("md-0")
     try:
-        assert operator.wan(bandwidth_mbps=mbps).ok
+        operator.wan(bandwidth_mbps=mbps)
         worker = threading.Thread(target=lambda: result.update(
             out=stream_completion(cluster.url + "/v1/completions", body, timeout=180)))  # fmt: skip
         worker.start()
-        time.sleep(1.5)  # prefill done, the WAN push under way
-        assert operator.wan(**fault).ok
+        deadline = time.monotonic() + 60
+        while operator.line_bytes("md-0") - before < 256 * 1024 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        operator.wan(forward="md-0", **fault)
         worker.join(180)
     finally:
         operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
-    return result["out"]
+        operator.wan(forward="md-0", down=False)
+    text, pdd, _ = result["out"]
+    return text, pdd, operator.wan().accepted.get("md-0", 0) - accepted
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
 def test_wan_drop_mid_transfer_is_retried(cluster, model_id, operator, reference, smol_tokenizer, pipeline):
     prompt = fresh_prompt(60, "drop")
-    text, pdd, events = _during_transfer(cluster, operator, _body(model_id, prompt, 40, pipeline), {"drop": True})
-    assert text == reference(smol_tokenizer(prompt)["input_ids"], 40)
+    text, pdd, pushes = _during_transfer(cluster, operator, _body(model_id, prompt, 40, pipeline), {"drop": True})
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 40, ignore_eos=True)
     assert sum(pdd["tokens_by_role"].values()) == 40
+    assert pushes == 2, pushes  # the KV push was cut and pushed again
     if pipeline == "p-md":  # the retried push delivered: main-decode produced every token
         assert pdd["tokens_by_role"]["md"] == 40 and pdd["wan_kv_bytes"] > 0
     assert all(s.requests == [] for s in operator.idle().values())
@@ -50,12 +58,13 @@ def test_wan_drop_mid_transfer_is_retried(cluster, model_id, operator, reference
 
 def test_wan_stall_past_the_deadline_leaves_the_relay_serving(cluster, model_id, operator, reference,
                                                               smol_tokenizer):  # fmt: skip
+    """md-0's KV connection stops moving (the rest of the line works): after kv_stall_s and a
+    retry the push is given up, the relay finishes the request, main-decode drops its copy."""
     prompt = fresh_prompt(60, "stall")
-    text, pdd, _ = _during_transfer(cluster, operator, _body(model_id, prompt, 60, "p-rld-md"), {"stall_s": 14.0})
-    print(f"\nWAN stalled 14 s: tokens by role {pdd['tokens_by_role']}")
-    assert text == reference(smol_tokenizer(prompt)["input_ids"], 60)
+    text, pdd, pushes = _during_transfer(cluster, operator, _body(model_id, prompt, 60, "p-rld-md"), {"down": True})
+    print(f"\nmd-0's KV connection stalled: tokens by role {pdd['tokens_by_role']}, {pushes} pushes")
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 60, ignore_eos=True)
     assert pdd["tokens_by_role"] == {"rld": 60, "md": 0}  # main-decode never got it; the user never noticed
-    time.sleep(1.0)
     states = operator.idle(timeout=5.0)
     assert all(s.requests == [] for s in states.values()), states
 
@@ -95,7 +104,7 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
     assert all(s.requests == [] for s in operator.idle().values())
 
 
-@pytest.mark.parametrize("kind", ["nats", "redis"])
+@pytest.mark.parametrize("kind", ["nats-A", "nats-B", "redis"])
 def test_services_ride_out_a_server_restart(cluster, model_id, operator, reference, smol_tokenizer, kind):
     server = cluster.servers[kind]
     server.stop()
@@ -112,12 +121,9 @@ def test_services_ride_out_a_server_restart(cluster, model_id, operator, referen
         time.sleep(0.5)
     assert last is not None and last.status_code == 200, last and last.text
     assert last.json()["choices"][0]["text"] == reference(smol_tokenizer(prompt)["input_ids"], 12)
-    if kind == "redis":  # the registry, the WAN route and the prefix index are rebuilt by the instances
-        import redis
-
-        r = redis.Redis.from_url(cluster.cfg.redis_url, decode_responses=True)
+    if kind == "redis":  # the registry and the prefix index are rebuilt from what the instances report
+        r = operator.redis()
         assert {k.split(":")[-1] for k in r.scan_iter("pdd:instance:*")} == {i.id for i in cluster.cfg.instances}
-        assert r.get(f"pdd:route:{cluster.cfg.wan.src_dc}:{cluster.cfg.wan.dst_dc}")
         deadline = time.monotonic() + 5
         while not r.scard("pdd:kv:md-0") and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -8,16 +8,15 @@ import threading
 import time
 
 import pytest
-import redis
 
-from tests.cluster.conftest import fresh_prompt, stream_completion
+from tests.cluster.conftest import Operator, fresh_prompt, stream_completion
 
 pytestmark = pytest.mark.slow
 
 
 def _restart(cluster, name: str) -> None:
     cluster.start_process(name)
-    r = redis.Redis.from_url(cluster.cfg.redis_url)
+    r = Operator(cluster).redis()
     deadline = time.monotonic() + 90
     while not r.exists(f"pdd:instance:{name}") and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -31,10 +30,10 @@ def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, refer
     prompt = fresh_prompt(words, f"kill-{victim}")
     n = 48
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": pipeline}}
-    r = redis.Redis.from_url(fleet.cfg.redis_url, decode_responses=True)
+    r = fleet_operator.redis()
     result: dict = {}
     if victim == "rld":  # keep main-decode's copy on the wire so the relay still holds the request
-        assert fleet_operator.wan(bandwidth_mbps=4.0).ok
+        fleet_operator.wan(bandwidth_mbps=4.0)
     worker = threading.Thread(target=lambda: result.update(
         out=stream_completion(fleet.url + "/v1/completions", body, timeout=240)))  # fmt: skip
     worker.start()

@@ -9,12 +9,11 @@ import time
 
 import httpx
 import pytest
-import redis
 
 from shared import subjects
 from pdd.launcher import Cluster
 from shared.messages import Inspect, InstanceState
-from tests.cluster.conftest import Operator, fresh_prompt
+from tests.cluster.conftest import tls_overhead, Operator, fresh_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -49,14 +48,16 @@ def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_t
     previous_total, mds = 0, set()
     for turn in range(5):
         messages.append({"role": "user", "content": f"Turn {turn}: name one prime number above {turn * 10}."})
+        before = sum(pop.line_bytes(i.id) for i in pop.cluster.cfg.of_role("md"))
         out = chat(pcluster, messages, 16)
+        line = sum(pop.line_bytes(i.id) for i in pop.cluster.cfg.of_role("md")) - before
         pdd, usage = out["pdd"], out["usage"]
         text = out["choices"][0]["message"]["content"]
         assert text == reference_chat(eos_ref, smol_tokenizer, reference, messages, 16), turn
         wan, hit_md, hit_p = pdd["wan_kv_bytes"], pdd["prefix_hit_tokens"]["md"], pdd["prefix_hit_tokens"]["prefill"]
         print(f"\nturn {turn}: prompt {usage['prompt_tokens']} tokens, prefill hit {hit_p}, md hit {hit_md}, "
               f"WAN {wan / 1e6:.2f} MB via {pdd['instances']}")  # fmt: skip
-        assert wan == pop.wan_forwarded(pdd["request_id"])
+        assert wan < line <= wan + tls_overhead(wan)  # the KV crossed the line, in TLS, and nothing else
         assert wan - FRAMING <= (usage["prompt_tokens"] - hit_md) * KV_BYTES_PER_TOKEN <= wan
         if turn > 0:
             new_tokens = usage["prompt_tokens"] - previous_total
@@ -112,7 +113,7 @@ def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tok
              {"role": "user", "content": "And now something else, please."}]  # fmt: skip
     result = {}
     try:
-        assert pop.wan(bandwidth_mbps=2.0).ok  # the ~20 new tokens take ~4 s to cross
+        pop.wan(bandwidth_mbps=2.0)  # the ~20 new tokens take ~4 s to cross
         worker = threading.Thread(target=lambda: result.update(chat(pcluster, conv, 8, pdd={"pipeline": "p-md"})))
         worker.start()
         deadline = time.monotonic() + 10
@@ -133,7 +134,7 @@ def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tok
 def test_restarted_md_clears_its_index_and_requests_go_on(pcluster, pop):
     conv = [{"role": "system", "content": fresh_prompt(80, "restart")}, {"role": "user", "content": "Hi?"}]
     md = chat(pcluster, conv, 4, pdd={"pipeline": "p-md"})["pdd"]["instances"]["md"]
-    r = redis.Redis.from_url(pcluster.cfg.redis_url, decode_responses=True)
+    r = pop.redis()
     assert r.scard(f"pdd:kv:{md}") > 0
     pcluster.kill(md)
     time.sleep(pcluster.cfg.heartbeat_ttl_s + 0.5)  # its heartbeat expires

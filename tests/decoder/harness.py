@@ -17,7 +17,7 @@ import torch
 from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
-from shared.kv_transport import Transfer
+from shared.kv_transport import Transfer, Verdict
 from shared.messages import Ack, DecodeTask, Plan, Sampling, TokenChunk
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import export_kv, layer_to_bytes
@@ -83,7 +83,7 @@ class DecoderPair:
                        roles: tuple[str, ...] = ()) -> list[Ack]:  # fmt: skip
         plan = Plan(rid, pipeline=pipeline, handoff=handoff, prefill="prefill-0",
                     rld="rld-0" if "rld" in pipeline else "", md="md-0" if pipeline.endswith("md") else "")  # fmt: skip
-        task = DecodeTask(rid, prompt, Sampling(max_tokens=n, ignore_eos=True), plan)
+        task = DecodeTask(rid, prompt, Sampling(max_tokens=n, ignore_eos=True), plan, kv_token=f"token-{rid}")
         self.chunks[rid] = []
         await self.bus.subscribe(subjects.tokens(rid), TokenChunk, self.chunks[rid].append)
         roles = roles or tuple(r for r in ("rld", "md") if getattr(plan, r))
@@ -100,11 +100,17 @@ class DecoderPair:
         payload = export_kv(e.pool, e.held[rid].block_table, start, len(prompt))
         e.release(rid)
         layers = [layer_to_bytes(k, v) for k, v in payload.layers]
-        return Transfer(rid, "prefill-0", dataclasses.asdict(payload.header), layers,
-                        {"first_token": first, "stats": {"prefill_ms": 1.0}}, sum(map(len, layers)), via_wan)  # fmt: skip
+        done = {"first_token": first, "stats": {"prefill_ms": 1.0}}
+        return Transfer(rid, "prefill-0", dataclasses.asdict(payload.header), token=f"token-{rid}", layers=layers,
+                        done=done, wire_bytes=sum(map(len, layers)), via_wan=via_wan)  # fmt: skip
 
-    async def land(self, role: str, rid: str, prompt: list[int]) -> str:
-        return await self.service(role).on_transfer(self.transfer(rid, prompt, via_wan=role == "md"))
+    async def land(self, role: str, rid: str, prompt: list[int], transfer: Transfer | None = None) -> str:
+        """What the KV listener does with a transfer: vet its header, then hand it over."""
+        svc, t = self.service(role), transfer or self.transfer(rid, prompt, via_wan=role == "md")
+        verdict, why = svc.vet(t)
+        if verdict == Verdict.REFUSE:
+            return f"refused: {why}"
+        return "" if verdict == Verdict.HAVE_IT else await svc.on_transfer(t)
 
     # -- running both processes ------------------------------------------------------------
     async def settle(self, rounds: int = 20) -> None:

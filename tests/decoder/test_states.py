@@ -15,7 +15,7 @@ from shared import subjects
 from shared.decode_state import Phase
 from shared.messages import Abort, Ack, FinishOnRelay, HandoffChunk, KVReady
 from shared.pipelines import Pipeline
-from tests.decoder.harness import DecoderPair
+from tests.decoder.harness import DecoderPair, idle
 from tests.helpers import random_prompts, reference_generate
 
 N = 24
@@ -246,6 +246,29 @@ async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):
         sub.deliver(b"\xc1garbage", None)
     for sub in list(pair.nats.subs[subjects.handoff_chunk("md-0")]):
         sub.deliver(HandoffChunk("r1", "x", [1]).encode(), None)  # start_index of the wrong type
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("r1")
+
+
+# -- transfers that are not what the scheduler planned -------------------------------------------------
+@pytest.mark.parametrize("forge, why", [
+    (lambda t: setattr(t, "token", "guessed"), "wrong transfer token"),
+    (lambda t: t.kv.update(start=16), "differs from its task"),  # a range the plan did not send
+    (lambda t: t.kv.update(end=999), "differs from its task"),
+    (lambda t: t.kv.update(num_layers=10**6), "differs from its task"),
+    (lambda t: t.kv.update(dtype="int4"), "differs from its task"),
+    (lambda t: t.done.update(first_token=10**9), "not in the vocabulary"),
+    (lambda t: t.done.update(first_token="x"), "not in the vocabulary"),
+    (lambda t: t.done.update(stats={"wan_kv_bytes": "many"}), "bad stats"),
+])  # fmt: skip
+async def test_a_forged_transfer_is_refused_and_leaves_the_request_pending(pair, prompt, tiny_ref, forge, why):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
+    t = pair.transfer("r1", prompt, via_wan=True)
+    forge(t)
+    assert why in await pair.land("md", "r1", prompt, t)
+    assert pair.md.requests["r1"].phase == Phase.PENDING and idle(pair.engines["md"])
+    assert await pair.land("md", "r1", prompt) == ""  # the real push still lands
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     pair.assert_gone("r1")

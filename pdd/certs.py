@@ -1,0 +1,120 @@
+"""`pdd certs`: a cluster's certificates and credentials, made once per deployment.
+
+    DIR/ca.pem, ca.key            the cluster's own CA (keep ca.key off the serving hosts)
+    DIR/kv/<instance>.pem, .key   one per instance: decoders serve the KV plane with theirs,
+                                  prefill presents its own (mutual TLS); the certificate names
+                                  the instance (DNS SAN) and its role (OU)
+    DIR/nats/<dc>.pem, .key       the scheduler's site serves its NATS leafnode port with its
+                                  certificate; every other site presents its own when it joins
+    DIR/credentials.json          NATS passwords per role (gateway, scheduler, prefill, rld,
+                                  md, wanlink, operator) and for the link between sites; the
+                                  Redis password
+
+`pdd up` makes a throwaway set for the one-host demo on first start; a real deployment runs
+`pdd certs --config cluster.yaml --out secrets/ --host nats-a.example.com ...` once and copies
+to each site what it needs (docs/deploy.md). Python's `cryptography` makes the keys: EC P-256.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import secrets
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from shared.config import ClusterConfig
+from shared.security import NATS_ROLES
+
+VALID_DAYS = 825
+LOCAL_NAMES = ("localhost", "127.0.0.1")
+
+
+def _name(common: str, unit: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdd"),
+                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common)])  # fmt: skip
+
+
+def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key_path = path.with_suffix(".key")
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    key_path.chmod(0o600)
+    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _sans(names: list[str]) -> x509.SubjectAlternativeName:
+    out: list[x509.GeneralName] = []
+    for n in dict.fromkeys(names):
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            out.append(x509.DNSName(n))
+    return x509.SubjectAlternativeName(out)
+
+
+class CertificateAuthority:
+    def __init__(self, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+        self.key, self.cert = key, cert
+
+    @classmethod
+    def create(cls, cluster: str) -> CertificateAuthority:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = _name(f"pdd cluster CA {cluster}", "ca")
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+                .sign(key, hashes.SHA256()))  # fmt: skip
+        return cls(key, cert)
+
+    def issue(self, common: str, unit: str, names: list[str]) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        """A certificate for serving and for presenting as a client, valid for `names`."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+        cert = (x509.CertificateBuilder().subject_name(_name(common, unit)).issuer_name(self.cert.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .add_extension(_sans(names), critical=False).add_extension(usage, critical=False)
+                .sign(self.key, hashes.SHA256()))  # fmt: skip
+        return key, cert
+
+
+def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> Path:
+    """Every certificate and credential `cfg` needs, into `out` (which must not hold a set yet)."""
+    out = Path(out)
+    if (out / "ca.pem").exists():
+        raise FileExistsError(f"{out} already holds a CA; refusing to overwrite it")
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)
+    ca = CertificateAuthority.create(out.name)
+    _write(out / "ca.pem", ca.key, ca.cert)
+    for inst in cfg.instances:
+        _write(out / "kv" / f"{inst.id}.pem", *ca.issue(inst.id, inst.role, [inst.id, *LOCAL_NAMES, *hosts]))
+    for dc in cfg.datacenters:
+        _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", [*LOCAL_NAMES, *hosts]))
+    creds = {"nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf")},
+             "redis": secrets.token_urlsafe(18)}  # fmt: skip
+    path = out / "credentials.json"
+    path.write_text(json.dumps(creds, indent=2))
+    path.chmod(0o600)
+    return out
+
+
+def main(args) -> int:
+    from shared.config import load_config
+
+    out = make_secrets(load_config(args.config), Path(args.out), tuple(args.host))
+    print(f"pdd certs: wrote the cluster CA, KV and NATS certificates and credentials to {out}")
+    return 0

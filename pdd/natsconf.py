@@ -1,0 +1,81 @@
+"""NATS server configuration per site: users per role, subject permissions, the leafnode link.
+
+Each datacenter runs its own NATS server; its services connect only to it. The scheduler's
+site listens for leafnode connections (TLS, client certificates required, a password); every
+other site's server joins it as a leafnode through the line, so subjects span both sites while
+nothing crosses in the clear. Each role may publish and subscribe only what it uses
+(`PERMISSIONS`); replies to requests it received are always allowed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from shared.config import ClusterConfig, DatacenterConfig
+from shared.security import Secrets
+
+# subjects each role publishes / subscribes (shared/subjects.py names them all)
+_REPORT = ["pdd.registry.heartbeat", "pdd.registry.index", "pdd.registry.leave", "pdd.scheduler.wan_sample"]
+_OPERATED = ["pdd.abort", "pdd.inspect.*", "pdd.admin.*.flush"]
+PERMISSIONS: dict[str, dict[str, list[str]]] = {
+    "gateway": {"publish": ["pdd.scheduler.submit", "pdd.abort"], "subscribe": ["pdd.tokens.>"]},
+    "scheduler": {
+        "publish": ["pdd.prefill.*.task", "pdd.decode.*.task", "pdd.decode.*.drop", "pdd.abort"],
+        "subscribe": ["pdd.scheduler.submit", "pdd.scheduler.wan_sample", "pdd.registry.*"],
+    },
+    "prefill": {
+        "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],
+        "subscribe": ["pdd.prefill.*.task", *_OPERATED],
+    },
+    "rld": {
+        "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.chunk", *_REPORT],
+        "subscribe": ["pdd.decode.*.task", "pdd.decode.*.drop", "pdd.handoff.*.ready", "pdd.handoff.*.finish",
+                      *_OPERATED],
+    },  # fmt: skip
+    "md": {
+        "publish": ["pdd.tokens.>", "pdd.handoff.*.ready", "pdd.handoff.*.finish", *_REPORT],
+        "subscribe": ["pdd.decode.*.task", "pdd.decode.*.drop", "pdd.handoff.*.chunk", *_OPERATED],
+    },
+    "wanlink": {"publish": [], "subscribe": ["pdd.wanlink.*.control"]},
+}
+SITE_ROLES = {"control": ("gateway", "scheduler", "prefill", "rld", "md", "wanlink"), "other": ("prefill", "rld", "md")}
+
+
+def _user(role: str, password: str) -> dict:
+    if role == "operator":  # tests, `pdd status`, `pdd wan`: everything
+        return {"user": role, "password": password}
+    perms = PERMISSIONS[role]
+    return {"user": role, "password": password,
+            "permissions": {"publish": {"allow": perms["publish"] or ["pdd.none"]},
+                            # replies to its own requests come on its own inbox prefix (shared/bus.py)
+                            "subscribe": {"allow": [*perms["subscribe"], f"_INBOX.{role}.>"]},
+                            "allow_responses": True}}  # fmt: skip
+
+
+def _tls(secrets: Secrets, dc: str) -> dict:
+    cert, key = secrets.cert("nats", dc)
+    # handshake_first: TLS from the first byte, not even the server's INFO in the clear
+    return {"cert_file": str(cert), "key_file": str(key), "ca_file": str(secrets.ca), "timeout": 5,
+            "handshake_first": True}  # fmt: skip
+
+
+def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | None, host: str = "127.0.0.1") -> str:
+    """The server config of site `dc` (JSON, which nats-server reads as its own format)."""
+    conf: dict = {"server_name": f"pdd-{dc.name}", "listen": f"{host}:{dc.nats_port}", "max_payload": 1 << 20}
+    home = dc.name == cfg.control_dc
+    if secrets is not None:
+        roles = SITE_ROLES["control" if home else "other"]
+        conf["authorization"] = {"users": [_user(r, secrets.nats_password(r)) for r in (*roles, "operator")]}
+    if home:
+        leaf = {"listen": f"{cfg.host}:{dc.leaf_port}"}
+        if secrets is not None:
+            leaf |= {"tls": _tls(secrets, dc.name) | {"verify": True},  # a client certificate from our CA
+                     "authorization": {"user": "leaf", "password": secrets.nats_password("leaf")}}  # fmt: skip
+        conf["leafnodes"] = leaf
+    elif dc.leaf_remote:
+        creds = f"leaf:{secrets.nats_password('leaf')}@" if secrets else ""
+        remote = {"url": f"nats-leaf://{creds}{dc.leaf_remote}"}
+        if secrets is not None:
+            remote["tls"] = _tls(secrets, dc.name)  # checks the other site's certificate, presents ours
+        conf["leafnodes"] = {"remotes": [remote], "reconnect": 1}
+    return json.dumps(conf, indent=2)

@@ -1,0 +1,74 @@
+"""The two-site cluster on one host: which processes run in which site, on which ports.
+
+`resolve()` turns a config into a runnable one for this host: every port left at 0 gets a free
+one (so a firewall-style test can name each), each site gets its NATS server's URL, the
+decoders in the other site are reached through the emulated line's forward ports, that site's
+NATS server joins the scheduler's through the line, and a throwaway CA and credentials are made
+when the config names none. `plan_processes()` lists the service processes in start order;
+docker-compose.yml and deploy/ mirror it (tests/test_compose.py keeps them equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdd.servers import free_port
+from shared.config import ClusterConfig, DatacenterConfig
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    role: str
+    dc: str  # the site it runs in ("" for the WAN emulator: it is the line between them)
+    argv: tuple[str, ...]
+
+
+def plan_processes(cfg: ClusterConfig, config_path: str) -> list[ProcessSpec]:
+    """Every service process of the cluster, in start order."""
+
+    def spec(name: str, role: str, dc: str, *extra: str) -> ProcessSpec:
+        return ProcessSpec(name, role, dc, ("pdd", "serve", role, "--config", config_path, *extra))
+
+    specs = [spec("wanlink", "wanlink", "")] if cfg.wan.enabled else []
+    specs.append(spec("scheduler", "scheduler", cfg.control_dc))
+    specs += [spec(i.id, i.role, i.dc, "--instance", i.id) for i in cfg.instances]
+    specs.append(spec("gateway", "gateway", cfg.control_dc))
+    return specs
+
+
+def _port(p: int) -> int:
+    return p or free_port()
+
+
+def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
+    """A config for this host: free ports where 0, site URLs, forwards through the line, secrets."""
+    instances = tuple(dataclasses.replace(i, kv_port=_port(i.kv_port) if i.role != "prefill" else 0)
+                      for i in cfg.instances)  # fmt: skip
+    sites = tuple(dataclasses.replace(dc, nats_port=_port(dc.nats_port),
+                                      leaf_port=_port(dc.leaf_port) if dc.name == cfg.control_dc else 0)
+                  for dc in cfg.datacenters)  # fmt: skip
+    cfg = dataclasses.replace(cfg, instances=instances, datacenters=sites, port=_port(cfg.port),
+                              redis_port=_port(cfg.redis_port), nats_url="")  # fmt: skip
+    ports = {name: _port(cfg.wan.ports.get(name, 0)) for name, *_ in cfg.wan_forwards()} if cfg.wan.enabled else {}
+    cfg = dataclasses.replace(cfg, wan=dataclasses.replace(cfg.wan, ports=ports))
+    cfg = dataclasses.replace(cfg, datacenters=tuple(_site_urls(cfg, dc) for dc in cfg.datacenters))
+    if not cfg.redis_url:
+        cfg = dataclasses.replace(cfg, redis_url=f"redis://127.0.0.1:{cfg.redis_port}")
+    if not cfg.secrets_dir:
+        from pdd.certs import make_secrets  # cryptography: only when a throwaway set is needed
+
+        cfg = dataclasses.replace(cfg, secrets_dir=str(make_secrets(cfg, run_dir / "secrets")))
+    return cfg
+
+
+def _site_urls(cfg: ClusterConfig, dc: DatacenterConfig) -> DatacenterConfig:
+    """Its services' NATS URL; for a site other than the scheduler's, where its server joins the
+    scheduler's site: through the line when it is emulated, else straight to its leaf port."""
+    dc = dataclasses.replace(dc, nats_url=dc.nats_url or f"nats://127.0.0.1:{dc.nats_port}")
+    if dc.name != cfg.control_dc and not dc.leaf_remote:
+        port = cfg.wan.ports.get(f"nats-{dc.name}") or cfg.datacenter(cfg.control_dc).leaf_port
+        dc = dataclasses.replace(dc, leaf_remote=f"{cfg.host}:{port}")
+    return dc
