@@ -80,6 +80,10 @@ class DecoderService(InstanceService):
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
+    def holding_since(self, older_than_s: float) -> list[str]:
+        cutoff = time.monotonic() - older_than_s
+        return [rid for rid, r in self.requests.items() if r.accepted_at < cutoff]
+
     async def load(self) -> dict:
         """The engine's figures plus `pending`: tasks accepted whose KV has not landed. They are
         committed here, so the scheduler's relay admission control counts them."""

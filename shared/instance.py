@@ -31,6 +31,7 @@ from shared.config import ClusterConfig, InstanceConfig, service_args
 from shared.messages import (
     Abort,
     Ack,
+    Heartbeat,
     HeartbeatReply,
     IndexEvent,
     IndexUpdate,
@@ -71,6 +72,15 @@ class InstanceService:
 
     def held_requests(self) -> list[str]:
         return []
+
+    def holding_since(self, older_than_s: float) -> list[str]:
+        """Requests held longer than `older_than_s` (the registrar checks they still exist)."""
+        return []
+
+    async def forget(self, request_ids: list[str]) -> None:
+        """The registrar says these requests are no longer in flight: drop what is held for them."""
+        for rid in request_ids:
+            await self.on_abort(Abort(rid, reason="no longer in flight (moved away or ended)"))
 
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         """Called on the event loop with each engine step's outputs, in step order."""
@@ -139,9 +149,14 @@ class InstanceService:
                 if hasattr(self.info, key):
                     setattr(self.info, key, value)
             self.info.updated_at = sampled_at
+            # only requests held for a while: the scheduler records a request before dispatching it
+            beat = Heartbeat(self.info, self.holding_since(self.cfg.timeouts.control_s * 2))
             try:
-                reply = await self.bus.request(subjects.HEARTBEAT, self.info, HeartbeatReply, self.cfg.timeouts.control_s)
+                reply = await self.bus.request(subjects.HEARTBEAT, beat, HeartbeatReply, self.cfg.timeouts.control_s)
                 self._index_stale |= reply.resync_index
+                if reply.forget:
+                    log.info("%s: dropping %d request(s) no longer in flight", self.inst.id, len(reply.forget))
+                    await self.forget(reply.forget)
             except BusTimeout as e:  # registrar restarting, or the line to it down: keep serving
                 log.warning("%s: heartbeat not acknowledged: %s", self.inst.id, e)
             await asyncio.sleep(self.cfg.heartbeat_s)

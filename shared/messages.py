@@ -286,8 +286,17 @@ class InstanceInfo(Message):
 
 
 @dataclass
+class Heartbeat(Message):
+    """instance -> registrar: its figures, and the requests it has held for a while."""
+
+    info: InstanceInfo
+    holding: list[str] = field(default_factory=list)
+
+
+@dataclass
 class HeartbeatReply(Message):
     resync_index: bool = False  # the index lost this instance's blocks (Redis restarted): send them all
+    forget: list[str] = field(default_factory=list)  # of `holding`: requests that ended or moved elsewhere
 
 
 @dataclass

@@ -100,6 +100,14 @@ class Registry:
     async def delete_request(self, request_id: str) -> None:
         await self.r.delete(REQUEST + request_id)
 
+    async def gone_requests(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` no longer recorded as in flight."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for rid in request_ids:
+                pipe.exists(REQUEST + rid)
+            found = await pipe.execute()
+        return [rid for rid, n in zip(request_ids, found) if not n]
+
     async def request_ids(self) -> list[str]:
         return [k[len(REQUEST) :] async for k in self.r.scan_iter(match=REQUEST + "*", count=1000)]
 

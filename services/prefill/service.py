@@ -62,6 +62,10 @@ class Prefiller(InstanceService):
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
+    def holding_since(self, older_than_s: float) -> list[str]:
+        cutoff = time.monotonic() - older_than_s
+        return [rid for rid, s in self.requests.items() if s.accepted_at < cutoff]
+
     # -- 1. task ------------------------------------------------------------------------
     async def on_task(self, task: PrefillTask) -> Ack:
         rid = task.request_id

@@ -8,8 +8,9 @@ Lifecycle of a request here:
 3. Decoders first: each gets a `DecodeTask` and must ack, so it is ready before any KV flies.
    Then prefill gets a `PrefillTask` with the KV targets: each decoder's advertised endpoint
    and a fresh transfer token that only that decoder expects for this request.
-4. The plan is recorded in Redis (`pdd:request:<id>`, removed by the gateway at the end) and
-   returned to the gateway.
+4. The plan, recorded in Redis before the dispatch (`pdd:request:<id>`, removed by the gateway
+   at the end; an instance holding a request no longer recorded drops it), goes back to the
+   gateway.
 5. If any dispatch fails, the request is aborted everywhere and the gateway gets an error plan:
    503 when a role has no alive instance, 429 when every instance of a role is full (each stage
    holds at most max_running + max_waiting requests and refuses more: bounded queues).
@@ -144,6 +145,7 @@ class Scheduler:
             self.dispatched.add(iid, time.time())
         prefill = alive[plan.prefill]
         targets = [_target(prefill, inst, d.starts[inst.role]) for inst in decoders]
+        await self._record(plan)  # before any stage holds it: a holder of an unrecorded request drops it
         acks = await asyncio.gather(*(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)),
                                     return_exceptions=True)  # fmt: skip
         try:
@@ -155,7 +157,6 @@ class Scheduler:
             for inst in decoders:
                 await self.bus.publish(subjects.decode_drop(inst.id), Abort(sub.request_id, reason="re-planned"))
             raise
-        await self._record(plan)
         return plan
 
     async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:

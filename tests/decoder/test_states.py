@@ -272,3 +272,14 @@ async def test_a_forged_transfer_is_refused_and_leaves_the_request_pending(pair,
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     pair.assert_gone("r1")
+
+
+async def test_a_request_the_registrar_says_is_gone_is_dropped(pair, prompt):
+    """The line was down, the request moved to the relay and its abort was lost: the heartbeat
+    reply names it (forget) and main-decode drops everything it held for it."""
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
+    await pair.land("md", "r1", prompt)
+    await pair.drive(lambda: len(pair.tokens("r1")) >= 3, roles=("md",))
+    await pair.md.forget(["r1"])
+    await pair.settle()
+    pair.assert_gone("r1")
