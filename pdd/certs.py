@@ -60,6 +60,11 @@ def _sans(names: list[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(out)
 
 
+_CA_USAGE = x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                          encipher_only=False, decipher_only=False)  # fmt: skip
+
+
 class CertificateAuthority:
     def __init__(self, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
         self.key, self.cert = key, cert
@@ -73,7 +78,7 @@ class CertificateAuthority:
                 .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
                 .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+                .add_extension(_CA_USAGE, critical=True)
                 .sign(key, hashes.SHA256()))  # fmt: skip
         return cls(key, cert)
 
@@ -112,9 +117,34 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
     return out
 
 
+def write_server_configs(cfg: ClusterConfig, out: Path) -> list[Path]:
+    """Each site's nats-server config and redis.conf beside the secrets, for servers run outside
+    `pdd up` (containers, a real site). File paths inside are where the config says the secrets
+    are mounted (`secrets_dir`), else `out`."""
+    from pdd.natsconf import server_conf
+    from shared.security import Secrets
+
+    secrets, mount = Secrets(out), Path(cfg.secrets_dir) if cfg.secrets_dir else None
+    paths = []
+    for dc in cfg.datacenters:
+        path = out / f"nats-{dc.name}.conf"
+        path.write_text(server_conf(cfg, dc, secrets, mount))
+        paths.append(path)
+    path = out / "redis.conf"
+    path.write_text(f"requirepass {secrets.redis_password}\nsave \"\"\nappendonly no\n")
+    paths.append(path)
+    for p in paths:
+        p.chmod(0o600)
+    return paths
+
+
 def main(args) -> int:
     from shared.config import load_config
 
-    out = make_secrets(load_config(args.config), Path(args.out), tuple(args.host))
+    cfg = load_config(args.config)
+    out = make_secrets(cfg, Path(args.out), tuple(args.host))
     print(f"pdd certs: wrote the cluster CA, KV and NATS certificates and credentials to {out}")
+    if args.server_configs:
+        for path in write_server_configs(cfg, out):
+            print(f"pdd certs: wrote {path}")
     return 0

@@ -3,7 +3,11 @@
     pdd model-dir                 print the default model folder, provisioning it if missing
     pdd up [--config FILE]        start NATS, Redis, the WAN emulator and every service on one host
     pdd serve ROLE --config FILE --instance ID
-                                  run one service alone (per-datacenter deployment)
+                                  run one service alone (per-datacenter deployment, docs/deploy.md)
+    pdd certs --config FILE --out DIR [--host NAME ...]
+                                  a cluster's CA, certificates and credentials (pdd/certs.py)
+    pdd wan show | set | down | up [--bandwidth-mbps N --delay-ms N --jitter-ms N]
+                                  the emulated line of a running `pdd up` cluster (pdd/control.py)
     pdd bench [--workload W --modes M1,M2 --out DIR ...]
                                   PDD and its baselines side by side (benchmarks/bench.py)
     pdd bench handoff [--tokens 100 --reps 30]
@@ -20,6 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdd.control import add_wan_arguments
+
 
 def _model_dir(args: argparse.Namespace) -> int:
     from shared.runtime.provision import provision_default_model
@@ -31,13 +37,22 @@ def _model_dir(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from pdd.launcher import run_cluster
 
-    return run_cluster(args.config)
+    overrides = {"port": args.port} if args.port is not None else {}
+    if args.model:
+        overrides["model"] = args.model
+    return run_cluster(args.config, **overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from pdd.launcher import serve_one
 
     return serve_one(args.role, args.config, args.instance)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from pdd import certs
+
+    return certs.main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -92,14 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("model-dir", help="print the default model folder (provision it if missing)").set_defaults(
         func=_model_dir
     )
-    up = sub.add_parser("up", help="run the whole cluster on this host")
+    up = sub.add_parser("up", help="run both datacenters and the line between them on this host")
     up.add_argument("--config", default=None, help="cluster YAML (default configs/single-host.yaml)")
+    up.add_argument("--port", type=int, default=None, help="the gateway's port (default 8000, or PDD_PORT)")
+    up.add_argument("--model", default=None, help="a local Hugging Face Llama/Qwen-family folder (default SmolLM2)")
     up.set_defaults(func=_up)
-    serve = sub.add_parser("serve", help="run one service")
+    serve = sub.add_parser("serve", help="run one service of one datacenter")
     serve.add_argument("role", choices=["gateway", "scheduler", "prefill", "rld", "md", "wanlink"])
-    serve.add_argument("--config", default=None)
-    serve.add_argument("--instance", default=None, help="instance id from the config (default: the first)")
+    serve.add_argument("--config", default=None, help="cluster YAML (relative to where you stand)")
+    serve.add_argument("--instance", default=None, help="instance id from the config (default: the first of the role)")
     serve.set_defaults(func=_serve)
+    certs = sub.add_parser("certs", help="make a cluster's CA, certificates and credentials (docs/deploy.md)")
+    certs.add_argument("--config", default=None, help="cluster YAML: its instances and datacenters")
+    certs.add_argument("--out", required=True, help="a new folder for them (refused if it already holds a CA)")
+    certs.add_argument("--host", action="append", default=[], help="a name or address the sites reach each other "
+                       "by, added to every certificate (repeat for several)")  # fmt: skip
+    certs.add_argument("--server-configs", action="store_true", help="also write each site's nats-server "
+                       "config and redis.conf beside them (servers run outside `pdd up`)")  # fmt: skip
+    certs.set_defaults(func=_certs)
+    add_wan_arguments(sub)
     _add_bench(sub)
     _add_sim(sub)
     return parser

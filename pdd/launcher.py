@@ -31,10 +31,11 @@ from typing import Any
 import httpx
 import yaml
 
+from pdd.control import write_state
 from pdd.natsconf import server_conf
 from pdd.servers import EmbeddedServer, die_with_parent
-from pdd.topology import ProcessSpec, plan_processes, resolve
-from shared.config import ClusterConfig, config_from_dict, load_config, to_dict
+from pdd.topology import plan_processes, resolve
+from shared.config import ClusterConfig, ConfigError, config_from_dict, load_config, serving_problems, to_dict
 from shared.security import Secrets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,20 +181,39 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def serve_one(role: str, config_path: str | None, instance: str | None) -> int:
-    """`pdd serve ROLE`: become that service (per-datacenter deployment)."""
-    argv = serve_argv(role, str(Path(config_path).resolve()) if config_path else None, instance)
+    """`pdd serve ROLE`: check the config can run it, then become that service."""
+    path = str(Path(config_path).resolve()) if config_path else None  # relative to where the user stands
+    try:
+        problems = serving_problems(load_config(path), role, instance)
+    except ConfigError as e:
+        problems = [str(e)]
+    if problems:
+        for p in problems:
+            print(f"pdd serve {role}: {p}", file=sys.stderr)
+        return 2
+    argv = serve_argv(role, path, instance)
     os.chdir(ROOT)
     os.execv(argv[0], argv)
 
 
-def run_cluster(config_path: str | None) -> int:
+def run_cluster(config_path: str | None, **overrides: Any) -> int:
     """`pdd up`: the whole two-site cluster on this host until Ctrl-C."""
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    cluster = Cluster(config_path).start()
+    cluster = Cluster(config_path, **overrides)
+    throwaway = Path(cluster.cfg.secrets_dir).is_relative_to(cluster.run_dir)
+    cluster.start()
+    state = write_state(cluster.url, cluster.cfg.port, cluster.config_path)
     print(f"PDD serving on {cluster.url}  (OpenAI API: {cluster.url}/v1; Ctrl-C stops everything)", flush=True)
-    print(f"pdd: throwaway certificates and credentials in {cluster.cfg.secrets_dir}", flush=True)
+    for dc in cluster.cfg.datacenters:
+        names = [s.name for s in cluster.specs.values() if s.dc == dc.name]
+        print(f"pdd: datacenter {dc.name}: {', '.join(names)} (NATS {dc.nats_url})", flush=True)
+    if cluster.cfg.wan.enabled:
+        print(f"pdd: the line between them: {cluster.cfg.wan.bandwidth_mbps:g} Mbps, {cluster.cfg.wan.delay_ms:g} ms "
+              f"one way (`pdd wan show`)", flush=True)  # fmt: skip
+    if throwaway:
+        print(f"pdd: throwaway CA, certificates and credentials in {cluster.cfg.secrets_dir}", flush=True)
     try:
         while not stop.is_set():
             for name, proc in cluster.procs.items():
@@ -202,5 +222,6 @@ def run_cluster(config_path: str | None) -> int:
                     stop.set()
             stop.wait(0.5)
     finally:
+        state.unlink(missing_ok=True)
         cluster.stop()
     return 0

@@ -10,6 +10,7 @@ nothing crosses in the clear. Each role may publish and subscribe only what it u
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from shared.config import ClusterConfig, DatacenterConfig
 from shared.security import Secrets
@@ -52,16 +53,21 @@ def _user(role: str, password: str) -> dict:
                             "allow_responses": True}}  # fmt: skip
 
 
-def _tls(secrets: Secrets, dc: str) -> dict:
-    cert, key = secrets.cert("nats", dc)
+def _tls(secrets: Secrets, dc: str, mount: Path | None) -> dict:
+    """Files as the server will see them: under `mount` when the secrets are mounted elsewhere."""
+    where = Secrets(mount) if mount else secrets
+    cert, key = where.cert("nats", dc)
     # handshake_first: TLS from the first byte, not even the server's INFO in the clear
-    return {"cert_file": str(cert), "key_file": str(key), "ca_file": str(secrets.ca), "timeout": 5,
+    return {"cert_file": str(cert), "key_file": str(key), "ca_file": str(where.ca), "timeout": 5,
             "handshake_first": True}  # fmt: skip
 
 
-def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | None, host: str = "127.0.0.1") -> str:
+def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | None, mount: Path | None = None) -> str:
     """The server config of site `dc` (JSON, which nats-server reads as its own format)."""
-    conf: dict = {"server_name": f"pdd-{dc.name}", "listen": f"{host}:{dc.nats_port}", "max_payload": 1 << 20}
+    conf: dict = {"server_name": f"pdd-{dc.name}", "listen": f"{cfg.host}:{dc.nats_port or 4222}",
+                  "max_payload": 1 << 20}  # fmt: skip
+    if dc.monitor_port:  # /healthz for container healthchecks
+        conf["http_port"] = dc.monitor_port
     home = dc.name == cfg.control_dc
     if secrets is not None:
         roles = SITE_ROLES["control" if home else "other"]
@@ -69,13 +75,13 @@ def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | Non
     if home:
         leaf = {"listen": f"{cfg.host}:{dc.leaf_port}"}
         if secrets is not None:
-            leaf |= {"tls": _tls(secrets, dc.name) | {"verify": True},  # a client certificate from our CA
+            leaf |= {"tls": _tls(secrets, dc.name, mount) | {"verify": True},  # a client certificate from our CA
                      "authorization": {"user": "leaf", "password": secrets.nats_password("leaf")}}  # fmt: skip
         conf["leafnodes"] = leaf
     elif dc.leaf_remote:
         creds = f"leaf:{secrets.nats_password('leaf')}@" if secrets else ""
         remote = {"url": f"nats-leaf://{creds}{dc.leaf_remote}"}
         if secrets is not None:
-            remote["tls"] = _tls(secrets, dc.name)  # checks the other site's certificate, presents ours
+            remote["tls"] = _tls(secrets, dc.name, mount)  # checks the other site's certificate, presents ours
         conf["leafnodes"] = {"remotes": [remote], "reconnect": 1}
     return json.dumps(conf, indent=2)

@@ -53,7 +53,8 @@ def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
     cfg = dataclasses.replace(cfg, instances=instances, datacenters=sites, port=_port(cfg.port),
                               redis_port=_port(cfg.redis_port), nats_url="")  # fmt: skip
     ports = {name: _port(cfg.wan.ports.get(name, 0)) for name, *_ in cfg.wan_forwards()} if cfg.wan.enabled else {}
-    cfg = dataclasses.replace(cfg, wan=dataclasses.replace(cfg.wan, ports=ports))
+    capture = cfg.wan.capture_dir or str(run_dir / "wan-capture")  # written only when turned on
+    cfg = dataclasses.replace(cfg, wan=dataclasses.replace(cfg.wan, ports=ports, capture_dir=capture))
     cfg = dataclasses.replace(cfg, datacenters=tuple(_site_urls(cfg, dc) for dc in cfg.datacenters))
     if not cfg.redis_url:
         cfg = dataclasses.replace(cfg, redis_url=f"redis://127.0.0.1:{cfg.redis_port}")
@@ -69,6 +70,8 @@ def _site_urls(cfg: ClusterConfig, dc: DatacenterConfig) -> DatacenterConfig:
     scheduler's site: through the line when it is emulated, else straight to its leaf port."""
     dc = dataclasses.replace(dc, nats_url=dc.nats_url or f"nats://127.0.0.1:{dc.nats_port}")
     if dc.name != cfg.control_dc and not dc.leaf_remote:
-        port = cfg.wan.ports.get(f"nats-{dc.name}") or cfg.datacenter(cfg.control_dc).leaf_port
-        dc = dataclasses.replace(dc, leaf_remote=f"{cfg.host}:{port}")
+        home = cfg.datacenter(cfg.control_dc)
+        through = cfg.wan.ports.get(f"nats-{dc.name}")
+        host = (cfg.wan.host or cfg.host) if through else (home.leaf_host or cfg.host)
+        dc = dataclasses.replace(dc, leaf_remote=f"{host}:{through or home.leaf_port}")
     return dc

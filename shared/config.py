@@ -4,14 +4,18 @@ One file describes the whole two-site cluster; each process reads it and takes i
 (its instance, its datacenter's NATS server). Overrides for the process reading it:
 PDD_NATS_URL (its own datacenter's NATS server), PDD_REDIS_URL (the scheduler's Redis),
 PDD_SECRETS_DIR (certificates and credentials, see pdd/certs.py), PDD_PORT (gateway port),
-PDD_MODEL (model folder, or "default"), PDD_ADVERTISE_HOST (the address other services dial to
-reach this one, where it differs from the bind address `host`, e.g. one container per service
-binding 0.0.0.0). Validation errors name the bad value and where it came from.
+PDD_MODEL (model folder, or "default"). Validation errors name the bad value and where it came
+from.
+
+Addresses: every process binds `host` (0.0.0.0 in containers); others reach an instance's KV
+listener at its own `host` (default: the cluster's), a site's leafnode port at its `leaf_host`,
+and the emulated line at `wan.host`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +26,7 @@ import yaml
 from shared.pipelines import HANDOFFS, Pipeline
 
 ROLES = ("prefill", "rld", "md")
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "single-host.yaml"
+DEFAULT_CONFIG = Path(importlib.util.find_spec("configs").submodule_search_locations[0]) / "single-host.yaml"
 
 
 class ConfigError(ValueError):
@@ -41,8 +45,8 @@ class InstanceConfig:
     max_running: int = 32
     max_waiting: int = 64  # requests held beyond max_running (queued, or KV on its way); past it, refused
     prefix_cache: bool = True  # radix cache of earlier requests' KV (the DRC on decoders)
+    host: str = ""  # where others reach this instance ("" = the cluster's host)
     kv_port: int = 0  # decoders: the KV listener (0 = any free port; name one so a firewall can)
-    kv_advertise: str = ""  # "host:port" prefill dials for this decoder ("" = public host, kv_port)
     metrics_port: int = 0  # Prometheus /metrics (0 = none)
 
     def __post_init__(self) -> None:
@@ -64,7 +68,9 @@ class DatacenterConfig:
     nats_url: str = ""  # its services' NATS server ("" = embedded, started by the launcher)
     nats_port: int = 0  # the embedded server's client port (0 = a free one)
     leaf_port: int = 0  # the scheduler's site: where other sites' NATS servers connect (TLS)
-    leaf_remote: str = ""  # the other sites: "host:port" of the scheduler's site's leaf port
+    leaf_host: str = ""  # the scheduler's site: where that port is reached ("" = the cluster's host)
+    leaf_remote: str = ""  # the other sites: "host:port" they dial to join (the leaf port, or the line)
+    monitor_port: int = 0  # the NATS server's HTTP monitoring port (/healthz), 0 = none
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class WanConfig:
     enabled: bool = True
     reverse: dict[str, Any] = field(default_factory=dict)  # B -> A settings that differ
     ports: dict[str, int] = field(default_factory=dict)  # forward name -> emulator listen port
+    host: str = ""  # where the emulator is reached ("" = the cluster's host)
+    capture_dir: str = ""  # where `WanControl(capture=True)` records what crosses, like tcpdump on the line
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,6 @@ class ClusterConfig:
     model: str = "default"
     block_size: int = 16
     host: str = "127.0.0.1"  # where services listen
-    advertise_host: str = ""  # where others reach them ("" = host); PDD_ADVERTISE_HOST overrides
     port: int = 8000
     control_dc: str = "A"  # where the gateway, the scheduler and Redis run
     datacenters: tuple[DatacenterConfig, ...] = ()
@@ -170,11 +177,6 @@ class ClusterConfig:
     def of_role(self, role: str) -> list[InstanceConfig]:
         return [i for i in self.instances if i.role == role]
 
-    @property
-    def public_host(self) -> str:
-        """The address this process advertises for its listeners (KV receiver, WAN link)."""
-        return self.advertise_host or self.host
-
     def datacenter(self, name: str) -> DatacenterConfig:
         for dc in self.datacenters:
             if dc.name == name:
@@ -193,21 +195,18 @@ class ClusterConfig:
         Each decoder outside the scheduler's site takes KV pushes from prefill; each other site's
         NATS server joins the scheduler's site's leafnode port. Nothing else crosses."""
         home = self.datacenter(self.control_dc)
-        out = [(i.id, self.control_dc, (self.host, i.kv_port)) for i in self.instances
+        out = [(i.id, self.control_dc, (i.host or self.host, i.kv_port)) for i in self.instances
                if i.dc != self.control_dc and i.role != "prefill"]  # fmt: skip
-        out += [(f"nats-{d.name}", d.name, (self.host, home.leaf_port)) for d in self.datacenters
+        out += [(f"nats-{d.name}", d.name, (home.leaf_host or self.host, home.leaf_port)) for d in self.datacenters
                 if d.name != self.control_dc]  # fmt: skip
         return out
 
     def kv_endpoint(self, inst: InstanceConfig) -> tuple[str, int]:
-        """Where prefill dials a decoder's KV listener: across the emulated line when the decoder
-        is in the other site, its advertised address in a real deployment, else its own port."""
+        """Where prefill dials a decoder's KV listener: the emulated line's forward when the
+        decoder is in the other site and the line is emulated, else the decoder itself."""
         if self.wan.enabled and inst.dc != self.control_dc and inst.id in self.wan.ports:
-            return self.host, self.wan.ports[inst.id]
-        if inst.kv_advertise:
-            host, _, port = inst.kv_advertise.rpartition(":")
-            return host, int(port)
-        return self.public_host, inst.kv_port
+            return self.wan.host or self.host, self.wan.ports[inst.id]
+        return inst.host or self.host, inst.kv_port
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
@@ -252,7 +251,6 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
         "secrets_dir": os.environ.get("PDD_SECRETS_DIR"),
         "port": os.environ.get("PDD_PORT"),
         "model": os.environ.get("PDD_MODEL"),
-        "advertise_host": os.environ.get("PDD_ADVERTISE_HOST"),
     }
     for key, value in env.items():
         if value:
@@ -272,6 +270,26 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     if cfg.scheduler.default_pipeline == Pipeline.P_RLD_MD and not cfg.of_role("rld"):
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline=Pipeline.P_MD))
     return cfg
+
+
+def serving_problems(cfg: ClusterConfig, role: str, instance: str | None) -> list[str]:
+    """Why `role` (instance `instance`) cannot run from this config alone, one line each:
+    what `pdd serve` says instead of starting a service that would fail later."""
+    problems = []
+    dc = cfg.control_dc if role in ("gateway", "scheduler", "wanlink") else None
+    if dc is None:
+        try:
+            dc = cfg.instance(instance, role).dc
+        except ConfigError as e:
+            return [str(e)]
+    if role != "wanlink" and not (cfg.nats_url or cfg.datacenter(dc).nats_url):
+        problems.append(f"no NATS server for datacenter {dc}: set PDD_NATS_URL or datacenters.{dc}.nats_url")
+    if role in ("gateway", "scheduler") and not cfg.redis_url:
+        problems.append("no Redis: set PDD_REDIS_URL (Redis runs in the scheduler's datacenter)")
+    if not cfg.secrets_dir:
+        problems.append("no certificates or credentials: set PDD_SECRETS_DIR or secrets_dir (make them with "
+                        "`pdd certs`); every link between sites is encrypted and authenticated")  # fmt: skip
+    return problems
 
 
 def to_dict(cfg: ClusterConfig) -> dict[str, Any]:

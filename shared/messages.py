@@ -361,6 +361,7 @@ class WanControl(Message):
     stall_s: float | None = None  # stop forwarding for this long
     down: bool | None = None  # True: the line carries nothing until `down=False`
     drop: bool = False  # cut every open connection now
+    capture: bool | None = None  # record every byte that crosses, per forward and direction (wan.capture_dir)
 
 
 @dataclass

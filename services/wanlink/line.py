@@ -66,7 +66,8 @@ class Gate:
 
 
 class Line:
-    def __init__(self, cfg: WanConfig, start: float) -> None:
+    def __init__(self, cfg: WanConfig, start: float, name: str = "a-b") -> None:
+        self.name = name
         self.profile = BandwidthProfile(cfg)  # validates cfg
         self.delay_ms, self.jitter_ms = float(cfg.delay_ms), float(cfg.jitter_ms)
         self.gate = Gate()
@@ -79,7 +80,7 @@ class Line:
     def pair(cls, cfg: WanConfig, start: float) -> dict[str, Line]:
         """The two directions: A -> B with the config's settings, B -> A with `reverse` on top."""
         back = dataclasses.replace(cfg, **cfg.reverse, seed=cfg.seed + 1)
-        return {"a-b": cls(cfg, start), "b-a": cls(back, start)}
+        return {"a-b": cls(cfg, start, "a-b"), "b-a": cls(back, start, "b-a")}
 
     def mbps(self, now: float) -> float:
         return self.profile.mbps(now - self._start)

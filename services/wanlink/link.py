@@ -25,9 +25,10 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.wanlink.line import Gate, Line
-from services.wanlink.proxy import Connection
+from services.wanlink.proxy import Connection, Recorder
 from services.wanlink.shaper import control_error
 from shared import subjects
 from shared.bus import Bus
@@ -64,6 +65,7 @@ class WanLink:
         self._conns: set[Connection] = set()
         self._handlers: set[asyncio.Task] = set()
         self._stopping = False
+        self.recorder: Recorder | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1") -> dict[str, int]:
@@ -97,6 +99,8 @@ class WanLink:
         """Apply a change (nothing of it when any part is invalid); returns the state after."""
         if not (error := control_error(msg)) and msg.forward and msg.forward not in self.gates:
             error = f"no forward {msg.forward!r}; forwards: {sorted(self.gates)}"
+        if not error and msg.capture and not self.cfg.capture_dir:
+            error = "capture needs wan.capture_dir in the config"
         if error:
             log.warning("wan %s: refused control %s: %s", self.cfg.name, msg, error)
             return self.state(error)
@@ -110,9 +114,19 @@ class WanLink:
                 gate.set_down(msg.down)
         if msg.drop:
             self.drop(msg.forward)
+        if msg.capture is not None:
+            self.capture(msg.capture)
         if msg != WanControl():
             log.info("wan %s: %s -> %s", self.cfg.name, msg, self.describe())
         return self.state()
+
+    def capture(self, on: bool) -> None:
+        """Record what crosses from now on, as tcpdump on the line would see it (no decryption)."""
+        if on and not self.cfg.capture_dir:
+            raise ValueError("capture needs wan.capture_dir")
+        self.recorder = Recorder(Path(self.cfg.capture_dir)) if on else None
+        for conn in self._conns:
+            conn.recorder = self.recorder
 
     def drop(self, forward: str = "") -> int:
         """Cut every open connection (of `forward`) now: both ends get a reset. Returns how many."""
@@ -160,6 +174,7 @@ class WanLink:
         out = "a-b" if fwd.dialer_dc == self.cfg.src_dc else "b-a"
         back = "b-a" if out == "a-b" else "a-b"
         conn = Connection(fwd.name, self.lines[out], self.lines[back], self.gates[fwd.name], (reader, writer), up)
+        conn.recorder = self.recorder
         self._conns.add(conn)
         try:
             await conn.run()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from pathlib import Path
 
 from services.wanlink.line import CHUNK, Gate, Line
 from services.wanlink.shaper import DelayLine
@@ -30,13 +31,27 @@ RESET_POLL_S = 0.05
 Side = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
+class Recorder:
+    """What crosses the line, appended to `<dir>/<forward>.<direction>.bin` (tests read it)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def record(self, forward: str, direction: str, data: bytes) -> None:
+        with open(self.directory / f"{forward}.{direction}.bin", "ab") as f:
+            f.write(data)
+
+
 class Connection:
     """Owns both sockets and the four tasks of one proxied connection."""
 
     def __init__(self, forward: str, out: Line, back: Line, gate: Gate, client: Side, upstream: Side) -> None:
         self.forward = forward
         self.out, self.back = out, back  # the dialer's direction, and the other
+        self.a_to_b = out if out.name == "a-b" else back
         self.gate = gate  # this forward's own faults (a stall of one decoder's KV connections)
+        self.recorder: Recorder | None = None
         self.client = client
         self.upstream = upstream
         self._tasks: list[asyncio.Task] = []
@@ -104,6 +119,8 @@ class Connection:
                 if dst.can_write_eof() and not dst.is_closing():
                     dst.write_eof()
                 return
+            if self.recorder is not None:
+                self.recorder.record(self.forward, "a-b" if line is self.a_to_b else "b-a", data)
             dst.write(data)
             await dst.drain()
 

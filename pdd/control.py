@@ -1,0 +1,102 @@
+"""Operator commands against a running cluster: `pdd wan` (and `pdd status`).
+
+`pdd up` leaves a state file per cluster (`$PDD_STATE_DIR`, default ~/.cache/pdd/run/,
+`cluster-<port>.json`: the gateway's URL and the resolved config); these commands find the
+cluster there (by `--port`, else PDD_PORT, else the only one running) and talk to its control
+site's NATS server as the `operator` user, the way an operator's tool would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from shared import subjects
+from shared.bus import Bus
+from shared.config import ClusterConfig, load_config
+from shared.messages import WanControl, WanState
+from shared.security import Secrets
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("PDD_STATE_DIR") or Path.home() / ".cache" / "pdd" / "run")
+
+
+def write_state(url: str, port: int, config_path: str) -> Path:
+    path = state_dir() / f"cluster-{port}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"url": url, "config": config_path, "pid": os.getpid()}))
+    return path
+
+
+def find_cluster(port: int | None) -> ClusterConfig:
+    """The running cluster's config; SystemExit naming what is missing when there is none."""
+    port = port or (int(os.environ["PDD_PORT"]) if os.environ.get("PDD_PORT") else None)
+    files = [state_dir() / f"cluster-{port}.json"] if port else sorted(state_dir().glob("cluster-*.json"))
+    running = [f for f in files if f.exists() and _alive(json.loads(f.read_text()).get("pid", 0))]
+    if len(running) != 1:
+        what = f"on port {port}" if port else f"in {state_dir()}"
+        raise SystemExit(f"pdd: {'no' if not running else 'more than one'} running cluster {what}"
+                         + ("; start one with `pdd up`" if not running else "; name one with --port"))  # fmt: skip
+    return load_config(json.loads(running[0].read_text())["config"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pid > 0
+    except OSError:
+        return False
+
+
+async def ask(cfg: ClusterConfig, subject: str, msg: Any, reply_type: type, timeout: float = 5.0) -> Any:
+    bus = await Bus.connect(cfg.nats_url_for(cfg.control_dc), "pdd-operator", "operator", Secrets.of(cfg))
+    try:
+        return await bus.request(subject, msg, reply_type, timeout)
+    finally:
+        await bus.close()
+
+
+def wan_command(args: argparse.Namespace) -> int:
+    cfg = find_cluster(args.port)
+    settings = {"bandwidth_mbps": args.bandwidth_mbps, "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms}
+    msg = WanControl(direction=args.direction, forward=args.forward,
+                     down={"down": True, "up": False}.get(args.action),
+                     **(settings if args.action == "set" else {}))  # fmt: skip
+    state: WanState = asyncio.run(ask(cfg, subjects.wan_control(cfg.wan.name), msg, WanState))
+    print(format_wan(state))
+    if state.error:
+        print(f"pdd wan: {state.error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def format_wan(state: WanState) -> str:
+    lines = [f"line {state.name}:"]
+    for direction, ls in state.lines.items():
+        status = "DOWN" if ls.down else "stalled" if ls.stalled else "up"
+        lines.append(f"  {direction}  {status:<7} {ls.bandwidth_mbps:>9.1f} Mbps  delay {ls.delay_ms:g} ms "
+                     f"+- {ls.jitter_ms:g} ms  carried {ls.bytes / 1e6:.1f} MB")  # fmt: skip
+    for name, port in state.forwards.items():
+        lines.append(f"  forward {name:<10} port {port:<6} open {state.connections.get(name, 0)}  "
+                     f"accepted {state.accepted.get(name, 0)}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def add_wan_arguments(sub) -> None:
+    p = sub.add_parser("wan", help="show or change the emulated line of a running `pdd up` cluster")
+    p.add_argument("action", choices=["show", "set", "down", "up"], help="show it; set bandwidth, delay or jitter; "
+                   "take it down (nothing crosses) or bring it back up")  # fmt: skip
+    p.add_argument("--bandwidth-mbps", type=float, default=None, help="with `set`: the rate, in Mbit/s")
+    p.add_argument("--delay-ms", type=float, default=None, help="with `set`: one-way delay, in ms")
+    p.add_argument("--jitter-ms", type=float, default=None, help="with `set`: +- jitter on the delay, in ms")
+    p.add_argument("--direction", choices=["both", "a-b", "b-a"], default="both", help="which way (default both)")
+    p.add_argument("--forward", default="", help="down/up one forward only (a decoder's KV port, nats-B)")
+    p.add_argument("--port", type=int, default=None, help="the cluster's gateway port (default PDD_PORT, or the "
+                   "only running cluster)")  # fmt: skip
+    p.set_defaults(func=wan_command)
