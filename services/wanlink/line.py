@@ -79,7 +79,10 @@ class Line:
     @classmethod
     def pair(cls, cfg: WanConfig, start: float) -> dict[str, Line]:
         """The two directions: A -> B with the config's settings, B -> A with `reverse` on top."""
-        back = dataclasses.replace(cfg, **cfg.reverse, seed=cfg.seed + 1)
+        try:  # its own jitter draws unless `reverse` names a seed
+            back = dataclasses.replace(cfg, **{"seed": cfg.seed + 1, **cfg.reverse})
+        except TypeError as e:  # a misspelt setting: a config error, not a crash
+            raise ValueError(f"wan {cfg.name!r}: bad reverse settings {cfg.reverse!r}: {e}") from None
         return {"a-b": cls(cfg, start, "a-b"), "b-a": cls(back, start, "b-a")}
 
     def mbps(self, now: float) -> float:

@@ -137,20 +137,29 @@ def test_delay_line_never_reorders():
     assert dues == sorted(dues)
 
 
-@pytest.mark.parametrize(
-    "msg", [WanControl(bandwidth_mbps=0), WanControl(bandwidth_mbps=-5), WanControl(bandwidth_mbps=math.nan),
-            WanControl(bandwidth_mbps=math.inf), WanControl(bandwidth_mbps="fast"), WanControl(delay_ms=-1),
-            WanControl(jitter_ms=-0.1), WanControl(stall_s=-2)],
-)  # fmt: skip
-def test_control_errors_name_the_bad_value(msg):
-    error = control_error(msg)
-    field = next(k for k, v in msg.__dict__.items() if v is not None and k != "drop")
-    assert field in error
+BAD_CONTROLS = [
+    (WanControl(bandwidth_mbps=0), "bandwidth_mbps"),
+    (WanControl(bandwidth_mbps=-5), "bandwidth_mbps"),
+    (WanControl(bandwidth_mbps=math.nan), "bandwidth_mbps"),
+    (WanControl(bandwidth_mbps=math.inf), "bandwidth_mbps"),
+    (WanControl(bandwidth_mbps="fast"), "bandwidth_mbps"),
+    (WanControl(delay_ms=-1), "delay_ms"),
+    (WanControl(jitter_ms=-0.1), "jitter_ms"),
+    (WanControl(stall_s=-2), "stall_s"),
+    (WanControl(direction="a-c"), "direction"),
+    (WanControl(forward="md-0", delay_ms=5), "forward"),
+]
+
+
+@pytest.mark.parametrize("msg, word", BAD_CONTROLS)
+def test_control_errors_name_the_bad_value(msg, word):
+    assert word in control_error(msg)
 
 
 def test_control_ok():
     assert control_error(WanControl()) == ""
     assert control_error(WanControl(bandwidth_mbps=10, delay_ms=0, jitter_ms=0, stall_s=1, drop=True)) == ""
+    assert control_error(WanControl(direction="b-a", forward="md-0", stall_s=1, down=True, drop=True)) == ""
 
 
 @pytest.mark.parametrize(
