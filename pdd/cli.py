@@ -94,7 +94,7 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _add_sim(sub) -> None:
-    from sim.run import add_sim_arguments
+    from sim.args import add_sim_arguments
 
     p = sub.add_parser("sim", help="simulate the modes on any fleet; `sim profile` measures this machine")
     add_sim_arguments(p)

@@ -147,6 +147,20 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """The front door (services/gateway/auth.py): API keys come from PDD_API_KEYS /
+    PDD_ADMIN_KEYS and `keys_file`; with none the gateway is open (the demo)."""
+
+    keys_file: str = ""  # YAML list of {name, sha256, scope, max_concurrent, tokens_per_minute, cache_salt}
+    metrics_need_key: bool = True  # with keys on, /metrics and /dashboard need one too
+    pdd_object: str = "redacted"  # what user (non-admin) keys get: full | redacted | none
+
+    def __post_init__(self) -> None:
+        if self.pdd_object not in ("full", "redacted", "none"):
+            raise ConfigError(f"gateway.pdd_object {self.pdd_object!r} must be full, redacted or none")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str = "default"
     block_size: int = 16
@@ -166,6 +180,7 @@ class ClusterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     instances: tuple[InstanceConfig, ...] = ()
 
     def instance(self, instance_id: str | None, role: str | None = None) -> InstanceConfig:
@@ -241,6 +256,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     timeouts = _build(Timeouts, raw.pop("timeouts", {}) or {}, f"{where}: timeouts")
     handoff = _build(HandoffConfig, raw.pop("handoff", {}) or {}, f"{where}: handoff")
     scheduler = _build(SchedulerConfig, raw.pop("scheduler", {}) or {}, f"{where}: scheduler")
+    gateway = _build(GatewayConfig, raw.pop("gateway", {}) or {}, f"{where}: gateway")
     instances = tuple(_build(InstanceConfig, i, f"{where}: instance") for i in raw.pop("instances", []))
     dcs = raw.pop("datacenters", None) or {d: {} for d in sorted({i.dc for i in instances} | {wan.src_dc, wan.dst_dc})}
     datacenters = tuple(_build(DatacenterConfig, {"name": name, **(v or {})}, f"{where}: datacenters.{name}")
@@ -256,7 +272,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
         if value:
             raw[key] = int(value) if key == "port" else value
     cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "handoff": handoff, "scheduler": scheduler,
-                                      "instances": instances, "datacenters": datacenters}, where)
+                                      "gateway": gateway, "instances": instances, "datacenters": datacenters}, where)
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")

@@ -63,6 +63,7 @@ class Decoder(Protocol):
     bus: Bus
     worker: Any  # EngineWorker: `await worker.call(fn)` runs fn(engine) on the engine thread
     requests: dict[str, DecodeRequest]
+    vocab_size: int
 
     def spawn(self, coro: Coroutine) -> asyncio.Task: ...
 

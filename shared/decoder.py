@@ -58,8 +58,7 @@ class DecoderService(InstanceService):
         self._room = asyncio.Event()  # set when blocks may have been freed
 
     async def serve(self) -> None:
-        engine = self.worker.engine  # immutable facts of the engine, read once: its KV layout, vocabulary
-        self.layout, self.vocab_size = engine.pool.layout, engine.runner.model.config.vocab_size
+        self.layout = self.worker.engine.pool.layout  # immutable: the KV layout transfers must match
         secrets = Secrets.of(self.cfg)
         tls = secrets.kv_server_context(self.inst.id) if secrets else None  # mutual TLS on the KV plane
         self.receiver = KVReceiver(self.on_transfer, self.cfg.timeouts.kv_stall_s, vet=self.vet, tls=tls)
@@ -125,6 +124,8 @@ class DecoderService(InstanceService):
         rid = task.request_id
         if rid in self.aborted:
             return Ack(rid, ok=False, error="request was aborted")
+        if problem := self.task_problem(task.prompt_ids, task.sampling) or _start_problem(task, self.cfg.block_size):
+            return Ack(rid, ok=False, error=f"{self.inst.id} refused the task: {problem}")
         if rid not in self.requests:
             if (full := self.refuse_if_full(rid)) is not None:
                 return full
@@ -293,6 +294,13 @@ class DecoderService(InstanceService):
                     self.emit(TokenOutput(req.id, None, 0, FinishReason.ERROR, error))
 
 
+def _start_problem(task: DecodeTask, block_size: int) -> str:
+    start = task.kv_start
+    if not 0 <= start <= len(task.prompt_ids) or start % block_size:
+        return f"kv_start {start} is not a block boundary inside the prompt"
+    return ""
+
+
 def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
     """On the engine thread: stitch the arriving KV [start, n) onto the cached prefix [0, start)
     and join the batch. Returns the finish reason when prefill's first token already ends it.
@@ -318,7 +326,11 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
     try:
         # the whole budget now, as the engine's admission would: a sequence holding only its
         # prompt's blocks could wait forever beside another for the blocks each still lacks
-        seq.block_table += engine.allocate(pool.blocks_for(seq.max_total_tokens) - len(seq.block_table))
+        need = pool.blocks_for(seq.max_total_tokens)
+        if need > pool.num_blocks:  # never fits, however long it waits: fail it now
+            raise ValueError(f"the request needs {seq.max_total_tokens} tokens of KV; this pool holds "
+                             f"{pool.num_blocks * pool.block_size}")  # fmt: skip
+        seq.block_table += engine.allocate(need - len(seq.block_table))
         if max(hit, start) < n:  # never write into shared cached blocks
             with torch.inference_mode():
                 import_kv(pool, seq.block_table, payload.narrow(max(hit, start), n))

@@ -31,7 +31,7 @@ import time
 from shared import subjects
 from shared.bus import BusTimeout
 from shared.decode_state import Decoder, DecodeRequest, End, Phase
-from shared.messages import Abort, Ack, DecodeTask, FinishOnRelay, HandoffChunk, KVReady
+from shared.messages import Abort, Ack, DecodeTask, FinishOnRelay, HandoffChunk, KVReady, token_problem
 from shared.pipelines import Handoff, hands_off
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.sequence import Sequence
@@ -182,6 +182,11 @@ class MainSide:
         req = self.d.requests.get(rid)
         if req is None or req.phase != Phase.SHADOW:
             return Ack(rid, ok=False, error=f"{self.d.inst.id} holds no shadow of {rid}")
+        budget = req.task.sampling.max_tokens
+        if problem := token_problem(chunk.token_ids, self.d.vocab_size, "handoff chunk", budget):
+            return Ack(rid, ok=False, error=problem)
+        if not 0 <= chunk.start_index < budget:
+            return Ack(rid, ok=False, error=f"handoff chunk starts at {chunk.start_index}, outside [0, {budget})")
         t0 = time.perf_counter()
         req.caught_up.clear()
         try:

@@ -40,6 +40,7 @@ from shared.messages import (
     InstanceState,
     Leave,
     Sampling,
+    token_problem,
 )
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.sampling import SamplingParams
@@ -97,6 +98,16 @@ class InstanceService:
         return Ack(request_id, ok=False, busy=True, error=f"{self.inst.id} is full ({held} requests held, "
                    f"max_running {self.inst.max_running} + max_waiting {self.inst.max_waiting})")  # fmt: skip
 
+    def task_problem(self, prompt_ids: list[int], sampling: Sampling) -> str:
+        """Why a task cannot run here ("" when it can): checked before the engine sees it, so a
+        bad message fails its own request, never the batch it would have joined."""
+        if not prompt_ids:
+            return "empty prompt"
+        if len(prompt_ids) + sampling.max_tokens > self.context_len:
+            return f"prompt {len(prompt_ids)} + max_tokens {sampling.max_tokens} exceed the context {self.context_len}"
+        return token_problem(prompt_ids, self.vocab_size, "prompt", self.context_len) or sampling.problem(
+            self.vocab_size, self.context_len)
+
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         """A task the service keeps a reference to (so it is not collected) and cancels at shutdown."""
         task = asyncio.create_task(coro)
@@ -120,6 +131,8 @@ class InstanceService:
 
     async def start(self, bus: Bus, worker: EngineWorker) -> None:
         self.bus, self.worker = bus, worker
+        model_cfg = worker.engine.runner.model.config  # immutable facts of the model, read once
+        self.vocab_size, self.context_len = model_cfg.vocab_size, model_cfg.max_position_embeddings
         self.info.started_at = time.time()
         worker.start()
         await self.serve()

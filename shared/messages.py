@@ -93,6 +93,26 @@ class Sampling(Message):
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
 
+    def problem(self, vocab_size: int, context_len: int) -> str:
+        """What is out of range ("" when nothing): a stage refuses such a request, alone."""
+        if not 1 <= self.max_tokens <= context_len:
+            return f"max_tokens {self.max_tokens} not in [1, {context_len}]"
+        if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0 and 0 <= self.top_k <= vocab_size):
+            return f"sampling out of range: temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k}"
+        if len(self.stop) > 16 or any(len(s) > 256 for s in self.stop):
+            return "too many or too long stop strings"
+        return token_problem(self.stop_token_ids, vocab_size, "stop_token_ids", 1024)
+
+
+def token_problem(ids: list[int], vocab_size: int, what: str, max_len: int) -> str:
+    """Why `ids` cannot be fed to a model with `vocab_size` tokens ("" when they can): one id
+    out of range would fail the forward of every sequence batched with it."""
+    if len(ids) > max_len:
+        return f"{what}: {len(ids)} tokens, more than {max_len}"
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        return f"{what}: token id out of [0, {vocab_size})"
+    return ""
+
 
 @dataclass
 class Submit(Message):

@@ -1,31 +1,39 @@
 """Gateway: the OpenAI-compatible HTTP/SSE front door.
 
 Lifecycle of a request here:
-1. The body is size-checked, parsed and validated (`openai_api`): a bad request gets an
-   OpenAI-shaped 4xx and nothing is created anywhere.
-2. Admission: past `max_queue` requests in flight the answer is 429 with Retry-After.
+1. The API key is checked (`auth.KeyRing`: 401 without a valid one; `/health` stays open).
+   The body is size-checked, parsed and validated off the event loop (`openai_api`): a bad
+   request gets an OpenAI-shaped 4xx and nothing is created anywhere. Only admin keys may
+   force a plan (`pdd` overrides): 403 otherwise.
+2. Admission: past `max_queue` requests in flight, or past the key's own limits (concurrent
+   requests, tokens per minute), the answer is 429 with Retry-After.
 3. `RequestFlow` submits it to the scheduler and turns the token chunks that come back into
    text deltas (in order, de-duplicated, UTF-8 safe, cut at stop strings).
-4. Streamed as SSE (`data: {...}` ... `data: [DONE]`) or returned whole. The last chunk carries
-   the `pdd` object. An error after streaming began is sent as an SSE error event.
-5. Whatever happens — finish, error, client disconnect — the flow is closed: an unfinished
-   request is aborted in every stage.
+4. Streamed as SSE (`data: {...}` ... `data: [DONE]`, the usage in its own last chunk when
+   asked) or returned whole. The last chunk carries the `pdd` object as the key may see it.
+   An error after streaming began is sent as an SSE error event. Every response carries
+   `X-Request-Id` (the client's, when it sent a usable one).
+5. Whatever happens — finish, error, a streaming or a waiting client gone — the flow is closed:
+   an unfinished request is aborted in every stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from services.gateway import responses
+from services.gateway.auth import Key
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gateway import Gateway
 from services.gateway.openai_api import APIError, ParsedRequest, check_body_size, parse_chat, parse_completion
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,127}")  # usable in NATS subjects as is
 
 
 def create_app(gw: Gateway) -> FastAPI:
@@ -40,7 +48,9 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         gw.metrics.count_request("error", e.status)
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        headers = {"X-Request-Id": request.state.request_id} if hasattr(request.state, "request_id") else {}
+        if e.retry_after is not None:
+            headers["Retry-After"] = str(e.retry_after)
         return JSONResponse(e.to_json(), status_code=e.status, headers=headers)
 
     @app.get("/health")
@@ -50,32 +60,52 @@ def create_app(gw: Gateway) -> FastAPI:
         return JSONResponse(body, status_code=200 if not missing else 503)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": gw.served_model, "object": "model", "owned_by": "pdd",
-                                            "max_model_len": gw.context_len}]}  # fmt: skip
+    async def models(request: Request) -> dict:
+        gw.keys.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [gw.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        gw.keys.authenticate(request.headers.get("authorization"))
+        if model_id != gw.served_model:
+            raise APIError(404, f"the model {model_id!r} does not exist", type="not_found_error", param="model",
+                           code="model_not_found")  # fmt: skip
+        return gw.model_card()
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
+        if gw.cfg.gateway.metrics_need_key:
+            gw.keys.authenticate(request.headers.get("authorization"))
         return PlainTextResponse(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        gw.check_capacity()  # before reading or tokenizing anything: a full gateway answers at once
+        key = _front_door(gw, request)
         body = await _body(request)
         parsed = await asyncio.to_thread(  # tokenizing a long prompt must not stall every other stream
             parse_completion, body, served_model=gw.served_model, context_len=gw.context_len,
             count_tokens=gw.encode, vocab_size=gw.vocab_size)  # fmt: skip
-        return await _serve(gw, parsed)
+        return await _serve(gw, request, key, parsed)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        gw.check_capacity()
+        key = _front_door(gw, request)
         body = await _body(request)
         parsed = await asyncio.to_thread(parse_chat, body, served_model=gw.served_model,
                                          context_len=gw.context_len, apply_template=gw.apply_chat_template)  # fmt: skip
-        return await _serve(gw, parsed)
+        return await _serve(gw, request, key, parsed)
 
     return app
+
+
+def _front_door(gw: Gateway, request: Request) -> Key:
+    """The request's id and key, before reading or tokenizing anything: a full gateway or a
+    client without a key is answered at once."""
+    given = request.headers.get("x-request-id", "")
+    request.state.request_id = given if REQUEST_ID.fullmatch(given) and given not in gw.inflight else ""
+    key = gw.keys.authenticate(request.headers.get("authorization"))
+    gw.check_capacity()
+    return key
 
 
 async def _body(request: Request) -> bytes:
@@ -88,71 +118,63 @@ async def _body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _serve(gw: Gateway, parsed: ParsedRequest):
-    flow = gw.admit(parsed)  # raises 429 when full
+async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest):
+    if (parsed.pipeline or parsed.handoff) and not key.admin:
+        raise APIError(403, "only admin keys may force a plan ('pdd' overrides)", type="permission_error",
+                       param="pdd", code="admin_only")  # fmt: skip
+    flow = gw.admit(parsed, key, request.state.request_id)  # 429 when the gateway or the key is full
+    request.state.request_id = flow.request_id
     try:
         await flow.start()
     except BaseException:
         await gw.release(flow)
         raise
+    headers = {"X-Request-Id": flow.request_id}
     if parsed.stream:
         return StreamingResponse(_sse(gw, flow), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": flow.request_id})  # fmt: skip
+                                 headers={**headers, "Cache-Control": "no-cache"})  # fmt: skip
     try:
-        text, finish, pdd = "", None, {}
-        async for delta in flow.deltas():
-            text += delta.text
-            finish, pdd = delta.finish_reason or finish, delta.pdd or pdd
+        text, finish, pdd = await _until_done_or_gone(flow, request)
     except StreamError as e:
         raise APIError(500, str(e), type="server_error") from None
     finally:
         await gw.release(flow)
-    return JSONResponse(_whole(gw, flow, text, finish, pdd))
+    return JSONResponse(responses.whole(flow, gw.served_model, text, finish, gw.pdd_view(flow, pdd)), headers=headers)
+
+
+async def _until_done_or_gone(flow: RequestFlow, request: Request) -> tuple[str, str | None, dict]:
+    """The whole answer; if the waiting client goes away first, the flow is abandoned (and its
+    release aborts it in every stage), as a streaming one's would be."""
+
+    async def collect() -> tuple[str, str | None, dict]:
+        text, finish, pdd = "", None, {}
+        async for delta in flow.deltas():
+            text += delta.text
+            finish, pdd = delta.finish_reason or finish, delta.pdd or pdd
+        return text, finish, pdd
+
+    work = asyncio.create_task(collect())
+    while not work.done():
+        done, _ = await asyncio.wait({work}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            work.cancel()
+            raise APIError(499, "client closed the request", code="client_closed")
+    return work.result()
 
 
 async def _sse(gw: Gateway, flow: RequestFlow) -> AsyncIterator[bytes]:
     first = True
     try:
         async for delta in flow.deltas():
-            chunk = _chunk(gw, flow, delta.text, delta.finish_reason, first)
+            chunk = responses.chunk(flow, gw.served_model, delta.text, delta.finish_reason, first)
             first = False
-            if delta.pdd is not None:
-                chunk["pdd"] = delta.pdd
-                if flow.parsed.include_usage:
-                    chunk["usage"] = _usage(flow)
-            yield _event(chunk)
+            if delta.pdd is not None and (pdd := gw.pdd_view(flow, delta.pdd)) is not None:
+                chunk["pdd"] = pdd
+            yield responses.event(chunk)
+        if flow.parsed.include_usage:
+            yield responses.event(responses.usage_chunk(flow, gw.served_model))
     except StreamError as e:
-        yield _event(APIError(500, str(e), type="server_error").to_json())
+        yield responses.event(APIError(500, str(e), type="server_error").to_json())
     finally:
         await gw.release(flow)
     yield b"data: [DONE]\n\n"
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-def _chunk(gw: Gateway, flow: RequestFlow, text: str, finish: str | None, first: bool) -> dict:
-    base = {"id": flow.request_id, "created": int(time.time()), "model": gw.served_model}
-    if flow.parsed.kind == "chat":
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {**base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
-    return {**base, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
-
-
-def _usage(flow: RequestFlow) -> dict:
-    p, c = len(flow.parsed.prompt_ids), flow.stats.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _whole(gw: Gateway, flow: RequestFlow, text: str, finish: str | None, pdd: dict) -> dict:
-    base = {"id": flow.request_id, "created": int(time.time()), "model": gw.served_model,
-            "usage": _usage(flow), "pdd": pdd}  # fmt: skip
-    if flow.parsed.kind == "chat":
-        message = {"role": "assistant", "content": text}
-        return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}]}  # fmt: skip
-    return {**base, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from services.gateway.auth import Key
 from services.gateway.detokenize import IncrementalDetokenizer, StopChecker
 from services.gateway.openai_api import APIError, ParsedRequest
 from services.gateway.pdd_object import FlowStats, build_pdd
@@ -48,10 +49,12 @@ class Delta:
 
 
 class RequestFlow:
-    def __init__(self, gateway, parsed: ParsedRequest) -> None:
+    def __init__(self, gateway, parsed: ParsedRequest, key: Key, request_id: str = "") -> None:
         self.gw = gateway
         self.parsed = parsed
-        self.request_id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.key = key  # who asked: their limits, their tenant's cache salt, what of `pdd` they see
+        self.request_id = request_id or ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())  # one value for every chunk of the response
         self.attempt_id = self.request_id  # the id the stages know; a migration starts a new one
         self.offset = 0  # client index of the current attempt's token 0
         self.generated: list[int] = []  # tokens the client has, in order
@@ -152,14 +155,17 @@ class RequestFlow:
         self.offset = len(self.generated)
         self.stats.last_progress = time.perf_counter()
         deadline, wait_s = time.perf_counter() + self.gw.cfg.timeouts.request_s, 0.1
+        pipeline = self.parsed.pipeline  # a forced plan is kept while it can be served at all
         for retry in itertools.count():  # the survivors may be full for a moment: an admitted stream waits
             self.attempt_id = f"{self.request_id}.m{self.stats.migrations}" + (f".r{retry}" if retry else "")
             try:
-                # the policy replans among the survivors (p-rld when no main-decode is reachable),
-                # unless the client forced a pipeline
-                await self._submit(self.parsed.prompt_ids + self.generated, sampling, self.parsed.pipeline)
+                # the policy replans among the survivors (p-rld when no main-decode is reachable)
+                await self._submit(self.parsed.prompt_ids + self.generated, sampling, pipeline)
                 return
             except APIError as e:
+                if e.status == 503 and pipeline is not None:  # the forced plan lost its role: any plan
+                    pipeline = None
+                    continue
                 if e.status != 429 or time.perf_counter() + wait_s > deadline:
                     raise StreamError(f"could not move the request after {sorted(dead)} failed: {e.message}") from None
             await asyncio.sleep(wait_s)

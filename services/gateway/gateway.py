@@ -6,8 +6,11 @@ Owned by the gateway process's event loop; the HTTP handlers and `RequestFlow` u
 from __future__ import annotations
 
 import logging
+import time
 
+from services.gateway.auth import OPEN, Key, KeyRing
 from services.gateway.flow import RequestFlow
+from services.gateway.responses import pdd_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import APIError, ParsedRequest
 from services.gateway.tokenizer import TextTokenizer
@@ -32,6 +35,13 @@ class Gateway:
         self.registry: Registry | None = None
         self.metrics = GatewayMetrics()
         self.inflight: dict[str, RequestFlow] = {}
+        self.keys = KeyRing.from_settings(cfg.gateway.keys_file)
+        self.started = int(time.time())
+        if self.keys.open:
+            log.warning("gateway: no API keys configured (PDD_API_KEYS, PDD_ADMIN_KEYS, gateway.keys_file): "
+                        "serving OPEN, every client may force plans and see the whole pdd object")  # fmt: skip
+        else:
+            log.info("gateway: %d API key(s), %d admin", len(self.keys.keys), sum(k.admin for k in self.keys.keys))
 
     async def start(self) -> None:
         secrets = Secrets.of(self.cfg)
@@ -58,9 +68,10 @@ class Gateway:
             raise APIError(429, f"{len(self.inflight)} requests in flight; try again shortly",
                            type="rate_limit_error", code="overloaded")  # fmt: skip
 
-    def admit(self, parsed: ParsedRequest) -> RequestFlow:
+    def admit(self, parsed: ParsedRequest, key: Key = OPEN, request_id: str = "") -> RequestFlow:
         self.check_capacity()
-        flow = RequestFlow(self, parsed)
+        self.keys.admit(key, len(parsed.prompt_ids))
+        flow = RequestFlow(self, parsed, key, request_id)
         self.inflight[flow.request_id] = flow
         self.metrics.inflight.set(len(self.inflight))
         return flow
@@ -69,9 +80,18 @@ class Gateway:
         """Book-keeping first, then the (shielded) cleanup: a cancelled caller skips nothing."""
         if self.inflight.pop(flow.request_id, None) is None:
             return
+        self.keys.release(flow.key)
+        self.keys.count_tokens(flow.key, flow.stats.completion_tokens)
         self.metrics.inflight.set(len(self.inflight))
         self.metrics.observe(flow)
         await flow.close()
+
+    def pdd_view(self, flow: RequestFlow, pdd: dict) -> dict | None:
+        return pdd_for(flow.key, pdd, self.cfg.gateway.pdd_object)
+
+    def model_card(self) -> dict:
+        return {"id": self.served_model, "object": "model", "created": self.started, "owned_by": "pdd",
+                "max_model_len": self.context_len}  # fmt: skip
 
     async def forget_request(self, request_id: str) -> None:
         try:

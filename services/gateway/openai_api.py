@@ -47,6 +47,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -54,6 +55,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after = retry_after if retry_after is not None else (1 if status in (429, 503) else None)
 
     def to_json(self) -> Json:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -137,6 +139,8 @@ def _load_object(body: bytes) -> Json:
         obj = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise invalid(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})", code="invalid_json") from None
+    except ValueError as e:  # an integer of thousands of digits (Python's int conversion limit)
+        raise invalid(f"malformed JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise invalid("malformed JSON: nested too deeply", code="invalid_json") from None
     if not isinstance(obj, dict):

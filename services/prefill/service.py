@@ -71,6 +71,8 @@ class Prefiller(InstanceService):
         rid = task.request_id
         if rid in self.seen or rid in self.requests:
             return Ack(rid, ok=rid in self.requests, error="" if rid in self.requests else "request was aborted")
+        if problem := self.task_problem(task.prompt_ids, task.sampling) or _targets_problem(task, self.cfg.block_size):
+            return Ack(rid, ok=False, error=f"{self.inst.id} refused the task: {problem}")
         if (full := self.refuse_if_full(rid)) is not None:
             return full
         self.seen.add(rid)
@@ -168,6 +170,17 @@ class Prefiller(InstanceService):
 
 def main(argv: list[str] | None = None) -> None:
     service_main(Prefiller, "prefill", argv)
+
+
+def _targets_problem(task: PrefillTask, block_size: int) -> str:
+    if not 1 <= len(task.targets) <= 2 or len({t.role for t in task.targets}) != len(task.targets):
+        return "a task names one or two decoders of different roles"
+    for t in task.targets:
+        if t.role not in ("rld", "md") or not 0 < t.port < 65536 or not t.host or not t.token:
+            return f"bad KV target {t.instance_id!r}"
+        if not 0 <= t.start <= len(task.prompt_ids) or t.start % block_size:
+            return f"KV target {t.instance_id!r}: start {t.start} is not a block boundary inside the prompt"
+    return ""
 
 
 def _export_and_release(engine: Engine, rid: str, starts: list[int], n: int) -> tuple[list[KVPayload], int]:

@@ -1,5 +1,11 @@
-"""A real one-host cluster (NATS, Redis, WAN emulator, every service as a process) for the
-end-to-end tests, plus a client that talks to it the way a user and an operator would."""
+"""Real two-site clusters on this host (a NATS server per site, Redis, the emulated line, every
+service as a process) for the end-to-end tests, plus a client that talks to them the way a user
+and an operator would.
+
+The clusters boot while the unit tests run: tests/conftest.py launches the ones the selected
+tests need right after collection (`prelaunch`), and each fixture waits for its cluster only
+when a test first needs it.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +25,6 @@ from pdd.launcher import Cluster
 from shared.messages import Inspect, InstanceState, WanControl, WanState
 
 
-@pytest.fixture(scope="session")
-def cluster():
-    # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
-    with Cluster(port=0, handoff={"chunk_tokens": 12, "final_tokens": 3}, max_queue=12,
-                 timeouts={"kv_stall_s": 5, "kv_retries": 1, "request_s": 90}) as c:  # fmt: skip
-        yield c
-
-
 FLEET = [
     {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
     {"id": "prefill-1", "role": "prefill", "dc": "A", "kv_tokens": 8192},
@@ -34,14 +32,42 @@ FLEET = [
     {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
     {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
 ]
+CLUSTERS = {
+    # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
+    "cluster": {"port": 0, "handoff": {"chunk_tokens": 12, "final_tokens": 3}, "max_queue": 12,
+                "timeouts": {"kv_stall_s": 5, "kv_retries": 1, "request_s": 90}},
+    # two prefill and two main-decode instances (small md pools, so eviction happens; at most
+    # 12 requests each, so a burst finds the stage full)
+    "fleet": {"port": 0, "instances": FLEET, "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}},
+}  # fmt: skip
+_launched: dict[str, Cluster] = {}
+
+
+def prelaunch(names: set[str]) -> None:
+    """Start these clusters' processes now (from the main thread), without waiting for them."""
+    for name in sorted(names - set(_launched)):
+        _launched[name] = Cluster(log=lambda m: None, **CLUSTERS[name]).launch()
+
+
+def _ready(name: str):
+    prelaunch({name})
+    c = _launched[name]
+    try:
+        c.wait_ready(300)
+        yield c
+    finally:
+        c.stop()
+        _launched.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    yield from _ready("cluster")
 
 
 @pytest.fixture(scope="session")
 def fleet():
-    """Two prefill and two main-decode instances (small md pools, so eviction happens; at most
-    12 requests each, so a burst finds the stage full)."""
-    with Cluster(port=0, instances=FLEET, timeouts={"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}) as c:
-        yield c
+    yield from _ready("fleet")
 
 
 @pytest.fixture(scope="session")
@@ -98,12 +124,14 @@ def stream_completion(url: str, body: dict, timeout: float = 120, events: list[d
             event = json.loads(data)
             events.append(event)
             assert "error" not in event, f"the stream reported an error: {event['error']}"
-            choice = event["choices"][0]
-            text += choice.get("text") or choice.get("delta", {}).get("content") or ""
+            if event["choices"]:  # the usage chunk (stream_options.include_usage) has none
+                choice = event["choices"][0]
+                text += choice.get("text") or choice.get("delta", {}).get("content") or ""
     assert done, "the stream ended without [DONE]"
-    assert events and "pdd" in events[-1], "the last chunk carries the pdd object"
-    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length"), events[-1]
-    return text, events[-1]["pdd"], events
+    last = next(e for e in reversed(events) if e["choices"])
+    assert "pdd" in last, "the last chunk with a choice carries the pdd object"
+    assert last["choices"][0]["finish_reason"] in ("stop", "length"), last
+    return text, last["pdd"], events
 
 
 def fresh_prompt(words: int, tag: str = "") -> str:

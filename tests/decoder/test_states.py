@@ -283,3 +283,36 @@ async def test_a_request_the_registrar_says_is_gone_is_dropped(pair, prompt):
     await pair.md.forget(["r1"])
     await pair.settle()
     pair.assert_gone("r1")
+
+
+async def test_a_bad_control_message_fails_only_itself(pair, prompt, tiny_ref):
+    """One out-of-range token id would fail the forward of every batched sequence: such tasks
+    and chunks are refused before the engine sees them, and the request running beside them
+    finishes exactly."""
+    await pair.dispatch("good", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+    await pair.land("md", "good", prompt)
+    for bad in ([10**9, 5], [-1], [], list(range(3000))):
+        acks = await pair.dispatch("bad", bad, N, Pipeline.P_MD)
+        assert not acks[0].ok and "refused the task" in acks[0].error, bad
+    ack = await pair.bus.request(subjects.handoff_chunk("md-0"), HandoffChunk("good", 1, [10**9]), Ack, 5)
+    assert not ack.ok and "token id" in ack.error
+    ack = await pair.bus.request(subjects.handoff_chunk("md-0"), HandoffChunk("good", -3, [5]), Ack, 5)
+    assert not ack.ok
+    assert await pair.land("rld", "good", prompt) == ""
+    await pair.drive(lambda: pair.finished("good"))
+    assert [t for t, _ in pair.tokens("good").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("good")
+    assert "bad" not in pair.md.requests
+
+
+async def test_kv_that_can_never_fit_fails_its_request_at_once(tiny, prompt):
+    """A budget larger than the whole pool would wait parked forever: it fails instead."""
+    pair = await DecoderPair(tiny, md_blocks=4).start()
+    try:
+        await pair.dispatch("big", prompt, 200, Pipeline.P_MD)
+        assert "pool holds 64" in await pair.land("md", "big", prompt)
+        await pair.settle()
+        assert pair.finished("big") and "pool holds" in pair.chunks["big"][-1].error
+        pair.assert_gone("big")
+    finally:
+        await pair.stop()

@@ -1,0 +1,143 @@
+"""API keys at the front door: who may call, how much, and what they may see.
+
+Keys come from `PDD_API_KEYS` and `PDD_ADMIN_KEYS` (comma-separated plain keys, as vLLM's
+`--api-key` takes them) and/or a keys file (`gateway.keys_file`: YAML, hashed keys with scope,
+limits and cache salt each). Only SHA-256 digests are kept in memory; a presented key is
+compared by digest in constant time. With no key configured the gateway is open (the demo), and
+says so at start.
+
+Per key: at most `max_concurrent` requests in flight and `tokens_per_minute` tokens (prompt and
+completion) in any 60 s; past either, that key gets 429 with Retry-After while other keys go on.
+Admin keys may force `pdd` overrides and see the whole `pdd` object; user keys may not, and see
+it without instance ids, cache-hit counts and estimates (or not at all: `gateway.pdd_object`).
+Each key names its tenant's cache salt: tenants never share cached KV unless given one salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from services.gateway.openai_api import APIError
+
+WINDOW_S = 60.0
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    sha256: str
+    admin: bool = False
+    max_concurrent: int = 0  # 0 = no limit
+    tokens_per_minute: int = 0  # 0 = no limit
+    cache_salt: str = ""  # "" = the key's own name: its tenant's cached KV is its own
+
+
+OPEN = Key("open", "", admin=True)  # no keys configured: everyone is admin of the demo
+
+
+@dataclass
+class _Usage:
+    in_flight: int = 0
+    tokens: deque = field(default_factory=deque)  # (time, tokens) within the window
+
+    def tokens_in_window(self, now: float) -> int:
+        while self.tokens and now - self.tokens[0][0] >= WINDOW_S:
+            self.tokens.popleft()
+        return sum(n for _, n in self.tokens)
+
+
+class KeyRing:
+    def __init__(self, keys: list[Key]) -> None:
+        self.keys = keys
+        self._usage: dict[str, _Usage] = {k.sha256: _Usage() for k in keys}
+
+    @classmethod
+    def from_settings(cls, keys_file: str = "", env: dict[str, str] | None = None) -> KeyRing:
+        env = os.environ if env is None else env
+        keys = [Key(f"key-{i}", digest(k), admin=False) for i, k in enumerate(_split(env.get("PDD_API_KEYS")))]
+        keys += [Key(f"admin-{i}", digest(k), admin=True) for i, k in enumerate(_split(env.get("PDD_ADMIN_KEYS")))]
+        if keys_file:
+            keys += [_from_file_entry(e, keys_file) for e in yaml.safe_load(Path(keys_file).read_text()) or []]
+        return cls(keys)
+
+    @property
+    def open(self) -> bool:
+        return not self.keys
+
+    def authenticate(self, authorization: str | None) -> Key:
+        """The key of an `Authorization: Bearer <key>` header, or 401 in OpenAI's shape."""
+        if self.open:
+            return OPEN
+        scheme, _, presented = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and presented.strip():
+            d = digest(presented.strip())
+            for key in self.keys:
+                if hmac.compare_digest(d, key.sha256):
+                    return key
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                       code="invalid_api_key")  # fmt: skip
+
+    def admit(self, key: Key, prompt_tokens: int, now: float | None = None) -> None:
+        """Count a request in (or 429 with Retry-After, this key only). Pair with `release`."""
+        if key is OPEN:
+            return
+        now = time.monotonic() if now is None else now
+        use = self._usage[key.sha256]
+        if key.max_concurrent and use.in_flight >= key.max_concurrent:
+            raise APIError(429, f"{key.max_concurrent} requests in flight for this key", type="rate_limit_error",
+                           code="concurrency_limit", retry_after=1)  # fmt: skip
+        if key.tokens_per_minute:
+            used = use.tokens_in_window(now)
+            if used + prompt_tokens > key.tokens_per_minute:
+                raise APIError(429, f"{used} tokens in the last minute; the limit is {key.tokens_per_minute}",
+                               type="rate_limit_error", code="tokens_per_minute",
+                               retry_after=_retry_after(use, now, used + prompt_tokens - key.tokens_per_minute))  # fmt: skip
+        use.in_flight += 1
+        use.tokens.append((now, prompt_tokens))
+
+    def count_tokens(self, key: Key, n: int, now: float | None = None) -> None:
+        if key is not OPEN and n:
+            self._usage[key.sha256].tokens.append((time.monotonic() if now is None else now, n))
+
+    def release(self, key: Key) -> None:
+        if key is not OPEN:
+            self._usage[key.sha256].in_flight -= 1
+
+
+def _retry_after(use: _Usage, now: float, excess: int) -> int:
+    """Seconds until enough of the window's tokens have aged out."""
+    freed = 0
+    for t, n in use.tokens:
+        freed += n
+        if freed >= excess:
+            return max(1, math.ceil(t + WINDOW_S - now))
+    return int(WINDOW_S)
+
+
+def _split(value: str | None) -> list[str]:
+    return [k.strip() for k in (value or "").split(",") if k.strip()]
+
+
+def _from_file_entry(entry: dict, where: str) -> Key:
+    """`{name, sha256, scope: user|admin, max_concurrent, tokens_per_minute, cache_salt}`."""
+    known = {"name", "sha256", "scope", "max_concurrent", "tokens_per_minute", "cache_salt"}
+    if not isinstance(entry, dict) or set(entry) - known or "sha256" not in entry or "name" not in entry:
+        raise ValueError(f"{where}: each key is a map with name, sha256 and optionally {sorted(known)}; got {entry!r}")
+    if entry.get("scope", "user") not in ("user", "admin"):
+        raise ValueError(f"{where}: key {entry['name']!r}: scope must be user or admin")
+    return Key(str(entry["name"]), str(entry["sha256"]).lower(), entry.get("scope") == "admin",
+               int(entry.get("max_concurrent", 0)), int(entry.get("tokens_per_minute", 0)),
+               str(entry.get("cache_salt", "")))  # fmt: skip
