@@ -111,8 +111,11 @@ class SimConfig:
         line = float(self.prices.get("wan_line", 0.0))
         if "wan_line_gbps" in self.prices:
             line *= float(self.wan["bandwidth_mbps"]) / 1000.0 / float(self.prices["wan_line_gbps"])
-        return {"chip_a": self.chip("A", "prefill").price_per_hour, "chip_b": self.chip("B", "md").price_per_hour,
-                "wan_line": line}  # fmt: skip
+        return {
+            "chip_a": self.chip("A", "prefill").price_per_hour,
+            "chip_b": self.chip("B", "md").price_per_hour,
+            "wan_line": line,
+        }
 
 
 def policy_config(cfg: SimConfig, name: str) -> PolicyConfig:

@@ -120,6 +120,11 @@ def wan_bytes(cfg: SimConfig, out: Path) -> dict:
     return {m: {"wan_gb": gb[m], "md_hit": s["hit_rate"]["md"], "ttft_ms": s["ttft_ms"]} for m, s in figures.items()}
 
 
+def _with_table(out: Path, head: dict) -> dict:
+    (out / "headline.md").write_text(headline.markdown(head))
+    return head
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = load_sim_config(args.config if args.config != "configs/sim/single-host-cpu.yaml" else FLEET)
     out = Path(args.out if args.out != "sim-out" else "docs/sim")
@@ -133,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
         ("scale", lambda: scale(cfg, out, trace)),
         ("oscillation", lambda: oscillation(cfg, out, trace)),
         ("bathtub", lambda: bathtub(cfg, out)),
-        ("headline", lambda: headline.headline(out, trace)),
+        ("headline", lambda: _with_table(out, headline.headline(out, trace))),
         ("sensitivity", lambda: headline.sensitivity(out, results["headline"])),
         ("relay", lambda: headline.relay(out, trace, cfg, results["headline"])),
     ):

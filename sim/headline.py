@@ -34,7 +34,7 @@ from sim.workload import agents, hitmix, reuse, trace_requests
 
 PAIRS = {"H100 + H200": "configs/sim/report-fleet.yaml", "H100 + H20": "configs/sim/report-fleet-h20.yaml"}
 AGENT_REQUESTS, AGENT_RATE = 12_000, 60.0  # offered rate: 512 agents keep ~40 req/s going, 88 A saturate
-UNBOUNDED_MBPS = 1e9  # a line that holds nothing back, to measure demand
+UNBOUNDED_MBPS = 1e7  # 10 Tbps: a line that holds nothing back, to measure demand
 MODES = ("pd-local", "pd-wan", "pd-wan-drc", "pdd")
 RULES = ("line-backlog", "relay-finishes")  # sim/proposed.py
 PROPOSED = "pdd + proposed rules"
@@ -291,3 +291,57 @@ def relay(out: Path, trace: str, fleet: SimConfig, head: dict) -> dict:
         row, runs = figures(with_line(c, line["line_gbps"]), "pdd", long, f"64K/1K pdd{label}")
         result[f"64K in / 1K out, 90% hit{label}"] = {**row, "line": line, "pd-local": local, "anatomy": anatomy(runs)}
     return result
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{a / b - 1:+.1%}" if b else "n/a"
+
+
+def markdown(head: dict) -> str:
+    """Experiment 5 as tables: each workload and pair against 88 A intra-DC and naive cross-DC PD."""
+    lines = []
+    for wname, w in head.items():
+        reuse_ = w["workload"]["reuse"]
+        lines += [
+            f"### {wname}: prompts seen before {reuse_['prompts_and_answers_mean']:.1%} on average "
+            f"({reuse_['prompts_and_answers_over_95']:.0%} of requests over 95%, "
+            f"{reuse_['prompts_and_answers_token_weighted']:.1%} of prompt tokens; prompts alone "
+            f"{reuse_['prompts_mean']:.1%})",
+            "",
+            "| pair | line (mean / p99 demand it is sized for) | mode | cost /h | goodput | BCR | TTFT P50 | P90 "
+            "| P99 | TPOT P50 | WAN | RLD share | hit prefill / MD |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for pair in PAIRS:
+            if pair not in w:
+                continue
+            for mode, r in w[pair]["modes"].items():
+                gbps, line = r["line_gbps"], w[pair]["naive_line" if mode == "pd-wan, own line" else "line"]
+                t = r["ttft_ms"]
+                lines.append(
+                    f"| {pair} | {gbps:,.0f} Gbps ({line['demand_mean_gbps']:.0f} / {line['demand_p99_gbps']:.0f}) "
+                    f"| {mode} | {r['cost_per_hour']:.1f} | {r['goodput_rps']:.2f} | {r['bcr']:.4f} "
+                    f"| {t['p50'] / 1000:,.2f} s | {t['p90'] / 1000:,.2f} s | {t['p99'] / 1000:,.2f} s "
+                    f"| {r['tpot_ms']['p50']:.1f} ms | {r['wan_gbps']:.0f} Gbps | {r['rld_share']:.1%} "
+                    f"| {r['hit_rate']['prefill']:.0%} / {r['hit_rate']['md']:.0%} |"
+                )
+        lines.append("")
+        lines += [
+            "| pair | PDD vs 88 A: cost | goodput | BCR | TTFT P50 / P90 vs pd-wan, same line | vs pd-wan, own line |",
+            "|---|---|---|---|---|---|",
+        ]
+        for pair in PAIRS:
+            if pair not in w:
+                continue
+            m = w[pair]["modes"]
+            pdd, local, naive, own = m["pdd"], m["pd-local"], m["pd-wan"], m["pd-wan, own line"]
+            lines.append(
+                f"| {pair} | {_pct(pdd['cost_per_hour'], local['cost_per_hour'])} "
+                f"| {_pct(pdd['goodput_rps'], local['goodput_rps'])} | {_pct(pdd['bcr'], local['bcr'])} "
+                f"| {_pct(pdd['ttft_ms']['p50'], naive['ttft_ms']['p50'])} / "
+                f"{_pct(pdd['ttft_ms']['p90'], naive['ttft_ms']['p90'])} "
+                f"| {_pct(pdd['ttft_ms']['p50'], own['ttft_ms']['p50'])} / "
+                f"{_pct(pdd['ttft_ms']['p90'], own['ttft_ms']['p90'])} ({own['line_gbps']:,.0f} Gbps) |"
+            )
+        lines.append("")
+    return "\n".join(lines)

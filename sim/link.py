@@ -134,7 +134,8 @@ class SharedLink:
         if version != self._version:
             return
         self._settle()
-        done = [k for k, f in self._flows.items() if f[0] <= 1e-6 * f[2] + 1e-9]
+        slack = self._rate() * 1e-6  # what a flow moves in a nanosecond: below the clock's resolution
+        done = [k for k, f in self._flows.items() if f[0] <= max(1e-6 * f[2], slack) + 1e-9]
         for k in done:
             _, on_done, _, started = self._flows.pop(k)
             self._deliver(on_done, started)

@@ -30,7 +30,7 @@ from sim.run import summarize
 from sim.workload import trace_requests
 
 RLD, SLOTS = 1, 8
-N, TIME_SCALE = 1500, 0.75
+N, TIME_SCALE = 2500, 0.33
 WINDOW_S = 30.0
 
 

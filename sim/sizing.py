@@ -48,9 +48,13 @@ def mean_factors(schedule: BandwidthSchedule, windows: int, window_s: float = WI
 
 
 def smallest_line_gbps(
-    runs: list[RequestRun], schedule: BandwidthSchedule, bound: float = BOUND, pct: float = PCT,
-    window_s: float = WINDOW_S, step_gbps: float = STEP_GBPS,
-) -> dict[str, float]:  # fmt: skip
+    runs: list[RequestRun],
+    schedule: BandwidthSchedule,
+    bound: float = BOUND,
+    pct: float = PCT,
+    window_s: float = WINDOW_S,
+    step_gbps: float = STEP_GBPS,
+) -> dict[str, float]:
     """The smallest nominal line (Gbps, a multiple of `step_gbps`) that keeps the p`pct` of window
     utilisation under `bound`, with the demand's mean and p99 (Gbps) it was sized for."""
     demand = demand_per_window(runs, window_s)

@@ -156,9 +156,20 @@ def from_segments(workload: Workload, block_tokens: int = AGENT_BLOCK) -> list[S
         answers[r.request_id] = r.max_tokens
         chain.add(("answer", r.request_id), r.max_tokens)
         out.append(
-            SimRequest(r.request_id, r.arrival_s * 1000.0, prompt_len, r.max_tokens, prompt, tuple(chain.names),
-                       block_tokens, r.kind, r.session, r.turn, r.depends_on)
-        )  # fmt: skip
+            SimRequest(
+                r.request_id,
+                r.arrival_s * 1000.0,
+                prompt_len,
+                r.max_tokens,
+                prompt,
+                tuple(chain.names),
+                block_tokens,
+                r.kind,
+                r.session,
+                r.turn,
+                r.depends_on,
+            )
+        )
     return out
 
 

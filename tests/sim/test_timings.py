@@ -111,3 +111,21 @@ def test_proposed_relay_finishes_keeps_the_kv_that_main_decode_would_drop_off_th
     assert short.wan_bytes == 0 and short.token_times == pytest.approx([100.1, 110.1, 120.1])
     [long], _ = simulate(cfg, "pdd", [make_request(output=20)])
     assert (long.pipeline, long.reason, long.estimates["backlog_tokens"]) == ("p-rld-md", "slo-miss-relay", 11)
+
+
+def test_proposed_line_backlog_counts_the_kv_already_on_its_way():
+    # two 100-token prompts sent together. b's p-md estimate: prefill (its 100 + a's 100 queued
+    # tokens) 200 ms + 100,000 B at 1000 B/ms 100 ms + 5 + a 10 ms step = 315 ms: under a 400 ms SLO.
+    # Counting a's 100,000 B still owed to the line, b's transfer takes 200 ms: 415 ms, over it.
+    reqs = [make_request("a"), make_request("b")]
+    plain, _ = simulate(make_config(scheduler={"ttft_slo_ms": 400.0}), "pdd", reqs)
+    assert [(r.pipeline, r.estimates["ttft_ms"]["p-md"]) for r in plain] == [("p-md", 215.0), ("p-md", 315.0)]
+    cfg = make_config(scheduler={"ttft_slo_ms": 400.0}, proposed=("line-backlog",))
+    ruled, _ = simulate(cfg, "pdd", reqs)
+    assert [(r.pipeline, r.estimates["ttft_ms"]["p-md"]) for r in ruled] == [("p-md", 215.0), ("p-rld-md", 415.0)]
+
+
+def test_the_lines_price_scales_with_its_capacity():
+    cfg = make_config(prices={"wan_line": 0.3, "wan_line_gbps": 40}, wan={"bandwidth_mbps": 140_000.0})
+    assert cfg.settings_prices()["wan_line"] == pytest.approx(0.3 * 140 / 40)
+    assert make_config(prices={"wan_line": 0.3}).settings_prices()["wan_line"] == 0.3  # no size: flat

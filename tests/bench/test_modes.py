@@ -1,0 +1,37 @@
+"""One table of what each mode means (benchmarks/modes.py): the bench's cluster configs and the
+simulator's fleets both follow it."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.modes import MODE_TABLE, MODES, mode_config, parse_modes
+from sim.config import policy_config
+from tests.sim.factories import make_config
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_the_bench_cluster_follows_the_table(name):
+    m, cfg = MODE_TABLE[name], mode_config(name)
+    by_role = {i["role"]: i for i in cfg["instances"]}
+    assert ("rld" in by_role) == m.relay
+    assert by_role["md"]["dc"] == m.md_dc and by_role["md"]["prefix_cache"] == m.drc
+    assert (cfg["scheduler"]["default_pipeline"], cfg["scheduler"]["default_handoff"]) == (m.pipeline, m.handoff)
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_the_simulated_fleet_follows_the_table(name):
+    m, cfg = MODE_TABLE[name], make_config()
+    groups = {g.role: g for g in cfg.groups(name)}
+    assert ("rld" in groups) == m.relay
+    assert groups["md"].dc == m.md_dc and groups["md"].prefix_cache == m.drc
+    p = policy_config(cfg, name)
+    assert (p.default_pipeline, p.default_handoff) == (m.pipeline, m.handoff)
+
+
+def test_the_table_names_the_six_modes_and_the_parser_refuses_others():
+    assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup")
+    assert [n for n in MODES if MODE_TABLE[n].wan] == ["pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup"]
+    assert parse_modes(" pd-wan, pdd ") == ["pd-wan", "pdd"]
+    with pytest.raises(ValueError, match="pdd-fast"):
+        parse_modes("pdd,pdd-fast")
