@@ -2,7 +2,8 @@
 
 Each request is sent at its arrival time (a later turn of a session also waits for the turn
 before it, whose actual answer it carries). Streams are read with client-side timestamps per
-SSE chunk; the final chunk's `pdd` object is kept. One record per request (the schema of
+SSE chunk; the `pdd` object (on the last text chunk) and the usage (a last chunk of its own, with
+no choices) are kept. One record per request (the schema of
 `requests.jsonl`, see benchmarks/summary.py).
 """
 
@@ -58,14 +59,15 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
             if "error" in event:
                 rec["error"] = event["error"].get("message", "error")
                 return
-            choice = event["choices"][0]
-            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            choices = event.get("choices") or []  # the usage chunk, last, has none
+            piece = (choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or "") if choices else ""
             if piece:
                 rec["token_times_s"].append(time.perf_counter() - t0)
                 rec["text"] += piece
+            if event.get("usage"):
+                rec["usage"] = event["usage"]
             if "pdd" in event:
                 rec["pdd"] = event["pdd"]
-                rec["usage"] = event.get("usage", {})
                 rec["ok"] = True
 
 
