@@ -20,7 +20,6 @@ from pathlib import Path
 from benchmarks.modes import parse_modes
 from benchmarks.report import write_report
 from benchmarks.summary import build_results
-from sim.args import add_sim_arguments  # noqa: F401  pdd/cli.py's import until it reads sim.args
 from sim.cluster import SimCluster
 from sim.config import SimConfig, load_sim_config
 from sim.output import write_plain
