@@ -8,6 +8,7 @@
                                   a cluster's CA, certificates and credentials (pdd/certs.py)
     pdd wan show | set | down | up [--bandwidth-mbps N --delay-ms N --jitter-ms N]
                                   the emulated line of a running `pdd up` cluster (pdd/control.py)
+    pdd status [--json]           instances by datacenter, their load and KV blocks, the line
     pdd bench [--workload W --modes M1,M2 --out DIR ...]
                                   PDD and its baselines side by side (benchmarks/bench.py)
     pdd bench handoff [--tokens 100 --reps 30]
@@ -24,7 +25,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdd.control import add_wan_arguments
+from pdd.control import add_status_arguments, add_wan_arguments
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdd")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _model_dir(args: argparse.Namespace) -> int:
@@ -103,6 +113,7 @@ def _add_sim(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdd", description="PDD: cross-datacenter P/RLD/MD LLM serving")
+    parser.add_argument("--version", action="version", version=f"pdd {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("model-dir", help="print the default model folder (provision it if missing)").set_defaults(
         func=_model_dir
@@ -126,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "config and redis.conf beside them (servers run outside `pdd up`)")  # fmt: skip
     certs.set_defaults(func=_certs)
     add_wan_arguments(sub)
+    add_status_arguments(sub)
     _add_bench(sub)
     _add_sim(sub)
     return parser

@@ -1,4 +1,4 @@
-"""Operator commands against a running cluster: `pdd wan` (and `pdd status`).
+"""Operator commands against a running cluster: `pdd wan` and `pdd status`.
 
 `pdd up` leaves a state file per cluster (`$PDD_STATE_DIR`, default ~/.cache/pdd/run/,
 `cluster-<port>.json`: the gateway's URL and the resolved config); these commands find the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig, load_config
-from shared.messages import WanControl, WanState
+from shared.messages import ClusterStatus, Inspect, WanControl, WanState
 from shared.security import Secrets
 
 
@@ -60,6 +61,79 @@ async def ask(cfg: ClusterConfig, subject: str, msg: Any, reply_type: type, time
         return await bus.request(subject, msg, reply_type, timeout)
     finally:
         await bus.close()
+
+
+async def gather_status(cfg: ClusterConfig) -> dict[str, Any]:
+    """The registry's view (from the scheduler) and the line's figures, sampled 0.5 s apart."""
+    bus = await Bus.connect(cfg.nats_url_for(cfg.control_dc), "pdd-status", "operator", Secrets.of(cfg))
+    try:
+        status = await bus.request(subjects.STATUS, Inspect(), ClusterStatus, 5.0)
+        lines = None
+        if cfg.wan.enabled:
+            first = await bus.request(subjects.wan_control(cfg.wan.name), WanControl(), WanState, 5.0)
+            await asyncio.sleep(0.5)
+            second = await bus.request(subjects.wan_control(cfg.wan.name), WanControl(), WanState, 5.0)
+            lines = {d: {**dataclasses.asdict(ls), "bytes_per_s": (ls.bytes - first.lines[d].bytes) / 0.5}
+                     for d, ls in second.lines.items()}  # fmt: skip
+    finally:
+        await bus.close()
+    return status_view(cfg, status, lines)
+
+
+def status_view(cfg: ClusterConfig, status: ClusterStatus, lines: dict | None) -> dict[str, Any]:
+    """Plain data for `pdd status --json` and the dashboard: instances by site, and the line."""
+    alive = {i.id: i for i in status.instances}
+    sites: dict[str, list] = {dc.name: [] for dc in cfg.datacenters}
+    for inst in cfg.instances:
+        info = alive.get(inst.id)
+        row = {"id": inst.id, "role": inst.role, "state": "up" if info else "missing"}
+        if info:
+            used = info.total_blocks - info.free_blocks - info.cached_blocks
+            row |= {"running": info.running, "waiting": info.waiting, "pending": info.pending, "held": info.held,
+                    "capacity": info.capacity, "kv_blocks": {"used": used, "cached": info.cached_blocks,
+                                                             "free": info.free_blocks},
+                    "heartbeat_age_s": round(status.now - info.updated_at, 2), "busy_s": info.busy_s}  # fmt: skip
+        sites[inst.dc].append(row)
+    wan = {"configured": {"bandwidth_mbps": cfg.wan.bandwidth_mbps, "delay_ms": cfg.wan.delay_ms},
+           "estimate_mbps": round(status.wan_estimate_mbps, 1), "emulated": cfg.wan.enabled, "lines": lines}  # fmt: skip
+    return {"datacenters": sites, "wan": wan, "plans": status.plans}
+
+
+def status_command(args: argparse.Namespace) -> int:
+    view = asyncio.run(gather_status(find_cluster(args.port)))
+    print(json.dumps(view, indent=2) if args.json else format_status(view))
+    return 0
+
+
+def format_status(view: dict[str, Any]) -> str:
+    out = []
+    for dc, rows in view["datacenters"].items():
+        out.append(f"datacenter {dc}")
+        for r in rows:
+            if r["state"] != "up":
+                out.append(f"  {r['id']:<10} {r['role']:<8} MISSING (no heartbeat)")
+                continue
+            kv = r["kv_blocks"]
+            out.append(f"  {r['id']:<10} {r['role']:<8} up  running {r['running']:>3}  waiting {r['waiting']:>3}  "
+                       f"pending {r['pending']:>3}  held {r['held']}/{r['capacity']}  "
+                       f"KV blocks used {kv['used']} cached {kv['cached']} free {kv['free']}")  # fmt: skip
+    wan = view["wan"]
+    out.append(f"line: configured {wan['configured']['bandwidth_mbps']:g} Mbps, {wan['configured']['delay_ms']:g} ms "
+               f"one way; scheduler's estimate {wan['estimate_mbps']:g} Mbps")  # fmt: skip
+    for d, ls in (wan["lines"] or {}).items():
+        state = "DOWN" if ls["down"] else "stalled" if ls["stalled"] else "up"
+        out.append(f"  {d} {state}: {ls['bandwidth_mbps']:g} Mbps now, carrying {ls['bytes_per_s'] * 8 / 1e6:.2f} Mbit/s, "
+                   f"{ls['bytes'] / 1e6:.1f} MB since start")  # fmt: skip
+    out.append("plans: " + ", ".join(f"{p} {n}" for p, n in sorted(view["plans"].items())))
+    return "\n".join(out)
+
+
+def add_status_arguments(sub) -> None:
+    p = sub.add_parser("status", help="instances by datacenter and the line, of a running `pdd up` cluster")
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.add_argument("--port", type=int, default=None, help="the cluster's gateway port (default PDD_PORT, or the "
+                   "only running cluster)")  # fmt: skip
+    p.set_defaults(func=status_command)
 
 
 def wan_command(args: argparse.Namespace) -> int:

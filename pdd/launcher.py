@@ -212,6 +212,9 @@ def run_cluster(config_path: str | None, **overrides: Any) -> int:
     if cluster.cfg.wan.enabled:
         print(f"pdd: the line between them: {cluster.cfg.wan.bandwidth_mbps:g} Mbps, {cluster.cfg.wan.delay_ms:g} ms "
               f"one way (`pdd wan show`)", flush=True)  # fmt: skip
+    metrics = [f"gateway {cluster.url}/metrics", f"scheduler :{cluster.cfg.scheduler.metrics_port}/metrics"]
+    metrics += [f"{i.id} :{i.metrics_port}/metrics" for i in cluster.cfg.instances]
+    print(f"pdd: Prometheus metrics: {', '.join(metrics)}", flush=True)
     if throwaway:
         print(f"pdd: throwaway CA, certificates and credentials in {cluster.cfg.secrets_dir}", flush=True)
     try:

@@ -19,10 +19,11 @@ from shared.security import Secrets
 _REPORT = ["pdd.registry.heartbeat", "pdd.registry.index", "pdd.registry.leave", "pdd.scheduler.wan_sample"]
 _OPERATED = ["pdd.abort", "pdd.inspect.*", "pdd.admin.*.flush"]
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
-    "gateway": {"publish": ["pdd.scheduler.submit", "pdd.abort"], "subscribe": ["pdd.tokens.>"]},
+    "gateway": {"publish": ["pdd.scheduler.submit", "pdd.scheduler.status", "pdd.abort", "pdd.wanlink.*.control"],
+                "subscribe": ["pdd.tokens.>"]},
     "scheduler": {
         "publish": ["pdd.prefill.*.task", "pdd.decode.*.task", "pdd.decode.*.drop", "pdd.abort"],
-        "subscribe": ["pdd.scheduler.submit", "pdd.scheduler.wan_sample", "pdd.registry.*"],
+        "subscribe": ["pdd.scheduler.submit", "pdd.scheduler.wan_sample", "pdd.scheduler.status", "pdd.registry.*"],
     },
     "prefill": {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],

@@ -138,6 +138,7 @@ class SchedulerConfig:
     catchup_threshold: int = 64  # expected relay backlog (tokens) above which catch-up is used
     rld_pressure: float = 0.75  # relay busy share above which handoff is as early as possible
     guard: bool = True  # oscillation guard: a saturated relay takes no more low-hit requests
+    metrics_port: int = 0  # the scheduler's Prometheus /metrics (0 = none)
 
     def __post_init__(self) -> None:
         if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
@@ -318,11 +319,12 @@ def to_dict(cfg: ClusterConfig) -> dict[str, Any]:
 def service_args(role: str, argv: list[str] | None = None) -> tuple[ClusterConfig, str | None]:
     """`python -m services.<role> --config FILE [--instance ID]`: logging set up, config loaded."""
     import argparse
-    import logging
+
+    from shared.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog=f"services.{role}")
     parser.add_argument("--config", default=None, help="cluster YAML (default configs/single-host.yaml)")
     parser.add_argument("--instance", default=None, help="instance id (roles with several instances)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.instance or role} %(levelname)s %(message)s")
+    setup_logging(args.instance or role)
     return load_config(args.config), args.instance

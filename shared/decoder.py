@@ -108,7 +108,7 @@ class DecoderService(InstanceService):
             if task is not me:
                 task.cancel()
         req.caught_up.set()  # a handoff chunk waiting for the shadow wakes and sees it gone
-        log.debug("%s: %s ended: %s", self.inst.id, rid, how.name)
+        log.info("%s: %s ended: %s (%s)", self.inst.id, rid, how.name, req.phase.name.lower())
         return req
 
     async def abort_engine(self, rid: str) -> None:
@@ -310,11 +310,12 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
     cache meanwhile holds more than [0, start), that part of the payload is not imported.
     """
     first, params = seq.token_ids[-1], seq.params
-    if first in engine.eos_token_ids and not params.ignore_eos or first in params.stop_token_ids:
+    stoppable = params.min_tokens <= 1  # prefill's token is the first; min_tokens counts it
+    if stoppable and (first in engine.eos_token_ids and not params.ignore_eos or first in params.stop_token_ids):
         return FinishReason.STOP
     if params.max_tokens <= 1:
         return FinishReason.LENGTH
-    if params.stop and engine.decode_text and any(s in engine.decode_text([first]) for s in params.stop):
+    if stoppable and params.stop and engine.decode_text and any(s in engine.decode_text([first]) for s in params.stop):
         return FinishReason.STOP
     pool, start, n = engine.pool, payload.header.start, seq.prompt_len
     if start % pool.block_size:
@@ -344,6 +345,7 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
         seq.num_computed, seq.imported = hit, (start, n)
     elif engine.cache is not None:  # KV is cached as it lands: the next turn hits at once
         engine.cache.insert(seq.token_ids[:n], seq.block_table[: n // pool.block_size], engine.namespace)
+    engine.count_prefix(seq)
     try:
         engine.add(seq)
     except ValueError:

@@ -42,10 +42,12 @@ from shared.messages import (
     Sampling,
     token_problem,
 )
+from shared.model_info import model_name
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.worker import EngineWorker
 from shared.security import Secrets
+from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class InstanceService:
                                  capacity=inst.max_running + inst.max_waiting)  # fmt: skip
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self.metrics = Metrics(model_name(cfg.model), inst.id)
         self._index_seq = 0
         self._index_stale = True  # the registrar has nothing yet: the first report is the whole cache
 
@@ -125,6 +128,7 @@ class InstanceService:
         bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.role, Secrets.of(self.cfg))
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
         await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.inst.threads, observe=engine_load))
+        self.metrics.serve(self.cfg.host, self.inst.metrics_port)
         log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)
         await self._stop.wait()
         await self.shutdown()
@@ -133,6 +137,7 @@ class InstanceService:
         self.bus, self.worker = bus, worker
         model_cfg = worker.engine.runner.model.config  # immutable facts of the model, read once
         self.vocab_size, self.context_len = model_cfg.vocab_size, model_cfg.max_position_embeddings
+        self.metrics.engine_figures(lambda: worker.figures)
         self.info.started_at = time.time()
         worker.start()
         await self.serve()
@@ -223,6 +228,10 @@ def to_params(s: Sampling) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_tokens=s.min_tokens,
     )
 
 
@@ -243,6 +252,8 @@ def engine_load(engine: Engine) -> dict[str, int]:
         "free_blocks": engine.pool.num_free_blocks,
         "total_blocks": engine.pool.num_blocks,
         "cached_blocks": engine.cache.num_blocks if engine.cache else 0,
+        "prefix_queried": engine.prefix_queried,
+        "prefix_hit": engine.prefix_hit,
         "queued_tokens": sum(s.num_pending for s in engine.waiting)
         + sum(s.num_pending for s in engine.running.values() if s.num_pending > 1),  # prompt left to compute
     }

@@ -92,6 +92,10 @@ class Sampling(Message):
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often each token was generated
+    repetition_penalty: float = 1.0  # vLLM's: logits of prompt and generated tokens divided (or multiplied) by it
+    min_tokens: int = 0  # no EOS or stop token before this many tokens
 
     def problem(self, vocab_size: int, context_len: int) -> str:
         """What is out of range ("" when nothing): a stage refuses such a request, alone."""
@@ -99,6 +103,9 @@ class Sampling(Message):
             return f"max_tokens {self.max_tokens} not in [1, {context_len}]"
         if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0 and 0 <= self.top_k <= vocab_size):
             return f"sampling out of range: temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k}"
+        if not (abs(self.presence_penalty) <= 2 and abs(self.frequency_penalty) <= 2 and 0 < self.repetition_penalty
+                <= 2 and 0 <= self.min_tokens <= self.max_tokens):  # fmt: skip
+            return "penalties or min_tokens out of range"
         if len(self.stop) > 16 or any(len(s) > 256 for s in self.stop):
             return "too many or too long stop strings"
         return token_problem(self.stop_token_ids, vocab_size, "stop_token_ids", 1024)
@@ -295,6 +302,8 @@ class InstanceInfo(Message):
     capacity: int = 0  # most it will hold (max_running + max_waiting); 0 = unbounded
     free_blocks: int = 0
     total_blocks: int = 0
+    cached_blocks: int = 0  # held only by the prefix cache (reusable)
+    busy_s: float = 0.0  # engine steps since start, in seconds (busy fraction = its rate)
     started_at: float = 0.0
     updated_at: float = 0.0  # when the load figures were sampled (wall clock)
 
@@ -358,6 +367,16 @@ class InstanceState(Message):
     free_blocks: int = 0
     total_blocks: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterStatus(Message):
+    """scheduler -> operators (`pdd status`, the dashboard): what the registry knows now."""
+
+    instances: list[InstanceInfo] = field(default_factory=list)  # alive ones, as their last heartbeat
+    wan_estimate_mbps: float = 0.0  # the scheduler's measured WAN bandwidth
+    plans: dict[str, int] = field(default_factory=dict)  # pipeline -> requests planned since start
+    now: float = 0.0  # the scheduler's wall clock (heartbeat ages are against it)
 
 
 @dataclass

@@ -48,6 +48,11 @@ def model_path(model: str) -> Path:
     return default_model_dir() if model == "default" else Path(model)
 
 
+def model_name(model: str) -> str:
+    """What clients and metrics call the model (its folder's name), without reading it."""
+    return model_path(model).name
+
+
 def load_model_info(model: str) -> ModelInfo:
     path = model_path(model)
     try:

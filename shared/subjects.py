@@ -5,6 +5,7 @@
     pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
     pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
     pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
+    pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
     pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
     pdd.handoff.<rld>.finish        prefill, md -> rld     FinishOnRelay (main-decode will not get it)
     pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
@@ -20,6 +21,7 @@
 
 SUBMIT = "pdd.scheduler.submit"
 WAN_SAMPLE = "pdd.scheduler.wan_sample"
+STATUS = "pdd.scheduler.status"
 ABORT = "pdd.abort"
 HEARTBEAT = "pdd.registry.heartbeat"
 INDEX = "pdd.registry.index"

@@ -32,6 +32,7 @@ from services.gateway.auth import Key
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gateway import Gateway
 from services.gateway.openai_api import APIError, ParsedRequest, check_body_size, parse_chat, parse_completion
+from shared.telemetry import CONTENT_TYPE
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,127}")  # usable in NATS subjects as is
 
@@ -47,7 +48,10 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        gw.metrics.count_request("error", e.status)
+        if not e.counted:  # an admitted request is counted once, when it is released
+            gw.metrics.count_request("error", e.status)
+        if e.status == 429:
+            gw.metrics.reject(e.code or "overloaded")
         headers = {"X-Request-Id": request.state.request_id} if hasattr(request.state, "request_id") else {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
@@ -76,7 +80,7 @@ def create_app(gw: Gateway) -> FastAPI:
     async def metrics(request: Request) -> PlainTextResponse:
         if gw.cfg.gateway.metrics_need_key:
             gw.keys.authenticate(request.headers.get("authorization"))
-        return PlainTextResponse(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(gw.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -136,7 +140,8 @@ async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest)
     try:
         text, finish, pdd = await _until_done_or_gone(flow, request)
     except StreamError as e:
-        raise APIError(500, str(e), type="server_error") from None
+        flow.error = str(e)
+        raise APIError(500, str(e), type="server_error", counted=True) from None
     finally:
         await gw.release(flow)
     return JSONResponse(responses.whole(flow, gw.served_model, text, finish, gw.pdd_view(flow, pdd)), headers=headers)
@@ -158,7 +163,7 @@ async def _until_done_or_gone(flow: RequestFlow, request: Request) -> tuple[str,
         done, _ = await asyncio.wait({work}, timeout=0.5)
         if not done and await request.is_disconnected():
             work.cancel()
-            raise APIError(499, "client closed the request", code="client_closed")
+            raise APIError(499, "client closed the request", code="client_closed", counted=True)
     return work.result()
 
 
@@ -174,6 +179,7 @@ async def _sse(gw: Gateway, flow: RequestFlow) -> AsyncIterator[bytes]:
         if flow.parsed.include_usage:
             yield responses.event(responses.usage_chunk(flow, gw.served_model))
     except StreamError as e:
+        flow.error = str(e)
         yield responses.event(APIError(500, str(e), type="server_error").to_json())
     finally:
         await gw.release(flow)

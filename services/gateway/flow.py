@@ -62,7 +62,9 @@ class RequestFlow:
         self.avoid: set[str] = set()
         self.plan: Plan | None = None
         self.stats = FlowStats()
-        self.finished = False
+        self.finished = False  # every stage is done with it (else close() aborts it everywhere)
+        self.finish_reason: str | None = None  # what the client was told: stop, length
+        self.error = ""  # why it failed after admission (set by the HTTP layer that reports it)
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub = None
 
@@ -114,16 +116,25 @@ class RequestFlow:
             new = reassembler.add(self.offset + chunk.index, chunk.token_ids)
             if new:
                 self.generated += new
-                self._record_tokens(len(new))
-                text, hit = stops.add(detok.add(new))
+                self._record_tokens(len(new), chunk.role)
+                piece = detok.add(new)  # stop strings count only from min_tokens on, as in the engine
+                armed = len(self.generated) >= self.parsed.sampling.min_tokens
+                text, hit = stops.add(piece) if armed else (piece, False)
                 if hit:  # the decoders may still be running: close() aborts them
+                    self.finish_reason = "stop"
                     yield Delta(text, "stop", self._pdd())
                     return
                 if text:
                     yield Delta(text)
         text, hit = stops.add(detok.flush())
         self.finished = True
-        yield Delta(text + stops.flush(), "stop" if hit else final_reason, self._pdd())
+        self.finish_reason = "stop" if hit else final_reason
+        yield Delta(text + stops.flush(), self.finish_reason, self._pdd())
+
+    @property
+    def outcome(self) -> str:
+        """How it ended for the client: finished (told a finish reason), error, or aborted (gone)."""
+        return "finished" if self.finish_reason else "error" if self.error else "aborted"
 
     async def _next_chunk(self) -> TokenChunk | None:
         """The next chunk, or None after a quiet second in which the holders were checked (and
@@ -186,12 +197,15 @@ class RequestFlow:
         if chunk.stats is not None:
             self.stats.decoder_stats.merge(chunk.stats)
 
-    def _record_tokens(self, n: int) -> None:
-        now = time.perf_counter()
-        if not self.stats.first_token_at:
-            self.stats.first_token_at = now
-        self.stats.token_times.extend([now] * n)
-        self.stats.completion_tokens += n
+    def _record_tokens(self, n: int, role: str, now: float | None = None) -> None:
+        s, now = self.stats, time.perf_counter() if now is None else now
+        if not s.first_token_at:
+            s.first_token_at = now
+        else:  # n tokens in one chunk share its gap: none of them came 0 s after another
+            s.token_gaps.extend([(now - s.last_token_at) / n] * n)
+        s.last_token_at = now
+        s.token_marks.extend([(now - s.arrived, role)] * n)
+        s.completion_tokens += n
 
     def _pdd(self) -> dict[str, Any]:
         return build_pdd(self.request_id, self.plan, self.stats)

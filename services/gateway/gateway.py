@@ -10,9 +10,9 @@ import time
 
 from services.gateway.auth import OPEN, Key, KeyRing
 from services.gateway.flow import RequestFlow
-from services.gateway.responses import pdd_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import APIError, ParsedRequest
+from services.gateway.responses import pdd_for
 from services.gateway.tokenizer import TextTokenizer
 from shared.bus import Bus
 from shared.config import ClusterConfig
@@ -33,7 +33,7 @@ class Gateway:
         self.served_model = self.model.name
         self.bus: Bus | None = None
         self.registry: Registry | None = None
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.served_model)
         self.inflight: dict[str, RequestFlow] = {}
         self.keys = KeyRing.from_settings(cfg.gateway.keys_file)
         self.started = int(time.time())
@@ -73,7 +73,7 @@ class Gateway:
         self.keys.admit(key, len(parsed.prompt_ids))
         flow = RequestFlow(self, parsed, key, request_id)
         self.inflight[flow.request_id] = flow
-        self.metrics.inflight.set(len(self.inflight))
+        self.metrics.running.set(len(self.inflight))
         return flow
 
     async def release(self, flow: RequestFlow) -> None:
@@ -82,8 +82,9 @@ class Gateway:
             return
         self.keys.release(flow.key)
         self.keys.count_tokens(flow.key, flow.stats.completion_tokens)
-        self.metrics.inflight.set(len(self.inflight))
+        self.metrics.running.set(len(self.inflight))
         self.metrics.observe(flow)
+        _log_request(flow)
         await flow.close()
 
     def pdd_view(self, flow: RequestFlow, pdd: dict) -> dict | None:
@@ -115,3 +116,18 @@ class Gateway:
             return ["nats"]
         wanted = {i.role for i in self.cfg.instances}
         return sorted(role for role in wanted if role not in alive)
+
+
+def _log_request(flow: RequestFlow) -> None:
+    """One line per request when it ends, with the figures an operator greps for."""
+    s, plan, d = flow.stats, flow.plan, flow.stats.decoder_stats
+    fields = {
+        "request_id": flow.request_id, "pipeline": plan.pipeline if plan else "",
+        "instances": ",".join(i for i in (plan.prefill, plan.rld, plan.md) if i) if plan else "",
+        "prompt_tokens": len(flow.parsed.prompt_ids), "output_tokens": s.completion_tokens,
+        "ttft_ms": round((s.first_token_at - s.arrived) * 1000, 1) if s.first_token_at else None,
+        "e2e_ms": round((time.perf_counter() - s.arrived) * 1000, 1), "wan_kv_bytes": d.wan_kv_bytes,
+        "finish_reason": flow.finish_reason, "outcome": flow.outcome, "migrations": s.migrations,
+        "key": flow.key.name,
+    }  # fmt: skip
+    log.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)

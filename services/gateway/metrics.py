@@ -1,78 +1,77 @@
-"""The gateway's Prometheus metrics (names as vLLM/SGLang spell theirs, with a `pdd:` prefix)."""
+"""The gateway's Prometheus metrics: vLLM's names under `pdd:`, plus PDD's own.
+
+Observed once per request, when it ends (`observe`), whatever the way it ended; requests turned
+away before admission are counted by `reject`.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.gateway.prometheus import LATENCY_BUCKETS, Counter, Gauge, Histogram, Registry
+from shared.telemetry import BYTES_BUCKETS, Metrics
 
 if TYPE_CHECKING:
     from services.gateway.flow import RequestFlow
 
-BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
-
 
 class GatewayMetrics:
-    def __init__(self) -> None:
-        r = self.registry = Registry()
-        self.requests = Counter("pdd:requests_total", "Requests by outcome", ("outcome", "status"), registry=r)
-        self.inflight = Gauge("pdd:requests_in_flight", "Requests admitted and not finished", registry=r)
-        self.ttft = Histogram("pdd:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS,
-                              ("pipeline",), registry=r)  # fmt: skip
-        self.itl = Histogram("pdd:inter_token_latency_seconds", "Gap between streamed tokens", LATENCY_BUCKETS,
-                             ("pipeline",), registry=r)  # fmt: skip
-        self.e2e = Histogram("pdd:e2e_request_latency_seconds", "Arrival to last token", LATENCY_BUCKETS,
-                             ("pipeline",), registry=r)  # fmt: skip
-        self.tokens = Counter("pdd:generation_tokens_total", "Generated tokens by decoder role", ("role",),
-                              registry=r)  # fmt: skip
-        self.wan_bytes = Counter("pdd:wan_kv_bytes_total", "KV bytes sent over the WAN", registry=r)
-        self.local_bytes = Counter("pdd:local_kv_bytes_total", "KV bytes sent within a datacenter", registry=r)
-        self.pipelines = Counter("pdd:pipeline_requests_total", "Requests by pipeline and plan reason",
-                                 ("pipeline", "reason"), registry=r)  # fmt: skip
-        self.prefix_hit = Counter("pdd:prefix_hit_tokens_total", "Prompt tokens found in a prefix cache", ("role",),
-                                  registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("pdd:prompt_tokens_total", "Prompt tokens received", registry=r)
-        self.hit_rate = Gauge("pdd:prefix_hit_rate", "Share of prompt tokens found in a prefix cache, since start",
-                              ("role",), registry=r)  # fmt: skip
-        self.hit_gap = Gauge("pdd:prefix_hit_rate_gap", "Prefill's prefix hit rate minus main-decode's (alignment)",
-                             registry=r)  # fmt: skip
-        self._hits = {"prefill": 0, "md": 0}
-        self._prompt_total = 0
+    def __init__(self, model_name: str) -> None:
+        m = self.metrics = Metrics(model_name, "gateway")
+        self.running = m.gauge("pdd:num_requests_running", "Requests admitted at the gateway and not finished")
+        self.success = m.counter("pdd:request_success", "Requests that finished, by finish reason",
+                                 ("finished_reason",))  # fmt: skip
+        self.outcomes = m.counter("pdd:requests", "Requests by outcome and HTTP status", ("outcome", "status"))
+        self.rejected = m.counter("pdd:rejected_requests", "Requests answered 429, by reason", ("reason",))
+        self.prompt_tokens = m.counter("pdd:prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = m.counter("pdd:generation_tokens", "Generated tokens, by decoder role", ("role",))
+        self.ttft = m.histogram("pdd:time_to_first_token_seconds", "Time to first token", labels=("pipeline",))
+        self.itl = m.histogram("pdd:inter_token_latency_seconds", "Gap between streamed tokens", labels=("pipeline",))
+        self.e2e = m.histogram("pdd:e2e_request_latency_seconds", "Arrival to last token", labels=("pipeline",))
+        self.queue = m.histogram("pdd:request_queue_time_seconds", "Arrival to the plan (scheduler's queue)")
+        self.prefill = m.histogram("pdd:request_prefill_time_seconds", "Prefill accepted the task -> first token")
+        self.plans = m.counter("pdd:requests_by_pipeline", "Requests by pipeline and plan reason", ("pipeline", "reason"))
+        self.kv_bytes = m.histogram("pdd:request_kv_transfer_bytes", "KV bytes moved for a request, by path",
+                                    BYTES_BUCKETS, labels=("path",))  # fmt: skip
+        self.handoffs = m.counter("pdd:handoffs", "Relay -> main-decode handoffs, by mode", ("mode",))
+        self.handoff_gap = m.histogram("pdd:handoff_gap_seconds", "Last relay token -> first main-decode token",
+                                       labels=("mode",))  # fmt: skip
+        self.migrations = m.counter("pdd:migrations", "Requests moved after an instance they used failed")
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
 
     def count_request(self, outcome: str, status: int) -> None:
-        self.requests.labels(outcome=outcome, status=str(status)).inc()
+        self.outcomes.labels(outcome=outcome, status=str(status)).inc()
 
     def observe(self, flow: RequestFlow) -> None:
-        """Record a request that was admitted, when it ends (finished, failed or aborted)."""
-        plan = flow.plan
-        outcome = "finished" if flow.finished else "aborted"
-        self.count_request(outcome, 200)
+        """Record an admitted request when it ends (finished, failed or abandoned)."""
+        s, plan = flow.stats, flow.plan
+        self.count_request(flow.outcome, 200 if flow.outcome != "error" else 500)
+        if flow.finish_reason is not None:
+            self.success.labels(finished_reason=flow.finish_reason).inc()
+        self.prompt_tokens.inc(len(flow.parsed.prompt_ids))
+        for role, n in s.tokens_by_role.items():
+            self.generation_tokens.labels(role=role).inc(n)
+        self.migrations.inc(s.migrations)
         if plan is None or not plan.pipeline:
             return
         p = plan.pipeline
-        self.pipelines.labels(pipeline=p, reason=plan.reason or "default").inc()
-        s = flow.stats
+        self.plans.labels(pipeline=p, reason=plan.reason or "default").inc()
+        self.queue.observe(plan.queue_ms / 1000)
+        d = s.decoder_stats
+        if d.prefill_ms:
+            self.prefill.observe(d.prefill_ms / 1000)
+        for path, nbytes in (("wan", d.wan_kv_bytes), ("in_dc", d.local_kv_bytes)):
+            if nbytes:
+                self.kv_bytes.labels(path=path).observe(nbytes)
         if s.first_token_at:
             self.ttft.labels(pipeline=p).observe(s.first_token_at - s.arrived)
-            self.e2e.labels(pipeline=p).observe(s.token_times[-1] - s.arrived)
-        for a, b in zip(s.token_times, s.token_times[1:]):
-            self.itl.labels(pipeline=p).observe(b - a)
-        for role, n in s.tokens_by_role.items():
-            self.tokens.labels(role=role).inc(n)
-        d = s.decoder_stats
-        self.wan_bytes.inc(d.wan_kv_bytes)
-        self.local_bytes.inc(d.local_kv_bytes)
-        self._count_hits({"prefill": d.prefill_hit_tokens, "md": d.md_hit_tokens}, len(flow.parsed.prompt_ids))
+            self.e2e.labels(pipeline=p).observe(s.last_token_at - s.arrived)
+        for gap in s.token_gaps:
+            self.itl.labels(pipeline=p).observe(gap)
+        if d.handoff_chunks:
+            self.handoffs.labels(mode=plan.handoff).inc()
+            self.handoff_gap.labels(mode=plan.handoff).observe(s.handoff_gap_s)
 
-    def _count_hits(self, hits: dict[str, int], prompt_len: int) -> None:
-        self.prompt_tokens.inc(prompt_len)
-        self._prompt_total += prompt_len
-        for role in self._hits:
-            n = int(hits.get(role, 0))
-            self.prefix_hit.labels(role=role).inc(n)
-            self._hits[role] += n
-            self.hit_rate.labels(role=role).set(self._hits[role] / self._prompt_total)
-        self.hit_gap.set((self._hits["prefill"] - self._hits["md"]) / self._prompt_total)
-
-    def render(self) -> str:
-        return self.registry.render()
+    def render(self) -> bytes:
+        return self.metrics.render()

@@ -8,9 +8,10 @@ Conventions, chosen to match the OpenAI API itself:
 - every validation error is 400 `invalid_request_error` naming the bad `param`, wrong types
   included (OpenAI answers 400 there, not FastAPI's 422); unknown model 404; body too big 413.
 - `null` for an optional field means "use the default".
-- fields that would change what the client gets back and that we cannot honour (n > 1,
-  best_of > 1, logprobs, echo, suffix) are 400; others (tools, presence_penalty, user, ...) are
-  ignored.
+- a parameter that would change the output is honoured (penalties, stop_token_ids,
+  min_tokens...) or refused with 400 naming it (n > 1, best_of > 1, logprobs, top_logprobs,
+  echo, suffix, logit_bias, tools / tool_choice other than none, response_format other than
+  text); only parameters that change nothing of the output (user, metadata, ...) are ignored.
 - an explicit max_tokens that does not fit the context is 400; the default is clipped to fit.
 """
 
@@ -31,7 +32,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; a client wanting greedy output sends 0
 MAX_STOP_STRINGS = 4
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Json = dict[str, Any]
 
@@ -48,6 +49,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: int | None = None,
+        counted: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -56,6 +58,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after if retry_after is not None else (1 if status in (429, 503) else None)
+        self.counted = counted  # already in the request metrics (an admitted request's failure)
 
     def to_json(self) -> Json:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -165,6 +168,11 @@ def _common(obj: Json, kind: str, served_model: str) -> ParsedRequest:
         seed=_int(obj, "seed", None, lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),
         stop=_stops(obj.get("stop")),
         ignore_eos=_bool(obj, "ignore_eos"),
+        presence_penalty=_number(obj, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        frequency_penalty=_number(obj, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        repetition_penalty=_number(obj, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
+        min_tokens=_int(obj, "min_tokens", 0, lambda v: v >= 0, ">= 0"),
+        stop_token_ids=_stop_token_ids(obj.get("stop_token_ids")),
     )
     return ParsedRequest(
         kind=kind,
@@ -194,9 +202,18 @@ def _reject_unsupported(obj: Json) -> None:
         value = _int(obj, key, 1)
         if value != 1:
             raise invalid(f"'{key}' = {value} is not supported; only 1", key, "unsupported_parameter")
-    for key in ("logprobs", "echo"):
-        if obj.get(key) is not None and obj[key] is not False:
+    for key in ("logprobs", "top_logprobs", "echo", "logit_bias", "functions"):
+        value = obj.get(key)
+        if not (value is None or value is False or value == {} or value == []):
             raise invalid(f"'{key}' is not supported", key, "unsupported_parameter")
+    if obj.get("tool_choice") not in (None, "none"):
+        raise invalid("'tool_choice' other than \"none\" is not supported", "tool_choice", "unsupported_parameter")
+    if obj.get("tools") and obj.get("tool_choice") != "none":
+        raise invalid("'tools' are not supported (send tool_choice \"none\" to pass them to the template)", "tools",
+                      "unsupported_parameter")  # fmt: skip
+    fmt = obj.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise invalid("'response_format' other than text is not supported", "response_format", "unsupported_parameter")
 
 
 def _include_usage(options: Any) -> bool:
@@ -351,6 +368,14 @@ def _bool(obj: Json, key: str, param: str | None = None) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"'{param or key}' must be a boolean, got {_json_type(value)} {_show(value)}", param or key)
     return value
+
+
+def _stop_token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value) or len(value) > 64:
+        raise invalid("'stop_token_ids' must be an array of at most 64 token ids", "stop_token_ids")
+    return list(value)
 
 
 def _stops(value: Any) -> list[str]:

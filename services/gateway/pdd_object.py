@@ -17,7 +17,9 @@ from shared.messages import Plan, RequestStats
 class FlowStats:
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)
+    last_token_at: float = 0.0
+    token_gaps: list[float] = field(default_factory=list)  # per token after the first chunk: its chunk's gap / size
+    token_marks: list[tuple[float, str]] = field(default_factory=list)  # (seconds since arrival, role) per token
     tokens_by_role: dict[str, int] = field(default_factory=lambda: {"rld": 0, "md": 0})
     decoder_stats: RequestStats = field(default_factory=RequestStats)  # what the stages measured
     completion_tokens: int = 0
@@ -33,8 +35,7 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
     d = stats.decoder_stats
     now = time.perf_counter()
     ttft = (stats.first_token_at - stats.arrived) * 1000 if stats.first_token_at else 0.0
-    times = stats.token_times
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = stats.token_gaps
     return {
         "request_id": request_id,
         "pipeline": plan.pipeline,

@@ -53,6 +53,10 @@ class Prefiller(InstanceService):
         self.requests: dict[str, PrefillState] = {}
         self.seen = RecentIds()  # request ids already accepted or aborted (idempotence)
         self._tls = None
+        self.kv_seconds = self.metrics.histogram("pdd:kv_transfer_seconds", "KV pushes, connect to ACK, by path",
+                                                 labels=("path",))  # fmt: skip
+        self.kv_bytes = self.metrics.counter("pdd:kv_transfer_bytes", "KV bytes pushed, by path", ("path",))
+        self.kv_failures = self.metrics.counter("pdd:kv_transfer_failures", "KV push attempts that failed", ("path",))
 
     async def serve(self) -> None:
         secrets = Secrets.of(self.cfg)
@@ -137,10 +141,19 @@ class Prefiller(InstanceService):
         layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v) for k, v in payload.layers])
         push = KVPush(rid, self.inst.id, target.token, payload.header.to_dict(), layers, done, wan=target.wan)
         t = self.cfg.timeouts
+        path = "wan" if target.wan else "in_dc"
         for attempt in range(t.kv_retries + 1):
+            t0 = time.perf_counter()
             try:
-                return await send_kv(target.host, target.port, push, t.kv_stall_s, self._tls, target.instance_id)
+                sent = await send_kv(target.host, target.port, push, t.kv_stall_s, self._tls, target.instance_id)
+                self.kv_seconds.labels(path=path).observe(time.perf_counter() - t0)
+                self.kv_bytes.labels(path=path).inc(sent)
+                log.info("%s: %s: KV [%d, %d) to %s (%s): %d bytes in %.0f ms", self.inst.id, rid,
+                         payload.header.start, payload.header.end, target.instance_id, path, sent,
+                         (time.perf_counter() - t0) * 1000)  # fmt: skip
+                return sent
             except KVTransferError as e:
+                self.kv_failures.labels(path=path).inc()
                 error = e
                 log.warning("%s: %s: KV push to %s failed (attempt %d): %s", self.inst.id, rid,
                             target.instance_id, attempt + 1, e)  # fmt: skip

@@ -33,7 +33,8 @@ def policy_config(knobs: dict[str, Any], *, kv_bytes_per_token: int, rld_slots: 
 
 def cluster_policy_config(cfg: ClusterConfig) -> PolicyConfig:
     """What the scheduler service plans with, from the cluster config."""
-    return policy_config(dataclasses.asdict(cfg.scheduler), kv_bytes_per_token=kv_bytes_per_token(cfg),
+    knobs = {k: v for k, v in dataclasses.asdict(cfg.scheduler).items() if k != "metrics_port"}
+    return policy_config(knobs, kv_bytes_per_token=kv_bytes_per_token(cfg),
                          rld_slots=sum(i.max_running for i in cfg.of_role("rld")), wan_delay_ms=cfg.wan.delay_ms,
                          catchup_chunk=cfg.handoff.chunk_tokens)  # fmt: skip
 

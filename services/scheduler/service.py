@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 import secrets
 import signal
 import time
@@ -31,10 +32,12 @@ from services.scheduler.registrar import Registrar
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
-from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, KVTarget, Plan, PrefillTask, Submit, WanSample
+from shared.messages import Abort, Ack, ClusterStatus, DecodeTask, Inspect, InstanceInfo, KVTarget, Plan, PrefillTask, Submit, WanSample
+from shared.model_info import model_name
 from shared.prefix_hash import block_hashes
 from shared.registry import Registry, connect
 from shared.security import Secrets
+from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,11 @@ class Scheduler:
         self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
         self.dispatched = Dispatched()
         self.unreachable: dict[str, float] = {}  # instance -> when it failed to answer (wall clock)
+        self.metrics = Metrics(model_name(cfg.model), "scheduler")
+        self.wan_estimate = self.metrics.gauge("pdd:wan_bandwidth_estimate_mbps", "The scheduler's WAN estimate")
+        self.planned = self.metrics.counter("pdd:plans", "Plans made, by pipeline and reason", ("pipeline", "reason"))
+        self.plan_counts: Counter[str] = Counter()
+        self.refused = self.metrics.counter("pdd:plan_failures", "Requests not planned, by HTTP status", ("status",))
 
     async def run(self) -> None:
         stop = asyncio.Event()
@@ -78,8 +86,11 @@ class Scheduler:
         password = secrets.redis_password if secrets else None
         self.registry = Registry(connect(self.cfg.redis_url, password), self.cfg.heartbeat_ttl_s)
         await Registrar(self.registry).serve(self.bus)
+        self.wan_estimate.set(self.wan.mbps(time.monotonic()))
+        self.metrics.serve(self.cfg.host, self.cfg.scheduler.metrics_port)
         await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
         await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
+        await self.bus.serve(subjects.STATUS, Inspect, self.on_status)
         log.info("scheduler ready")
         await stop.wait()
         await self.bus.close()
@@ -87,6 +98,11 @@ class Scheduler:
 
     async def on_wan_sample(self, sample: WanSample) -> None:
         self.wan.add(sample.nbytes, sample.seconds, time.monotonic())
+        self.wan_estimate.set(self.wan.mbps(time.monotonic()))
+
+    async def on_status(self, _: Inspect) -> ClusterStatus:
+        return ClusterStatus(await self.registry.alive(), self.wan.mbps(time.monotonic()), dict(self.plan_counts),
+                             time.time())  # fmt: skip
 
     async def on_submit(self, sub: Submit) -> Plan:
         if sub.request_id in self.plans:
@@ -104,6 +120,13 @@ class Scheduler:
             await self.bus.publish(subjects.ABORT, Abort(sub.request_id, reason=f"planning failed: {e}"))
             return Plan(sub.request_id, error=f"scheduler could not plan the request: {e}", status=503)
         plan.queue_ms = (time.monotonic() - t0) * 1000
+        if plan.error:
+            self.refused.labels(status=str(plan.status)).inc()
+        else:
+            self.planned.labels(pipeline=plan.pipeline, reason=plan.reason).inc()
+            self.plan_counts[plan.pipeline] += 1
+            log.info("%s: %s (%s) on %s", sub.request_id, plan.pipeline, plan.reason,
+                     ", ".join(i for i in (plan.prefill, plan.rld, plan.md) if i))  # fmt: skip
         self._remember(plan)
         return plan
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from services.wanlink.link import WanLink, forwards_of
 from shared.bus import Bus
 from shared.config import ConfigError, load_config
+from shared.logs import setup_logging
 from shared.security import Secrets
 
 log = logging.getLogger("wanlink")
@@ -66,7 +67,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging("wanlink")
     args = parse_args(argv)
     try:
         asyncio.run(run(args))

@@ -28,7 +28,7 @@ from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
-from shared.runtime.sampling import sample_batch
+from shared.runtime.sampling import History, sample_batch
 from shared.runtime.sequence import FinishReason, SeqStatus, Sequence
 
 
@@ -66,6 +66,8 @@ class Engine:
         self.held: dict[str, Sequence] = {}  # finished with hold_kv, blocks not yet released
         self.steps = 0
         self.last_step_tokens = 0  # tokens computed by the last step (its forward's size)
+        self.prefix_queried = 0  # prompt tokens of admitted sequences, and of those found cached
+        self.prefix_hit = 0
 
     @classmethod
     def for_model(
@@ -120,6 +122,11 @@ class Engine:
         seq.block_table = blocks
         seq.num_computed = seq.cached_tokens = len(blocks) * self.pool.block_size
 
+    def count_prefix(self, seq: Sequence) -> None:
+        """An admitted sequence's prefix-cache lookup, for the hit-rate counters."""
+        self.prefix_queried += seq.prompt_len
+        self.prefix_hit += seq.cached_tokens
+
     def fail_running(self, error: str) -> list[TokenOutput]:
         """Finish every running sequence with an error (after a failed step); frees their blocks."""
         failed = [self._fail(seq, error) for seq in self.running.values()]
@@ -146,7 +153,8 @@ class Engine:
             if seq.shadow and seq.num_pending == 1:
                 outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, caught_up=True))
         steps = [s.num_generated for s in result.sampled]
-        tokens = sample_batch(result.logits, [s.params for s in result.sampled], steps)
+        histories = [self._history(s) if s.params.penalised else None for s in result.sampled]
+        tokens = sample_batch(result.logits, [s.params for s in result.sampled], steps, histories)
         outputs += [self._append(seq, token) for seq, token in zip(result.sampled, tokens)]
         return outputs
 
@@ -170,6 +178,8 @@ class Engine:
                     seq.num_computed = seq.cached_tokens = 0
                 break  # wait for running sequences to finish
             self.waiting.popleft()
+            if fresh:
+                self.count_prefix(seq)
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
         return failed
@@ -201,8 +211,16 @@ class Engine:
             self._finish(seq, reason, hold=seq.hold_kv)
         return TokenOutput(seq.seq_id, token, index, reason)
 
+    def _history(self, seq: Sequence) -> History:
+        p = seq.params
+        banned = () if p.ignore_eos else self.eos_token_ids
+        return History(seq.token_ids[: seq.prompt_len], seq.token_ids[seq.prompt_len :],
+                       tuple({*banned, *p.stop_token_ids}))  # fmt: skip
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if seq.num_generated < p.min_tokens:  # nothing stops it before min_tokens but its budget
+            return FinishReason.LENGTH if seq.num_generated >= p.max_tokens else None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
         if p.stop and self.decode_text is not None and _hits_stop_string(seq, self.decode_text):

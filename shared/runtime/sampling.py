@@ -1,4 +1,10 @@
-"""Sampling: greedy, temperature, top-k, top-p, seeded per request and per step.
+"""Sampling: penalties, greedy, temperature, top-k, top-p, seeded per request and per step.
+
+Penalties first, on the raw logits, from the sequence's own tokens (`History`): OpenAI's
+presence and frequency penalties over the tokens generated so far, vLLM's repetition penalty
+over prompt and generated tokens, and `min_tokens` banning end-of-sequence and stop tokens
+until that many are out. They depend only on the token ids, so main-decode, handed a request's
+ids by the relay, penalises exactly as the relay would have.
 
 A seeded request draws its randomness from a generator seeded by `(seed, step)`, where step
 is the number of tokens generated before this one. The draw is a pure function of the logits,
@@ -26,6 +32,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +51,36 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens)
+
+
+@dataclass(frozen=True)
+class History:
+    """What a row's penalties need: its prompt and generated ids, and the ids `min_tokens` bans."""
+
+    prompt: list[int]
+    generated: list[int]
+    banned: tuple[int, ...] = ()  # end-of-sequence and stop token ids, while under min_tokens
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None]) -> None:
+    """In place, row by row, for the rows that have penalties (the others are not touched)."""
+    for i, (p, h) in enumerate(zip(params, histories)):
+        if h is None or not p.penalised:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(h.prompt) | set(h.generated)), dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and h.generated:
+            counts = torch.bincount(torch.tensor(h.generated), minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if len(h.generated) < p.min_tokens and h.banned:
+            row[list(h.banned)] = float("-inf")
+
 
 def step_seed(seed: int, step: int) -> int:
     return (seed * _STEP_MIX + step * 0x632BE59BD9B4E019 + 1) & _MASK63
@@ -52,12 +92,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     return sample_batch(logits.unsqueeze(0), [params], [step])[0]
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                 histories: list[History | None] | None = None) -> list[int]:  # fmt: skip
     """Sample one token per row. Greedy rows share one argmax; the other rows share each filter's
     tensor ops (temperature, top-k, softmax, top-p over all of them at once: a per-row top-p sort of
-    a 49k vocabulary took about a millisecond each) and draw with their own generator."""
+    a 49k vocabulary took about a millisecond each) and draw with their own generator. Rows with
+    penalties get them first (`histories` gives their tokens)."""
     if not params:
         return []
+    if histories is not None and any(h is not None for h in histories):
+        logits = logits.clone()
+        apply_penalties(logits, params, histories)
     out = torch.argmax(logits, dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -68,6 +68,7 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_step_ms = 0.0
+        self.busy_s = 0.0  # time spent in engine steps since start
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -117,7 +118,7 @@ class EngineWorker:
 
     def _observe(self) -> None:
         if self.observe is not None:
-            self.figures = {**self.observe(self.engine), **self.rates.as_dict()}
+            self.figures = {**self.observe(self.engine), **self.rates.as_dict(), "busy_s": round(self.busy_s, 3)}
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -127,6 +128,7 @@ class EngineWorker:
             log.exception("engine step failed; failing its running sequences")
             outputs = self.engine.fail_running("engine step failed")
         self.last_step_ms = (time.perf_counter() - t0) * 1000
+        self.busy_s += self.last_step_ms / 1000
         if self.engine.last_step_tokens:
             self.rates.add(self.last_step_ms, self.engine.last_step_tokens)
         self._observe()

@@ -17,6 +17,7 @@ import torch
 from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
+from shared.instance import to_params
 from shared.kv_transport import Transfer, Verdict
 from shared.messages import Ack, DecodeTask, Plan, Sampling, TokenChunk
 from shared.runtime.engine import Engine
@@ -61,6 +62,7 @@ class DecoderPair:
         self.engines = {"rld": engine(model), "md": engine(model, md_blocks)}
         self.prefill_engine = engine(model)
         self.chunks: dict[str, list[TokenChunk]] = {}
+        self.sampling: dict[str, Sampling] = {}
 
     async def start(self) -> DecoderPair:
         for name, svc in (("rld", self.rld), ("md", self.md)):
@@ -80,10 +82,11 @@ class DecoderPair:
 
     # -- what the scheduler and prefill do -------------------------------------------------
     async def dispatch(self, rid: str, prompt: list[int], n: int, pipeline: str, handoff: str = "none",
-                       roles: tuple[str, ...] = ()) -> list[Ack]:  # fmt: skip
+                       roles: tuple[str, ...] = (), **sampling) -> list[Ack]:  # fmt: skip
         plan = Plan(rid, pipeline=pipeline, handoff=handoff, prefill="prefill-0",
                     rld="rld-0" if "rld" in pipeline else "", md="md-0" if pipeline.endswith("md") else "")  # fmt: skip
-        task = DecodeTask(rid, prompt, Sampling(max_tokens=n, ignore_eos=True), plan, kv_token=f"token-{rid}")
+        task = DecodeTask(rid, prompt, Sampling(max_tokens=n, ignore_eos=True, **sampling), plan, kv_token=f"token-{rid}")
+        self.sampling[rid] = task.sampling
         self.chunks[rid] = []
         await self.bus.subscribe(subjects.tokens(rid), TokenChunk, self.chunks[rid].append)
         roles = roles or tuple(r for r in ("rld", "md") if getattr(plan, r))
@@ -92,7 +95,8 @@ class DecoderPair:
     def transfer(self, rid: str, prompt: list[int], via_wan: bool, start: int = 0) -> Transfer:
         """Prefill's push: the KV of [start, prompt) and the first token, as the receiver gets it."""
         e = self.prefill_engine
-        seq = Sequence(rid, list(prompt), greedy(1), hold_kv=True, max_new=1)
+        params = to_params(self.sampling[rid]) if rid in self.sampling else greedy(1)
+        seq = Sequence(rid, list(prompt), params, hold_kv=True, max_new=1)
         e.add(seq)
         first = None
         while first is None:

@@ -16,6 +16,8 @@ from shared.decode_state import Phase
 from shared.messages import Abort, Ack, FinishOnRelay, HandoffChunk, KVReady
 from shared.pipelines import Pipeline
 from tests.decoder.harness import DecoderPair, idle
+from shared.runtime.sampling import SamplingParams
+from shared.runtime.sequence import Sequence
 from tests.helpers import random_prompts, reference_generate
 
 N = 24
@@ -316,3 +318,28 @@ async def test_kv_that_can_never_fit_fails_its_request_at_once(tiny, prompt):
         pair.assert_gone("big")
     finally:
         await pair.stop()
+
+
+@pytest.mark.parametrize("handoff", ["oneshot", "catchup"])
+async def test_penalties_continue_exactly_across_the_handoff(tiny, pair, prompt, handoff):
+    """Penalties depend on the token ids alone: main-decode, handed the relay's ids, goes on as
+    one engine running the whole request would."""
+    knobs = {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.3}
+    expected = _one_engine(tiny, prompt, SamplingParams(max_tokens=N, ignore_eos=True, **knobs))
+    assert expected != _one_engine(tiny, prompt, SamplingParams(max_tokens=N, ignore_eos=True))
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, handoff, **knobs)
+    assert await pair.land("rld", "r1", prompt) == ""
+    await pair.drive(lambda: len(pair.tokens("r1")) >= 10, roles=("rld",))
+    assert await pair.land("md", "r1", prompt) == ""
+    await pair.drive(lambda: pair.finished("r1"))
+    tokens = pair.tokens("r1")
+    assert [t for t, _ in tokens.values()] == expected and {r for _, r in tokens.values()} == {"rld", "md"}
+    pair.assert_gone("r1")
+
+
+def _one_engine(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    from tests.helpers import make_engine, run_to_completion
+
+    e = make_engine(model)
+    e.add(Sequence("solo", list(prompt), params))
+    return run_to_completion(e)["solo"]

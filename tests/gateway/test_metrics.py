@@ -1,156 +1,95 @@
+"""The gateway's and the engines' Prometheus metrics, read back with prometheus-client's own
+parser: vLLM's names under `pdd:`, `model_name` and `instance` on every series, and each
+request counted once, the way it ended."""
+
 from __future__ import annotations
 
-import math
-import re
+from types import SimpleNamespace
 
-import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.prometheus import Counter, Gauge, Histogram, Registry, quantile_from_samples
-
-# One sample line of the text format: name, optional {labels}, value.
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
-_SAMPLE = re.compile(rf"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{{{_LABEL}(?:,{_LABEL})*\}})? (\S+)$")
-_VALUE = re.compile(r"^(?:[+-]?\d+(?:\.\d+)?(?:e[+-]?\d+)?|\+Inf|-Inf|NaN)$")
-
-
-def parse(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
-    """A strict reader of what Prometheus scrapes: {family: [(sample name, labels, value)]}."""
-    assert text.endswith("\n")
-    families: dict[str, list] = {}
-    types: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert kind in ("counter", "gauge", "histogram") and name not in types
-            types[name] = kind
-            families[name] = []
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"not a sample line: {line!r}"
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        assert _VALUE.match(value), value
-        family = next(f for f in families if name == f or name in (f"{f}_bucket", f"{f}_sum", f"{f}_count"))
-        pairs = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels))
-        families[family].append((name, pairs, float(value)))
-    return families
+from services.gateway.auth import OPEN
+from services.gateway.flow import RequestFlow
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_api import ParsedRequest
+from shared.messages import Plan, RequestStats, Sampling
+from shared.telemetry import Metrics
 
 
-def test_counter_renders_help_type_and_value():
-    reg = Registry()
-    c = Counter("pdd:requests_total", "Requests served.", registry=reg)
-    assert parse(reg.render())["pdd:requests_total"] == [("pdd:requests_total", {}, 0.0)]
-    c.inc()
-    c.inc(2.5)
-    text = reg.render()
-    assert text.startswith("# HELP pdd:requests_total Requests served.\n# TYPE pdd:requests_total counter\n")
-    assert parse(text)["pdd:requests_total"] == [("pdd:requests_total", {}, 3.5)]
+def samples(text: bytes) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            assert s.labels.get("model_name") == "smol" and s.labels.get("instance"), s
+            out[(s.name, frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "instance")))] = s.value
+    return out
 
 
-def test_labelled_counter_and_escaping():
-    reg = Registry()
-    c = Counter("pdd:errors_total", 'Errors, by "kind".\nSecond line \\ end', ("kind", "status"), registry=reg)
-    assert parse(reg.render())["pdd:errors_total"] == []  # no label set seen yet
-    c.labels(kind='bad "json"\nx\\y', status=400).inc()
-    c.labels(kind="timeout", status="504").inc(3)
-    text = reg.render()
-    assert '# HELP pdd:errors_total Errors, by "kind".\\nSecond line \\\\ end\n' in text
-    assert 'pdd:errors_total{kind="bad \\"json\\"\\nx\\\\y",status="400"} 1.0' in text
-    samples = parse(text)["pdd:errors_total"]
-    assert ("pdd:errors_total", {"kind": "timeout", "status": "504"}, 3.0) in samples
+def value(text: bytes, name: str, **labels: str) -> float:
+    return samples(text).get((name, frozenset(labels.items())), 0.0)
 
 
-def test_gauge_set_inc_dec():
-    reg = Registry()
-    g = Gauge("pdd:inflight_requests", "In flight.", registry=reg)
-    g.set(5)
-    g.inc()
-    g.dec(2)
-    per = Gauge("pdd:free_blocks", "Free KV blocks.", ("instance",), registry=reg)
-    per.labels(instance="md-0").set(10)
-    per.labels(instance="md-1").set(3)
-    per.remove(instance="md-1")
-    got = parse(reg.render())
-    assert got["pdd:inflight_requests"] == [("pdd:inflight_requests", {}, 4.0)]
-    assert got["pdd:free_blocks"] == [("pdd:free_blocks", {"instance": "md-0"}, 10.0)]
+def flow(reason: str | None, chunks: list[tuple[float, int, str]], error: str = "") -> RequestFlow:
+    """A request that got `chunks` of (seconds after arrival, tokens, role) and ended with `reason`."""
+    gw = SimpleNamespace()
+    f = RequestFlow(gw, ParsedRequest("completion", "smol", [1, 2, 3], Sampling()), OPEN, "r")
+    f.plan = Plan("r", pipeline="p-rld-md", handoff="catchup", reason="slo-miss-relay", queue_ms=5.0)
+    t0 = f.stats.arrived
+    for at, n, role in chunks:
+        f.stats.tokens_by_role[role] += n
+        f._record_tokens(n, role, now=t0 + at)
+    f.stats.decoder_stats = RequestStats(prefill_ms=120.0, wan_kv_bytes=5000, local_kv_bytes=7000, handoff_chunks=2)
+    f.finish_reason, f.error, f.finished = reason, error, reason is not None
+    return f
 
 
-def test_histogram_buckets_are_cumulative():
-    reg = Registry()
-    h = Histogram("pdd:time_to_first_token_seconds", "TTFT.", [0.1, 0.5, 1], ("pipeline",), registry=reg)
-    for v in (0.05, 0.1, 0.3, 0.7, 5.0):  # 0.1 lands in le=0.1: buckets are inclusive
-        h.labels(pipeline="p-md").observe(v)
-    samples = parse(reg.render())["pdd:time_to_first_token_seconds"]
-    buckets = [(s[1]["le"], s[2]) for s in samples if s[0].endswith("_bucket")]
-    assert buckets == [("0.1", 2), ("0.5", 3), ("1.0", 4), ("+Inf", 5)]
-    assert all(s[1]["pipeline"] == "p-md" for s in samples)
-    sums = {s[0]: s[2] for s in samples if not s[0].endswith("_bucket")}
-    assert sums["pdd:time_to_first_token_seconds_count"] == 5
-    assert sums["pdd:time_to_first_token_seconds_sum"] == pytest.approx(6.15)
+def test_a_request_ending_on_a_stop_string_counts_as_finished_with_stop():
+    m = GatewayMetrics("smol")
+    m.observe(flow("stop", [(0.2, 1, "rld"), (0.3, 1, "rld")]))
+    text = m.render()
+    assert value(text, "pdd:request_success_total", finished_reason="stop") == 1
+    assert value(text, "pdd:requests_total", outcome="finished", status="200") == 1
+    assert value(text, "pdd:requests_total", outcome="aborted", status="200") == 0
 
 
-def test_unlabelled_histogram_and_label_order():
-    reg = Registry()
-    h = Histogram("pdd:tpot_seconds", "TPOT.", [1.0, math.inf], registry=reg)
-    h.observe(2.0)
-    h.observe(float("nan"))  # ignored rather than poisoning the sum
-    text = reg.render()
-    assert 'pdd:tpot_seconds_bucket{le="1.0"} 0\npdd:tpot_seconds_bucket{le="+Inf"} 1\n' in text
-    assert "pdd:tpot_seconds_sum 2.0\npdd:tpot_seconds_count 1\n" in text
-    h2 = Histogram("x", "x", [1], ("a",), registry=reg)
-    h2.labels(a="z").observe(0)
-    assert 'x_bucket{a="z",le="1.0"} 1' in reg.render()
+def test_a_failed_request_is_counted_once_as_an_error():
+    m = GatewayMetrics("smol")
+    m.observe(flow(None, [(0.2, 1, "rld")], error="prefill failed"))
+    text = m.render()
+    assert value(text, "pdd:requests_total", outcome="error", status="500") == 1
+    assert sum(v for (name, _), v in samples(text).items() if name == "pdd:requests_total") == 1
+    assert sum(v for (name, _), v in samples(text).items() if name == "pdd:request_success_total") == 0
 
 
-def test_registry_renders_in_registration_order():
-    reg = Registry()
-    Gauge("b", "b", registry=reg)
-    Counter("a", "a", registry=reg)
-    text = reg.render()
-    assert text.index("# TYPE b gauge") < text.index("# TYPE a counter")
-    assert reg.get("a").kind == "counter"
+def test_tokens_arriving_together_share_their_chunks_gap_never_zero():
+    m = GatewayMetrics("smol")
+    m.observe(flow("length", [(0.2, 1, "rld"), (0.3, 1, "rld"), (0.7, 4, "md")]))  # 4 tokens at once after 0.4 s
+    text = m.render()
+    labels = {"pipeline": "p-rld-md"}
+    assert value(text, "pdd:inter_token_latency_seconds_count", **labels) == 5
+    assert abs(value(text, "pdd:inter_token_latency_seconds_sum", **labels) - (0.1 + 4 * 0.1)) < 1e-9
+    assert value(text, "pdd:inter_token_latency_seconds_bucket", le="0.005", **labels) == 0  # no zero gaps
+    assert abs(value(text, "pdd:time_to_first_token_seconds_sum", **labels) - 0.2) < 1e-9
+    assert value(text, "pdd:generation_tokens_total", role="md") == 4
+    assert value(text, "pdd:handoffs_total", mode="catchup") == 1
+    assert value(text, "pdd:request_kv_transfer_bytes_sum", path="wan") == 5000
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: Counter("bad-name", "x"),
-        lambda: Counter("0abc", "x"),
-        lambda: Counter("ok", "x", ("bad-label",)),
-        lambda: Counter("ok", "x", ("__reserved",)),
-        lambda: Counter("ok", "x", ("a", "a")),
-        lambda: Histogram("ok", "x", [1], ("le",)),
-        lambda: Histogram("ok", "x", [1, 1]),
-        lambda: Histogram("ok", "x", [2, 1]),
-        lambda: Histogram("ok", "x", []),
-    ],
-)
-def test_invalid_definitions_are_refused(make):
-    with pytest.raises(ValueError):
-        make()
+def test_rejections_by_reason():
+    m = GatewayMetrics("smol")
+    m.reject("concurrency_limit")
+    m.reject("concurrency_limit")
+    assert value(m.render(), "pdd:rejected_requests_total", reason="concurrency_limit") == 2
 
 
-def test_misuse_is_refused():
-    reg = Registry()
-    c = Counter("c", "c", ("kind",), registry=reg)
-    with pytest.raises(ValueError):
-        c.inc()  # labelled: needs .labels()
-    with pytest.raises(ValueError):
-        c.labels(other="x")
-    with pytest.raises(ValueError):
-        c.labels(kind="x").inc(-1)
-    with pytest.raises(ValueError):
-        Counter("c", "again", registry=reg)
-
-
-def test_quantile_from_samples():
-    values = [4, 1, 3, 2]
-    assert quantile_from_samples(values, 0) == 1
-    assert quantile_from_samples(values, 1) == 4
-    assert quantile_from_samples(values, 0.5) == 2.5
-    assert quantile_from_samples(values, 0.9) == pytest.approx(3.7)  # numpy.quantile's answer
-    assert quantile_from_samples([7.0], 0.99) == 7.0
-    assert math.isnan(quantile_from_samples([], 0.5))
-    with pytest.raises(ValueError):
-        quantile_from_samples(values, 1.5)
+def test_an_engines_figures_are_read_at_scrape_time():
+    figures = {"running": 3, "waiting": 1, "free_blocks": 50, "cached_blocks": 30, "total_blocks": 100,
+               "prefix_queried": 1000, "prefix_hit": 900}  # fmt: skip
+    m = Metrics("smol", "md-0")
+    m.engine_figures(lambda: figures)
+    text = m.render()
+    assert value(text, "pdd:num_requests_running") == 3 and value(text, "pdd:num_requests_waiting") == 1
+    assert value(text, "pdd:kv_cache_usage_perc") == 0.2  # 20 of 100 blocks held by requests
+    assert value(text, "pdd:prefix_cache_queries_total") == 1000 and value(text, "pdd:prefix_cache_hits_total") == 900
+    figures["running"] = 0
+    assert value(m.render(), "pdd:num_requests_running") == 0

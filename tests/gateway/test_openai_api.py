@@ -103,9 +103,23 @@ def test_nulls_mean_defaults():
     assert req.model == MODEL and req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0
 
 
-def test_unknown_harmless_fields_are_ignored():
-    req = completion({"prompt": "x", "tools": [{"type": "function"}], "presence_penalty": 0.5, "user": "u"})
+def test_fields_that_change_nothing_of_the_output_are_ignored():
+    req = completion({"prompt": "x", "user": "u", "metadata": {"a": "b"}, "tools": [{"type": "function"}],
+                      "tool_choice": "none", "response_format": {"type": "text"}})  # fmt: skip
     assert req.prompt_ids == chars("x")
+
+
+def test_parameters_that_change_the_output_are_parsed_or_refused():
+    s = completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+                    "min_tokens": 3, "stop_token_ids": [7, 9]}).sampling  # fmt: skip
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens, s.stop_token_ids) == (
+        0.5, -1.0, 1.3, 3, [7, 9])  # fmt: skip
+    for body, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"logit_bias": {"1": 2}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
+                        ({"stop_token_ids": ["a"]}, "stop_token_ids")):  # fmt: skip
+        assert error_of(completion, {"prompt": "x", **body}).param == param, body
 
 
 def test_include_usage_only_when_streaming():
