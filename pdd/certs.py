@@ -110,7 +110,7 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
     for dc in cfg.datacenters:
         _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", [*LOCAL_NAMES, *hosts]))
     creds = {"nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf")},
-             "redis": secrets.token_urlsafe(18)}  # fmt: skip
+             "redis": secrets.token_urlsafe(18), "index_key": secrets.token_hex(32)}  # fmt: skip
     path = out / "credentials.json"
     path.write_text(json.dumps(creds, indent=2))
     path.chmod(0o600)

@@ -34,6 +34,7 @@ from shared.handoff import MainSide, RelaySide
 from shared.instance import InstanceService, to_params
 from shared.kv_transport import KVReceiver, Transfer, Verdict
 from shared.messages import Abort, Ack, BadMessage, DecodeTask, RequestStats, TokenChunk, WanSample
+from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import WIRE_DTYPES, KVHeader, KVPayload, import_kv, layer_from_bytes
@@ -174,7 +175,8 @@ class DecoderService(InstanceService):
         else:
             req.stats.local_kv_bytes, req.stats.kv_local_ms = t.wire_bytes, t.elapsed_ms
         task = req.task
-        seq = Sequence(req.id, list(task.prompt_ids) + [first], to_params(task.sampling))
+        seq = Sequence(req.id, list(task.prompt_ids) + [first], to_params(task.sampling),
+                       namespace=namespace_of(self.cfg.model, task.cache_salt))  # fmt: skip
         seq.prompt_len = len(task.prompt_ids)
         seq.shadow = self.side.shadows(task)
         req.parked, req.phase = (seq, KVPayload(header, layers), first), Phase.PARKED
@@ -344,7 +346,7 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
     if hit < start:
         seq.num_computed, seq.imported = hit, (start, n)
     elif engine.cache is not None:  # KV is cached as it lands: the next turn hits at once
-        engine.cache.insert(seq.token_ids[:n], seq.block_table[: n // pool.block_size], engine.namespace)
+        engine.cache.insert(seq.token_ids[:n], seq.block_table[: n // pool.block_size], seq.namespace or engine.namespace)
     engine.count_prefix(seq)
     try:
         engine.add(seq)

@@ -131,6 +131,7 @@ class Submit(Message):
     pipeline: str | None = None  # forced plan (an admin's `pdd` override), else the policy's choice
     handoff: str | None = None
     avoid: list[str] = field(default_factory=list)  # instances this request must not use (they died)
+    cache_salt: str = ""  # the tenant's: its prompts share cached KV only with the same salt
 
 
 @dataclass
@@ -175,6 +176,7 @@ class PrefillTask(Message):
     sampling: Sampling
     targets: list[KVTarget]
     plan: Plan
+    cache_salt: str = ""
 
 
 @dataclass
@@ -188,6 +190,7 @@ class DecodeTask(Message):
     plan: Plan
     kv_start: int = 0
     kv_token: str = ""
+    cache_salt: str = ""
 
 
 @dataclass

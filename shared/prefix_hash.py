@@ -14,21 +14,30 @@ from array import array
 ROOT = ""
 
 
-def next_hash(parent: str, tokens: tuple[int, ...] | list[int], namespace: str = "") -> str:
-    h = hashlib.blake2b(digest_size=12)
+def namespace_of(model: str, cache_salt: str = "") -> str:
+    """The prefix-cache namespace of a request: its model, and its tenant's salt when it has one
+    (tenants never share cached KV unless they share a salt)."""
+    return f"{model}#{cache_salt}" if cache_salt else model
+
+
+def next_hash(parent: str, tokens: tuple[int, ...] | list[int], namespace: str = "", key: bytes = b"") -> str:
+    """Keyed with the cluster's index key (shared/security.py), a hash published to the registry
+    cannot be computed from a guessed prompt, so the index cannot be probed for one."""
+    h = hashlib.blake2b(digest_size=12, key=key)
     h.update(parent.encode() if parent else b"\0" + namespace.encode())
     h.update(array("q", tokens).tobytes())
     return h.hexdigest()
 
 
-def block_hashes(tokens: list[int], block_size: int, namespace: str = "", limit: int | None = None) -> list[str]:
+def block_hashes(tokens: list[int], block_size: int, namespace: str = "", limit: int | None = None,
+                 key: bytes = b"") -> list[str]:  # fmt: skip
     """Hashes of the full blocks of `tokens` (at most `limit` of them)."""
     n = len(tokens) // block_size
     if limit is not None:
         n = min(n, limit)
     out, parent = [], ROOT
     for i in range(n):
-        parent = next_hash(parent, tokens[i * block_size : (i + 1) * block_size], namespace)
+        parent = next_hash(parent, tokens[i * block_size : (i + 1) * block_size], namespace, key)
         out.append(parent)
     return out
 

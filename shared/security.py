@@ -53,6 +53,11 @@ class Secrets:
     def redis_password(self) -> str:
         return self._credentials["redis"]
 
+    @property
+    def index_key(self) -> bytes:
+        """Keys the prefix index's block hashes (shared/prefix_hash.py)."""
+        return bytes.fromhex(self._credentials.get("index_key", ""))
+
     def cert(self, kind: str, name: str) -> tuple[Path, Path]:
         """(certificate, key) of an instance (`kv`) or a site's NATS server (`nats`)."""
         base = self.directory / kind / name

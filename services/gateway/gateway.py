@@ -87,6 +87,10 @@ class Gateway:
         _log_request(flow)
         await flow.close()
 
+    def cache_salt(self, key: Key) -> str:
+        """The tenant's prefix-cache salt: its own unless the keys file gives several keys one."""
+        return "" if self.keys.open else key.cache_salt or key.name
+
     def pdd_view(self, flow: RequestFlow, pdd: dict) -> dict | None:
         return pdd_for(flow.key, pdd, self.cfg.gateway.pdd_object)
 

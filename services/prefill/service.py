@@ -29,6 +29,7 @@ from shared.instance import InstanceService, service_main, to_params
 from shared.kv_transport import KVPush, KVTransferError, send_kv
 from shared.messages import Abort, Ack, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
 from shared.pipelines import hands_off
+from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import Engine, TokenOutput
 from shared.runtime.kv_payload import KVPayload, export_kv, layer_to_bytes
@@ -81,7 +82,8 @@ class Prefiller(InstanceService):
             return full
         self.seen.add(rid)
         self.requests[rid] = PrefillState(task, time.monotonic())
-        seq = Sequence(rid, list(task.prompt_ids), to_params(task.sampling), hold_kv=True, max_new=1)
+        seq = Sequence(rid, list(task.prompt_ids), to_params(task.sampling), hold_kv=True, max_new=1,
+                       namespace=namespace_of(self.cfg.model, task.cache_salt))  # fmt: skip
         await self.worker.call(lambda e: e.add(seq))
         return Ack(rid)
 

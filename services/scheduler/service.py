@@ -34,7 +34,7 @@ from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
 from shared.messages import Abort, Ack, ClusterStatus, DecodeTask, Inspect, InstanceInfo, KVTarget, Plan, PrefillTask, Submit, WanSample
 from shared.model_info import model_name
-from shared.prefix_hash import block_hashes
+from shared.prefix_hash import block_hashes, namespace_of
 from shared.registry import Registry, connect
 from shared.security import Secrets
 from shared.telemetry import Metrics
@@ -74,6 +74,8 @@ class Scheduler:
         self.wan_estimate = self.metrics.gauge("pdd:wan_bandwidth_estimate_mbps", "The scheduler's WAN estimate")
         self.planned = self.metrics.counter("pdd:plans", "Plans made, by pipeline and reason", ("pipeline", "reason"))
         self.plan_counts: Counter[str] = Counter()
+        secrets = Secrets.of(cfg)
+        self.index_key = secrets.index_key if secrets else b""  # the instances key their block hashes alike
         self.refused = self.metrics.counter("pdd:plan_failures", "Requests not planned, by HTTP status", ("status",))
 
     async def run(self) -> None:
@@ -152,7 +154,7 @@ class Scheduler:
 
     async def _plan_and_dispatch(self, sub: Submit) -> Plan:
         alive = {i.id: i for i in await self.registry.alive() if self._answering(i)}
-        hits = await self._prefix_hits(list(alive), sub.prompt_ids)
+        hits = await self._prefix_hits(list(alive), sub.prompt_ids, sub.cache_salt)
         views = [instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
                           frozenset(sub.avoid))  # fmt: skip
@@ -174,7 +176,7 @@ class Scheduler:
         try:
             if failed := [e for e in acks if isinstance(e, BaseException)]:
                 raise failed[0]
-            task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan)
+            task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan, sub.cache_salt)
             await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
         except Unreachable:  # planned again: the decoders that took it let go (not an abort, which sticks)
             for inst in decoders:
@@ -184,13 +186,13 @@ class Scheduler:
 
     async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:
         task = DecodeTask(sub.request_id, sub.prompt_ids, sub.sampling, plan, kv_start=target.start,
-                          kv_token=target.token)  # fmt: skip
+                          kv_token=target.token, cache_salt=sub.cache_salt)  # fmt: skip
         await self._expect_ack(subjects.decode_task(inst.id), task, inst.id)
 
-    async def _prefix_hits(self, instance_ids: list[str], prompt_ids: list[int]) -> dict[str, int]:
+    async def _prefix_hits(self, instance_ids: list[str], prompt_ids: list[int], salt: str) -> dict[str, int]:
         """Prefix tokens each instance holds, from the Redis index alone (one round trip)."""
         bs = self.cfg.block_size
-        hashes = block_hashes(prompt_ids, bs, self.cfg.model)
+        hashes = block_hashes(prompt_ids, bs, namespace_of(self.cfg.model, salt), key=self.index_key)
         try:
             blocks = await self.registry.prefix_blocks(instance_ids, hashes)
         except Exception as e:  # no index: plan as if nothing were cached (correct, just slower)

@@ -10,6 +10,7 @@ from shared.runtime.models import kv_layout, load_model, load_tokenizer, parse_d
 from shared.runtime.provision import provision_default_model
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
+from shared.security import Secrets
 
 
 def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
@@ -28,6 +29,11 @@ def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
         max_running=inst.max_running,
         eos_token_ids=eos_ids,
         decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        cache=RadixCache(pool.allocator, pool.block_size) if inst.prefix_cache else None,
+        cache=RadixCache(pool.allocator, pool.block_size, _index_key(cfg)) if inst.prefix_cache else None,
         namespace=cfg.model,  # the scheduler hashes prompts in the same namespace
     )
+
+
+def _index_key(cfg: ClusterConfig) -> bytes:
+    secrets = Secrets.of(cfg)
+    return secrets.index_key if secrets else b""

@@ -83,6 +83,7 @@ class Engine:
         if seq.seq_id in self.running or any(s.seq_id == seq.seq_id for s in self.waiting):
             raise ValueError(f"sequence {seq.seq_id} is already in the engine")
         seq.status = SeqStatus.WAITING
+        seq.namespace = seq.namespace or self.namespace
         self.waiting.append(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -118,7 +119,7 @@ class Engine:
         """Reuse the cached prefix of a fresh sequence, at most `max_tokens` of it."""
         if self.cache is None or seq.block_table or seq.num_computed:
             return
-        blocks = self.cache.match(seq.token_ids, self.namespace, max_tokens // self.pool.block_size)
+        blocks = self.cache.match(seq.token_ids, seq.namespace or self.namespace, max_tokens // self.pool.block_size)
         seq.block_table = blocks
         seq.num_computed = seq.cached_tokens = len(blocks) * self.pool.block_size
 
@@ -249,7 +250,7 @@ class Engine:
             return
         if self.cache is not None and seq.imported is None:
             full = seq.num_computed // self.pool.block_size
-            self.cache.insert(seq.token_ids[: seq.num_computed], seq.block_table[:full], self.namespace)
+            self.cache.insert(seq.token_ids[: seq.num_computed], seq.block_table[:full], seq.namespace or self.namespace)
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
 

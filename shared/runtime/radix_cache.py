@@ -30,7 +30,8 @@ class _Node:
 
 
 class RadixCache:
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, hash_key: bytes = b"") -> None:
+        self.hash_key = hash_key  # the cluster's index key: the hashes it publishes are keyed
         self.allocator = allocator
         self.block_size = block_size
         self._roots: dict[str, _Node] = {}
@@ -68,7 +69,7 @@ class RadixCache:
         for key, block in zip(self._blocks_of(tokens, None), blocks):
             child = node.children.get(key)
             if child is None:
-                child = _Node(key, block, next_hash(node.hash, key, namespace), node)
+                child = _Node(key, block, next_hash(node.hash, key, namespace, self.hash_key), node)
                 node.children[key] = child
                 self.allocator.incref([block])
                 self.num_blocks += 1
