@@ -32,6 +32,26 @@ FLEET = [
     {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
     {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
 ]
+KEYS = {"calm": "calm-key", "flooder": "flood-key", "tenant-a": "admin-a", "tenant-b": "admin-b"}
+
+
+def _keys_file() -> str:
+    """The keyed cluster's keys (hashed, as an operator writes them): two user keys, one of them
+    limited to 2 requests at once, and two admin keys, each its own tenant."""
+    import hashlib
+    import tempfile
+
+    import yaml
+
+    entries = [{"name": n, "sha256": hashlib.sha256(k.encode()).hexdigest(),
+                "scope": "admin" if n.startswith("tenant") else "user", **({"max_concurrent": 2} if n == "flooder" else {})}
+               for n, k in KEYS.items()]  # fmt: skip
+    path = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False).name
+    with open(path, "w") as f:
+        yaml.safe_dump(entries, f)
+    return path
+
+
 CLUSTERS = {
     # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
     "cluster": {"port": 0, "handoff": {"chunk_tokens": 12, "final_tokens": 3}, "max_queue": 12,
@@ -39,6 +59,10 @@ CLUSTERS = {
     # two prefill and two main-decode instances (small md pools, so eviction happens; at most
     # 12 requests each, so a burst finds the stage full)
     "fleet": {"port": 0, "instances": FLEET, "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}},
+    # API keys on (services/gateway/auth.py): the front door's tests
+    "keyed": {"port": 0, "gateway": {"keys_file": "<made at launch>"}, "max_queue": 128,
+              "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
+                            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 8192}]},
 }  # fmt: skip
 _launched: dict[str, Cluster] = {}
 
@@ -46,7 +70,10 @@ _launched: dict[str, Cluster] = {}
 def prelaunch(names: set[str]) -> None:
     """Start these clusters' processes now (from the main thread), without waiting for them."""
     for name in sorted(names - set(_launched)):
-        _launched[name] = Cluster(log=lambda m: None, **CLUSTERS[name]).launch()
+        settings = CLUSTERS[name]
+        if "gateway" in settings:
+            settings = {**settings, "gateway": {"keys_file": _keys_file()}}
+        _launched[name] = Cluster(log=lambda m: None, **settings).launch()
 
 
 def _ready(name: str):
@@ -68,6 +95,11 @@ def cluster():
 @pytest.fixture(scope="session")
 def fleet():
     yield from _ready("fleet")
+
+
+@pytest.fixture(scope="session")
+def keyed():
+    yield from _ready("keyed")
 
 
 @pytest.fixture(scope="session")
@@ -106,13 +138,13 @@ def model_id(cluster) -> str:
     return httpx.get(cluster.url + "/v1/models").json()["data"][0]["id"]
 
 
-def stream_completion(url: str, body: dict, timeout: float = 120, events: list[dict] | None = None
-                      ) -> tuple[str, dict, list[dict]]:  # fmt: skip
+def stream_completion(url: str, body: dict, timeout: float = 120, events: list[dict] | None = None,
+                      headers: dict | None = None) -> tuple[str, dict, list[dict]]:  # fmt: skip
     """POST a streamed completion; return (text, final chunk's pdd object, all events). The
     stream must end as a complete one does: a last chunk with finish_reason and the pdd object,
     then `[DONE]`. `events`, when given, fills as chunks arrive (another thread may watch it)."""
     events, text, done = [] if events is None else events, "", False
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=timeout) as r:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=timeout, headers=headers) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: "):

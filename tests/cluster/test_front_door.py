@@ -1,0 +1,96 @@
+"""The front door with API keys on, against a live cluster (tests/cluster/conftest.py `keyed`):
+who may call, what they may force and see, per-key limits that spare other keys, and tenants
+that do not share cached KV."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import statistics
+import time
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import KEYS, fresh_prompt, stream_completion
+
+pytestmark = pytest.mark.slow
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+def post(url: str, body: dict, key: str | None = None) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, headers=auth(key) if key else {}, timeout=120)
+
+
+def test_keys_scopes_and_what_each_key_sees(keyed):
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    r = post(keyed.url, body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert post(keyed.url, body, "calm").status_code == 200
+    assert httpx.get(keyed.url + "/health").status_code == 200  # stays open
+    assert httpx.get(keyed.url + "/metrics").status_code == 401
+    assert httpx.get(keyed.url + "/metrics", headers=auth("tenant-a")).status_code == 200
+    forced = {**body, "pdd": {"pipeline": "p-md"}}
+    denied = post(keyed.url, forced, "calm")
+    assert denied.status_code == 403 and denied.json()["error"]["param"] == "pdd"
+    admin = post(keyed.url, forced, "tenant-a")
+    assert admin.status_code == 200 and admin.json()["pdd"]["instances"]["md"] == "md-0"
+    user_view = post(keyed.url, body, "calm").json()["pdd"]
+    assert "instances" not in user_view and "prefix_hit_tokens" not in user_view and "plan_estimates" not in user_view
+    assert user_view["timings_ms"]["ttft"] > 0  # but the user's own timings are there
+    for bad in ('{"prompt": "x", "max_tokens": 1' + "0" * 5000 + "}", '{"prompt": [' + "9" * 5000 + "]}"):
+        r = httpx.post(keyed.url + "/v1/completions", content=bad, headers=auth("calm"), timeout=30)
+        assert r.status_code == 400 and "127.0.0.1" not in r.text, r.text
+
+
+def _ttft_ms(url: str, key: str, i: int) -> float:
+    body = {"prompt": fresh_prompt(16, f"calm{i}"), "max_tokens": 4, "temperature": 0}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=auth(key),
+                      timeout=120) as r:  # fmt: skip
+        assert r.status_code == 200
+        t0 = time.perf_counter()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return (time.perf_counter() - t0) * 1000
+    raise AssertionError("no token")
+
+
+def test_one_key_flooding_gets_429_while_another_key_is_served(keyed):
+    quiet = [_ttft_ms(keyed.url, "calm", i) for i in range(5)]
+    flood_body = {"prompt": fresh_prompt(16, "flood"), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+                  "stream": True}  # the two admitted stay in flight while the rest arrive
+
+    def flood(_: int) -> tuple[int, str | None]:
+        r = httpx.post(keyed.url + "/v1/completions", json=flood_body, headers=auth("flooder"), timeout=120)
+        return r.status_code, r.headers.get("retry-after")
+
+    with concurrent.futures.ThreadPoolExecutor(100) as pool:
+        flooding = [pool.submit(flood, i) for i in range(100)]
+        during = [_ttft_ms(keyed.url, "calm", 100 + i) for i in range(5)]
+        results = [f.result() for f in flooding]
+    limited = [r for r in results if r[0] == 429]
+    print(f"\nflood of 100 streams on a key limited to 2: {len(limited)} told 429; the other key's TTFT P50 "
+          f"{statistics.median(quiet):.0f} ms quiet, {statistics.median(during):.0f} ms during the flood")
+    assert len(limited) >= 98 and all(r[1] for r in limited)  # Retry-After on each
+    assert all(code in (200, 429) for code, _ in results)
+
+
+def test_tenants_do_not_share_cached_kv(keyed):
+    prompt = fresh_prompt(120, "tenant")  # several KV blocks, never seen before
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = post(keyed.url, body, "tenant-a").json()["pdd"]
+    again = post(keyed.url, body, "tenant-a").json()["pdd"]
+    other = post(keyed.url, body, "tenant-b").json()["pdd"]
+    assert first["prefix_hit_tokens"] == {"prefill": 0, "md": 0}
+    assert again["prefix_hit_tokens"]["prefill"] > 0  # the same tenant hits its own prefix
+    assert other["prefix_hit_tokens"] == {"prefill": 0, "md": 0}, json.dumps(other)
+
+
+def test_the_streams_of_an_admitted_key_finish_exactly(keyed, reference, smol_tokenizer):
+    prompt = "Water boils at"
+    text, pdd, _ = stream_completion(keyed.url + "/v1/completions",
+                                     {"prompt": prompt, "max_tokens": 8, "temperature": 0}, headers=auth("calm"))  # fmt: skip
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 8) and "instances" not in pdd
