@@ -22,14 +22,16 @@ Then it prints the checks the project must meet (benchmarks/runtime_report.py):
 
 Shared CPU machines stall for seconds at a time, so the cases of each phase run round-robin
 (runtime b=1, b=4, ..., transformers b=1, then again): a stall slows every case of a round alike,
-and each check is the median over rounds of the per-round ratio, printed with its min..max. Every
-figure is printed as median [min..max]; a case whose samples spread more than 1.5x is listed
-under the table; rerun when that happens. `--profile` adds where a decode step's time goes at
+and each check is the median over rounds of the per-round ratio, printed with its min..max (rounds
+where one side stalled are left out; see runtime_report.py). Each timed round first waits, up to
+`--quiet-wait` seconds (default 30), until no other process keeps the CPUs busy. Every figure is
+printed as median [min..max]; a case whose samples spread more than 1.5x is listed under the
+table; rerun when that happens. `--profile` adds where a decode step's time goes at
 batch 1, 8 and 16 (torch.profiler, by category).
 
 Run it with `make bench-runtime`, or
     .venv/bin/python benchmarks/runtime_bench.py [--quick] [--threads N] [--model PATH]
-        [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--profile]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--json FILE] [--profile] [--quiet-wait S]
 The table goes to stdout, progress to stderr. Times use `time.perf_counter` (with
 `torch.cuda.synchronize` around each timed call on CUDA) and are medians of repeats.
 """
@@ -42,7 +44,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -89,10 +91,11 @@ class Plan:
     warmup: int = 2  # untimed rounds before the timed ones (prefill: always 1)
     decode_steps: int = 20  # timed decode rounds
     repeats: int = 5  # timed prefill / extend rounds
+    quiet_wait_s: float = 30.0  # a timed round waits up to this long for other processes to go quiet
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(warmup=1, decode_steps=4, repeats=1)
+        return cls(warmup=1, decode_steps=4, repeats=1, quiet_wait_s=0.0)
 
     def decode_capacity(self) -> int:
         """Tokens a decode sequence may reach: sequence 0 steps once per batch size per round."""
@@ -125,7 +128,7 @@ class Bench:
         return self.hf.config.vocab_size
 
     def measure(self, cases: dict[str, Case], warmup: int, repeats: int) -> dict[str, float]:
-        times = interleaved(self.clock, cases, warmup, repeats)
+        times = interleaved(self.clock, cases, warmup, repeats, self.plan.quiet_wait_s)
         self.samples.update(times)
         medians = {name: statistics.median(ts) for name, ts in times.items()}
         for name, ms in medians.items():
@@ -246,6 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--profile", action="store_true", help="also profile decode steps at batch 1, 8, 16")
+    p.add_argument("--quiet-wait", type=float, default=None, metavar="S", help="max wait for quiet per round (0: off)")
     return p.parse_args(argv)
 
 
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = provision_default_model(log=log)
     device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
     plan = Plan.quick() if args.quick else Plan()
+    if args.quiet_wait is not None:
+        plan = replace(plan, quiet_wait_s=args.quiet_wait)
     meta = metadata(args, device, plan)
     bench = build(args.model, dtype, device, plan)
     figures = run_all(bench)

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -55,10 +56,41 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def interleaved(clock: Clock, cases: dict[str, Case], warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Run the cases round-robin, `warmup` untimed rounds then `repeats` timed ones; ms per case."""
+def machine_busy(window_s: float = 0.25) -> float:
+    """Share of the CPUs busy over a short window while this process sleeps (Linux; 0 elsewhere):
+    anything above a few percent is someone else's work."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]
+        return sum(fields) - idle, sum(fields)
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(window_s)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def wait_quiet(max_wait_s: float, threshold: float = 0.15) -> float:
+    """Sleep until the machine is quiet (see `machine_busy`) or `max_wait_s` passed; seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait_s and machine_busy() > threshold:
+        time.sleep(0.5)
+    return time.perf_counter() - t0
+
+
+def interleaved(
+    clock: Clock, cases: dict[str, Case], warmup: int, repeats: int, quiet_wait_s: float = 0.0
+) -> dict[str, list[float]]:
+    """Run the cases round-robin, `warmup` untimed rounds then `repeats` timed ones; ms per case.
+    With `quiet_wait_s`, each timed round starts only once the machine is quiet (or that long passed)."""
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(warmup + repeats):
+        if i >= warmup and quiet_wait_s:
+            wait_quiet(quiet_wait_s)
         for name, case in cases.items():
             case.reset()
             ms = clock.ms(case.run)

@@ -3,8 +3,9 @@
 Every ratio a check uses is *paired*: the cases of a phase run round-robin (runtime b=1, b=8, ...,
 transformers, then again), so round i gives one sample of each, and the check's figure is the
 median over rounds of the per-round ratio. A stall of the shared machine then slows both sides
-of a ratio in the same round instead of one figure; the spread printed beside each ratio (min..max
-over rounds) says how much that helped.
+of a ratio in the same round instead of one figure. Rounds in which either side took more than
+1.5x its fastest round are left out of the check (when at least three rounds remain); the check
+prints how many rounds it used and the min..max of their ratios.
 """
 
 from __future__ import annotations
@@ -38,18 +39,30 @@ def paired(samples: dict[str, list[float]], num: str, den: str) -> list[float]:
     return [a / b for a, b in zip(samples[num], samples[den])]
 
 
+def clean_rounds(samples: dict[str, list[float]], names: tuple[str, ...]) -> list[int]:
+    """Rounds in which each named case took at most NOISY_SPREAD x its fastest round: a stall of the
+    shared machine that hit one side of a ratio makes that round's ratio meaningless."""
+    n = len(samples[names[0]])
+    return [i for i in range(n) if all(samples[c][i] <= NOISY_SPREAD * min(samples[c]) for c in names)]
+
+
 def checks(samples: dict[str, list[float]]) -> dict:
     out = {}
     for c in CHECKS:
         if c.num not in samples or c.den not in samples:
             continue
         ratios = paired(samples, c.num, c.den)
+        clean = clean_rounds(samples, (c.num, c.den))
+        if len(clean) >= 3:
+            ratios = [ratios[i] for i in clean]
         ratio = statistics.median(ratios)
         passed = ratio >= c.limit if c.at_least else ratio <= c.limit
         out[c.label.strip()] = {
             "ratio": ratio,
             "min": min(ratios),
             "max": max(ratios),
+            "rounds": len(ratios),
+            "of_rounds": len(samples[c.num]),
             "limit": c.limit,
             "at_least": c.at_least,
             "passed": passed,
@@ -127,9 +140,8 @@ def format_checks(result: dict) -> list[str]:
             continue
         verdict = "PASS" if r["passed"] else "FAIL"
         bound = ">=" if r["at_least"] else "<="
-        lines.append(
-            f"check {c.label} = {r['ratio']:.2f}x [{r['min']:.2f}..{r['max']:.2f}]  ({bound} {r['limit']}x)  {verdict}"
-        )
+        spread_ = f"[{r['min']:.2f}..{r['max']:.2f}] over {r['rounds']}/{r['of_rounds']} rounds"
+        lines.append(f"check {c.label} = {r['ratio']:.2f}x {spread_}  ({bound} {r['limit']}x)  {verdict}")
     return lines
 
 
