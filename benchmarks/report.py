@@ -5,7 +5,9 @@
 2. `requests.jsonl` — one request record per line, exactly as recorded;
 3. `report.md`      — tables with the modes side by side, ratios against the baselines
    (`pd-wan`, `pd-local`) and the project's targets, each marked PASS or MISS (never asserted);
-4. `ttft_cdf.png`, `timeline.png`, `hit_buckets.png` (`benchmarks.plots`).
+4. `ttft_cdf.png`, `timeline.png`, `hit_buckets.png` (`benchmarks.plots`);
+5. `waterfall_slowest.png`, `waterfall_median.png`: one request each, drawn as the gateway's
+   dashboard draws it (`benchmarks.waterfall`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from benchmarks.modes import LOCAL_MODE
 from benchmarks.plots import plot_hit_buckets, plot_timeline, plot_ttft_cdf
 from benchmarks.summary import LATENCY_FIELDS, Record, by_mode, hit_buckets
+from benchmarks.waterfall import plot_waterfalls
 
 PDD_MODE = "pdd"
 WAN_MODE = "pd-wan"
@@ -220,6 +223,7 @@ def write_report(out_dir: Path, results: dict[str, Any], records: list[Record]) 
     report_path = out_dir / "report.md"
     report_path.write_text(render_markdown(results, buckets))
     shown = PDD_MODE if PDD_MODE in grouped else next(iter(grouped), "")
+    plot_waterfalls(out_dir, grouped.get(shown, []), shown)  # written beside the rest; not in the list callers check
     return [
         results_path,
         requests_path,

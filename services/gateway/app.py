@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from services.gateway import responses
+from services.gateway import dashboard, responses
 from services.gateway.auth import Key
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gateway import Gateway
@@ -81,6 +81,8 @@ def create_app(gw: Gateway) -> FastAPI:
         if gw.cfg.gateway.metrics_need_key:
             gw.keys.authenticate(request.headers.get("authorization"))
         return PlainTextResponse(gw.metrics.render(), media_type=CONTENT_TYPE)
+
+    dashboard.mount(app, gw)  # /dashboard: the live page of both sites and each request's waterfall
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from services.gateway.auth import OPEN, Key, KeyRing
 from services.gateway.flow import RequestFlow
@@ -35,6 +36,7 @@ class Gateway:
         self.registry: Registry | None = None
         self.metrics = GatewayMetrics(self.served_model)
         self.inflight: dict[str, RequestFlow] = {}
+        self.recent: deque[RequestFlow] = deque(maxlen=100)  # finished requests, oldest first: the dashboard's list
         self.keys = KeyRing.from_settings(cfg.gateway.keys_file)
         self.started = int(time.time())
         if self.keys.open:
@@ -85,6 +87,7 @@ class Gateway:
         self.metrics.running.set(len(self.inflight))
         self.metrics.observe(flow)
         _log_request(flow)
+        self.recent.append(flow)
         await flow.close()
 
     def cache_salt(self, key: Key) -> str:

@@ -1,0 +1,229 @@
+"""The live dashboard: both datacenters, the line between them, and each request's waterfall.
+
+Routes, mounted on the gateway's app by `mount`:
+- `GET /dashboard`: the page (static HTML; its CSS and JS under `/dashboard/static/`, shipped in
+  the package: no build step and nothing fetched from elsewhere, so it works in a closed site).
+- `GET /dashboard/api/state`: the fleet (`shared.status.status_view`) and the recent requests.
+- `GET /dashboard/api/requests/{id}`: one request's waterfall.
+
+The page polls `api/state` about once a second. Polling rather than server-sent events: a
+response that never ends would hold the gateway's graceful shutdown open for as long as a page
+is open somewhere, and a poll costs one small request.
+
+Access: with API keys on and `gateway.metrics_need_key` (the default), like `/metrics`, the page
+and its data need a key: `Authorization: Bearer K`, or `?key=K` on the page's address (a browser
+cannot send a header when it opens a page). The page's answer stores the key in an HttpOnly,
+SameSite=Strict cookie scoped to `/dashboard`, which the page's own polls then carry; the page
+drops `?key=` from its address bar. A user key sees its own requests only, an admin key all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse
+
+from services.gateway.auth import OPEN, Key
+from services.gateway.openai_api import APIError
+from services.gateway.pdd_object import build_pdd
+from shared import subjects
+from shared.messages import ClusterStatus, Inspect, LineState, WanControl, WanState
+from shared.status import status_view
+
+STATIC = Path(__file__).parent / "static"
+COOKIE = "pdd_dashboard_key"
+# no other origin, ever: the browser itself refuses anything the static files might try
+CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+ROWS = ("queue", "prefill", "kv_local", "kv_wan", "relay", "handoff", "extend", "main", "end")
+
+
+def layout(t: dict[str, float], marks: list[tuple[float, str]], handoff_chunks: int, gap_ms: float,
+           end_ms: float) -> dict[str, Any]:  # fmt: skip
+    """One request on one time axis, in ms since it arrived, from the `pdd` object's durations
+    (`t` = timings_ms) and the tokens' arrival marks. The stages report durations, not start
+    times, so they are placed: queue from 0, prefill after the queue, both KV transfers when
+    prefill ends (prefill pushes to both decoders at once). Handoff chunks' own times are not
+    recorded: they are spread evenly from main-decode's KV landing to its first token, and the
+    extend (all chunks' worth) is drawn ending at that first token. The handoff gap is the
+    user-visible stall before the first main-decode token."""
+    queue, prefill = float(t.get("queue", 0.0)), float(t.get("prefill", 0.0))
+    kv_at = queue + prefill
+    bars = [_bar("queue", 0.0, queue), _bar("prefill", queue, prefill), _bar("kv_local", kv_at, t.get("kv_local")),
+            _bar("kv_wan", kv_at, t.get("kv_wan"))]  # fmt: skip
+    relay = [ms for ms, role in marks if role == "rld"]
+    main = [ms for ms, role in marks if role == "md"]
+    chunks, gap = [], None
+    if main and relay:  # handed over: chunks, extend and the gap sit before main-decode's first token
+        first = main[0]
+        landed = min(kv_at + float(t.get("kv_wan", 0.0)), first)
+        chunks = [landed + (first - landed) * (i + 1) / (handoff_chunks + 1) for i in range(handoff_chunks)]
+        extend = float(t.get("extend", 0.0))
+        bars.append(_bar("extend", first - extend, extend))
+        if gap_ms > 0:
+            gap = {"start_ms": first - gap_ms, "dur_ms": gap_ms}
+    return {"rows": list(ROWS), "bars": bars, "ticks": {"relay": relay, "main": main, "handoff": chunks},
+            "gap": gap, "ttft_ms": float(t.get("ttft", 0.0)), "end_ms": end_ms}  # fmt: skip
+
+
+def _bar(row: str, start_ms: float, dur_ms: float | None) -> dict[str, Any]:
+    return {"row": row, "start_ms": start_ms, "dur_ms": float(dur_ms or 0.0)}
+
+
+def request_row(flow, running: bool, now: float | None = None) -> dict[str, Any]:
+    """One line of the requests table."""
+    s, plan, d = flow.stats, flow.plan, flow.stats.decoder_stats
+    return {"id": flow.request_id, "created": flow.created, "pipeline": plan.pipeline if plan else "",
+            "handoff": plan.handoff if plan else "", "outcome": "running" if running else flow.outcome,
+            "ttft_ms": (s.first_token_at - s.arrived) * 1000 if s.first_token_at else None,
+            "e2e_ms": _end_ms(flow, running, now), "tokens_by_role": dict(s.tokens_by_role),
+            "wan_kv_bytes": d.wan_kv_bytes, "local_kv_bytes": d.local_kv_bytes, "handoff_chunks": d.handoff_chunks,
+            "handoff_gap_ms": s.handoff_gap_s * 1000, "migrations": s.migrations}  # fmt: skip
+
+
+def _end_ms(flow, running: bool, now: float | None) -> float:
+    """A running request's age; a finished one's last token (its last sign of life if none came)."""
+    s = flow.stats
+    end = (now or time.perf_counter()) if running else (s.last_token_at or s.last_progress)
+    return (end - s.arrived) * 1000
+
+
+def waterfall(flow, running: bool, now: float | None = None) -> dict[str, Any]:
+    """A request's row, its timings exactly as its `pdd` object reports them, and their layout."""
+    s, d = flow.stats, flow.stats.decoder_stats
+    timings = build_pdd(flow.request_id, flow.plan, s)["timings_ms"]
+    timings["e2e"] = _end_ms(flow, running, now)  # the pdd object's e2e is taken at its last chunk
+    marks = [(at * 1000, role) for at, role in s.token_marks]
+    plan = flow.plan
+    instances = {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md} if plan else {}
+    return {"request": request_row(flow, running, now), "timings_ms": timings, "instances": instances,
+            **layout(timings, marks, d.handoff_chunks, s.handoff_gap_s * 1000, timings["e2e"])}  # fmt: skip
+
+
+def line_rates(lines: dict[str, LineState], prev: tuple[float, dict[str, int]] | None,
+               now: float) -> dict[str, dict]:  # fmt: skip
+    """Each direction's state and its bytes/s since the previous poll (None on the first, or
+    when the counter went back: the line restarted)."""
+    out = {}
+    for direction, ls in lines.items():
+        before = prev[1].get(direction) if prev is not None else None
+        rate = None
+        if before is not None and now > prev[0] and ls.bytes >= before:
+            rate = (ls.bytes - before) / (now - prev[0])
+        out[direction] = {**dataclasses.asdict(ls), "bytes_per_s": rate}
+    return out
+
+
+class FleetSampler:
+    """The scheduler's registry view and the line's counters, sampled at most every
+    `min_interval_s` however many pages poll; the line's rate comes from successive samples
+    (`pdd status` sleeps between two, a page must not)."""
+
+    def __init__(self, gw, min_interval_s: float = 0.5) -> None:
+        self.gw, self.min_interval_s = gw, min_interval_s
+        self._cached: tuple[float, dict] | None = None
+        self._prev_line: tuple[float, dict[str, int]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def view(self) -> dict[str, Any]:
+        async with self._lock:
+            now = time.monotonic()
+            if self._cached is None or now - self._cached[0] >= self.min_interval_s:
+                self._cached = (now, await self._sample(now))
+            return self._cached[1]
+
+    async def _sample(self, now: float) -> dict[str, Any]:
+        cfg, bus = self.gw.cfg, self.gw.bus
+        try:
+            status = await bus.request(subjects.STATUS, Inspect(), ClusterStatus, 2.0)
+        except Exception as e:  # no answer, or NATS reconnecting: the page says why instead of failing its poll
+            return {"error": f"the scheduler did not answer: {e}"}
+        lines, error = None, ""
+        if cfg.wan.enabled:  # the emulated line (pdd up); a real deployment has no counters to show
+            try:
+                state = await bus.request(subjects.wan_control(cfg.wan.name), WanControl(), WanState, 2.0)
+                lines = line_rates(state.lines, self._prev_line, now)
+                self._prev_line = (now, {d: ls.bytes for d, ls in state.lines.items()})
+            except Exception as e:
+                error = f"the line emulator did not answer: {e}"
+        return {**status_view(cfg, status, lines), "error": error}
+
+
+def recent_requests(gw, key: Key, limit: int = 50) -> list[dict[str, Any]]:
+    """Requests in flight, then finished ones, newest first; a user key sees only its own."""
+    now = time.perf_counter()
+    running = sorted((f for f in gw.inflight.values() if _may_see(key, f)), key=lambda f: -f.stats.arrived)
+    done = [f for f in reversed(gw.recent) if _may_see(key, f)]  # gw.recent is oldest first
+    shown = [(f, True) for f in running] + [(f, False) for f in done]
+    return [request_row(f, live, now) for f, live in shown[:limit]]
+
+
+def find_flow(gw, request_id: str):
+    """(flow, running) for an id in flight or recently finished; (None, False) otherwise."""
+    if request_id in gw.inflight:
+        return gw.inflight[request_id], True
+    return next((f for f in reversed(gw.recent) if f.request_id == request_id), None), False
+
+
+def _may_see(key: Key, flow) -> bool:
+    return key.admin or flow.key.sha256 == key.sha256
+
+
+def authorize(gw, request: Request) -> tuple[Key, str]:
+    """The key that may see the dashboard (401 like `/metrics` when none), and the key as
+    presented by query or cookie ("" when it came in a header or none was needed)."""
+    if gw.keys.open or not gw.cfg.gateway.metrics_need_key:
+        return OPEN, ""
+    header = request.headers.get("authorization")
+    if header:
+        return gw.keys.authenticate(header), ""
+    given = request.query_params.get("key") or request.cookies.get(COOKIE) or ""
+    try:
+        return gw.keys.authenticate(f"Bearer {given}" if given else None), given
+    except APIError:  # a browser cannot send the header the usual message asks for
+        raise _not_an_api_request(401, "Incorrect or missing API key: open /dashboard?key=<key>, or send "
+                                  "`Authorization: Bearer <key>`", "invalid_api_key") from None  # fmt: skip
+
+
+def _not_an_api_request(status: int, message: str, code: str | None = None) -> APIError:
+    """An error for the page; `counted` keeps the dashboard's polls out of the API's request metrics."""
+    return APIError(status, message, type="not_found_error" if status == 404 else "invalid_request_error",
+                    code=code, counted=True)  # fmt: skip
+
+
+def mount(app: FastAPI, gw) -> None:
+    sampler = FleetSampler(gw)
+    assets = {p.name: p for p in STATIC.iterdir() if p.is_file()}  # served by name only: no paths from the URL
+
+    @app.get("/dashboard")
+    async def page(request: Request) -> FileResponse:
+        _, given = authorize(gw, request)
+        response = FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": CSP,
+                                                                "Cache-Control": "no-store"})  # fmt: skip
+        if given:  # not Secure: a closed site may serve plain http; HttpOnly keeps it from scripts
+            response.set_cookie(COOKIE, given, httponly=True, samesite="strict", path="/dashboard")
+        return response
+
+    @app.get("/dashboard/static/{name}")
+    async def asset(name: str) -> FileResponse:
+        if name not in assets:  # code only, no data: served without a key
+            raise _not_an_api_request(404, f"no dashboard file {name!r}")
+        return FileResponse(assets[name], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/api/state")
+    async def state(request: Request) -> JSONResponse:
+        key, _ = authorize(gw, request)
+        return JSONResponse({"fleet": await sampler.view(), "requests": recent_requests(gw, key),
+                             "model": gw.served_model}, headers={"Cache-Control": "no-store"})  # fmt: skip
+
+    @app.get("/dashboard/api/requests/{request_id}")
+    async def one(request_id: str, request: Request) -> JSONResponse:
+        key, _ = authorize(gw, request)
+        flow, running = find_flow(gw, request_id)
+        if flow is None or not _may_see(key, flow):
+            raise _not_an_api_request(404, f"no recent request {request_id!r}")
+        return JSONResponse(waterfall(flow, running), headers={"Cache-Control": "no-store"})
