@@ -125,7 +125,9 @@ class Cluster:
             raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
         spec = self.specs[name]
         argv = serve_argv(spec.role, self.config_path, name if spec.role in ("prefill", "rld", "md") else None)
-        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED} | {"PYTHONUNBUFFERED": "1"}
+        # two malloc arenas: the engine's worker and asyncio's threads otherwise each grow their own heap
+        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED} | {"PYTHONUNBUFFERED": "1",
+                                                                                    "MALLOC_ARENA_MAX": "2"}  # fmt: skip
         self.log(f"pdd: starting {name}" + (f" (datacenter {spec.dc})" if spec.dc else " (the line between sites)"))
         with open(self.run_dir / f"{name}.log", "ab") as logf:
             self.procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env,

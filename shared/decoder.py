@@ -80,6 +80,11 @@ class DecoderService(InstanceService):
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
+    def state_sizes(self) -> dict[str, int]:
+        receiving = len(self.receiver._receiving) if self.receiver else 0
+        return {"requests": len(self.requests), "parked": len(self.parked), "receiving": receiving,
+                "remembered_aborts": len(self.aborted)}  # fmt: skip
+
     def holding_since(self, older_than_s: float) -> list[str]:
         cutoff = time.monotonic() - older_than_s
         return [rid for rid, r in self.requests.items() if r.accepted_at < cutoff]

@@ -77,6 +77,10 @@ class InstanceService:
     def held_requests(self) -> list[str]:
         return []
 
+    def state_sizes(self) -> dict[str, int]:
+        """Sizes of the per-request maps (empty when idle) and of the capped memories of ids."""
+        return {}
+
     def holding_since(self, older_than_s: float) -> list[str]:
         """Requests held longer than `older_than_s` (the registrar checks they still exist)."""
         return []
@@ -208,7 +212,8 @@ class InstanceService:
             requests=self.held_requests(),
             free_blocks=load.get("free_blocks", 0),
             total_blocks=load.get("total_blocks", 0),
-            extra={**load, "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks)},
+            extra={**load, "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks),
+                   "state": {**self.state_sizes(), "bus_handlers": len(getattr(self.bus, "_tasks", ()))}},
         )
 
     async def _flush_cache(self, msg: Inspect) -> InstanceState:

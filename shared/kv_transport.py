@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 _LEN = struct.Struct(">IB")
 MAX_HEADER = 4 * 1024
 MAX_CONTROL = 16 * 1024
+CONTROL_BODY_S = 0.5  # a small frame's body follows its length at once: a sender that stops mid-way is cut
 WRITE_SLICE = 256 * 1024  # the sender drains per slice: a stall is a slice that does not move
 
 
@@ -90,7 +91,7 @@ async def read_frame(reader: asyncio.StreamReader, stall_s: float, kind: Frame, 
     if size < 0 or size > max_body or (exact is not None and size != exact):
         want = f"exactly {exact}" if exact is not None else f"at most {max_body}"
         raise KVTransferError(f"{kind.name} frame of {size} bytes; {want} allowed")
-    return await _read_exactly(reader, size, stall_s)
+    return await _read_exactly(reader, size, stall_s if kind == Frame.LAYER else min(stall_s, CONTROL_BODY_S))
 
 
 def _unpack(body: bytes, what: str) -> dict[str, Any]:

@@ -106,11 +106,15 @@ class KeyRing:
                                type="rate_limit_error", code="tokens_per_minute",
                                retry_after=_retry_after(use, now, used + prompt_tokens - key.tokens_per_minute))  # fmt: skip
         use.in_flight += 1
-        use.tokens.append((now, prompt_tokens))
+        self.count_tokens(key, prompt_tokens, now)
 
     def count_tokens(self, key: Key, n: int, now: float | None = None) -> None:
-        if key is not OPEN and n:
-            self._usage[key.sha256].tokens.append((time.monotonic() if now is None else now, n))
+        """Tokens into the key's window (kept only for keys with a token limit, and only a minute)."""
+        if key is not OPEN and n and key.tokens_per_minute:
+            now = time.monotonic() if now is None else now
+            use = self._usage[key.sha256]
+            use.tokens.append((now, n))
+            use.tokens_in_window(now)  # drops what aged out: the window stays a minute long
 
     def release(self, key: Key) -> None:
         if key is not OPEN:

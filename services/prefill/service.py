@@ -67,6 +67,9 @@ class Prefiller(InstanceService):
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
+    def state_sizes(self) -> dict[str, int]:
+        return {"requests": len(self.requests), "remembered_ids": len(self.seen)}
+
     def holding_since(self, older_than_s: float) -> list[str]:
         cutoff = time.monotonic() - older_than_s
         return [rid for rid, s in self.requests.items() if s.accepted_at < cutoff]

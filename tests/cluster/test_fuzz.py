@@ -1,0 +1,111 @@
+"""Hostile peers against a live main-decode: its KV port (reached with a valid prefill
+certificate, as a compromised peer would) and every NATS subject it listens to get malformed
+frames and garbage. Each is refused within a second, the process's memory does not grow, and
+requests running on it meanwhile finish exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import socket
+import ssl
+import struct
+import time
+
+import msgpack
+import psutil
+import pytest
+
+from shared import subjects
+from shared.bus import Bus
+from shared.kv_transport import Frame, frame, packed
+from tests.cluster.conftest import fresh_prompt, stream_completion
+
+pytestmark = pytest.mark.slow
+
+LAYOUT = {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
+
+
+def _header(**kv) -> bytes:
+    head = {"request_id": "fuzz", "sender": "prefill-0", "token": "guess", "wan": True,
+            "kv": {"start": 0, "end": 16, **LAYOUT, **kv}}  # fmt: skip
+    return packed(Frame.HEADER, head)
+
+
+CASES = {
+    "length prefix 2^31": struct.pack(">IB", 2**31, Frame.HEADER),
+    "header of 10^6 layers": _header(num_layers=10**6),
+    "token range past the prompt": _header(end=10**9),
+    "negative start": _header(start=-16),
+    "first token 10^9 (done frame)": _header() + frame(Frame.LAYER, b"\0" * 64) + packed(Frame.DONE, {"first_token": 10**9}),
+    "valid header, wrong transfer token": _header(),
+    "truncated frame": struct.pack(">IB", 1000, Frame.HEADER) + b"\x81",
+    "random bytes": os.urandom(4096),
+    "garbage msgpack header": frame(Frame.HEADER, b"\xc1\xc1\xc1"),
+}  # fmt: skip
+
+
+def _refused_within(port: int, ctx: ssl.SSLContext, payload: bytes) -> float:
+    """Seconds until the decoder closes a connection that sent `payload` (and nothing more)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="md-0") as tls:
+            t0 = time.perf_counter()
+            try:
+                tls.sendall(payload)
+                while tls.recv(65536):
+                    pass
+            except (ConnectionResetError, ssl.SSLError, OSError):
+                pass
+            return time.perf_counter() - t0
+
+
+def _garbage_on_every_subject(cluster) -> int:
+    async def run() -> int:
+        bus = await Bus.connect(cluster.nats_url("B"), "fuzzer", "operator", cluster.secrets)
+        sent = 0
+        for subject in (subjects.decode_task("md-0"), subjects.decode_drop("md-0"), subjects.handoff_chunk("md-0"),
+                        subjects.ABORT, subjects.inspect("md-0")):  # fmt: skip
+            for body in (b"\xc1", os.urandom(200), msgpack.packb([1, 2, 3]), msgpack.packb({"request_id": 5}),
+                         msgpack.packb({"request_id": "x", "prompt_ids": [10**9], "sampling": {}, "plan": {}})):  # fmt: skip
+                await bus.nc.publish(subject, body)
+                sent += 1
+        await bus.nc.flush()
+        await bus.close()
+        return sent
+
+    return asyncio.run(run())
+
+
+def test_a_fuzzed_main_decode_refuses_everything_and_keeps_serving(cluster, operator, reference, smol_tokenizer):
+    md = psutil.Process(cluster.procs["md-0"].pid)
+    ctx = ssl.create_default_context(cafile=str(cluster.secrets.ca))
+    ctx.load_cert_chain(*map(str, cluster.secrets.cert("kv", "prefill-0")))
+    port = cluster.cfg.instance("md-0").kv_port
+    body = {"max_tokens": 48, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # warm-up: the engine's buffers for 8 at once settle
+        for round_ in range(3):  # (the first requests of a process grow its heap by ~100 MiB, then it plateaus)
+            list(pool.map(lambda i, r=round_: stream_completion(cluster.url + "/v1/completions",
+                                                                {**body, "prompt": fresh_prompt(20, f"warm{r}{i}")}),
+                          range(8)))  # fmt: skip
+    for name, payload in CASES.items():  # and the listener's
+        _refused_within(port, ctx, payload)
+    rss_before = md.memory_info().rss
+    prompts = [fresh_prompt(20, f"fuzzed{i}") for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(stream_completion, cluster.url + "/v1/completions", {**body, "prompt": p}) for p in prompts]
+        times = {}
+        for rounds in range(5):
+            for name, payload in CASES.items():
+                times[name] = max(times.get(name, 0.0), _refused_within(port, ctx, payload))
+            _garbage_on_every_subject(cluster)
+        outputs = [f.result()[0] for f in running]
+    grown = (md.memory_info().rss - rss_before) / 2**20
+    print(f"\nslowest refusal {max(times.values()):.3f} s; md-0 RSS grew {grown:.1f} MiB; " + ", ".join(
+        f"{k}: {v * 1000:.0f} ms" for k, v in times.items()))  # fmt: skip
+    assert all(t < 1.0 for t in times.values()), times
+    assert grown < 10
+    for prompt, text in zip(prompts, outputs):
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 48, ignore_eos=True)
+    assert operator.inspect("md-0").role == "md"  # still answering
+    assert all(s.requests == [] for s in operator.idle(timeout=5).values())
