@@ -149,8 +149,8 @@ function drawWaterfall(w) {
   });
   const axis = el('svg:g', { class: 'axis' });
   for (let t = 0, step = niceStep(span); t <= span; t += step) {
-    axis.append(el('svg:line', { x1: x(t), x2: x(t), y1: top - 4, y2: H - 8 }),
-      el('svg:text', { x: x(t) + 2, y: top - 8 }, `${Math.round(t)} ms`));
+    axis.append(el('svg:line', { x1: x(t), x2: x(t), y1: top - 4, y2: H - 8 }));
+    if (x(t) + 60 < W) axis.append(el('svg:text', { x: x(t) + 2, y: top - 8 }, `${Math.round(t)} ms`)); // room for it
   }
   svg.append(axis);
   if (w.gap) { // drawn first: a band behind the marks it spans, not over them
