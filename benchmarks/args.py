@@ -20,6 +20,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times")
     p.add_argument("--output-scale", type=float, default=1.0, help="trace: multiply output lengths")
     p.add_argument("--max-requests", type=int, default=None, help="trace: take the first N")
+    p.add_argument("--random-input-len", type=int, default=256, help="random: prompt tokens per request")
+    p.add_argument("--random-output-len", type=int, default=32, help="random: max_tokens per request")
+    # Any OpenAI-compatible server (another PDD, vLLM, SGLang) instead of clusters of our own.
+    p.add_argument("--base-url", default=None, help="replay against this running server (no --modes)")
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--model", default=None, help="--base-url: the model to ask for (default: its first in /v1/models)")
+    p.add_argument("--label", default="base-url", help="--base-url: the run's name in the results")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs as vLLM: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most N requests in flight (default: no cap)")
 
 
 def add_handoff_arguments(p: argparse.ArgumentParser) -> None:

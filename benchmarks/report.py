@@ -4,7 +4,9 @@
 1. `results.json`   — `results` as given (`benchmarks.summary.build_results`);
 2. `requests.jsonl` — one request record per line, exactly as recorded;
 3. `report.md`      — tables with the modes side by side, ratios against the baselines
-   (`pd-wan`, `pd-local`) and the project's targets, each marked PASS or MISS (never asserted);
+   (`pd-wan`, `pd-local`) and the project's targets, each marked PASS or MISS (never asserted),
+   each instance's busy fraction (bound by compute or by the line?) and vLLM's figures;
+   a figure that needs the `pdd` object of a server that sent none shows as n/a;
 4. `ttft_cdf.png`, `timeline.png`, `hit_buckets.png` (`benchmarks.plots`);
 5. `waterfall_slowest.png`, `waterfall_median.png`: one request each, drawn as the gateway's
    dashboard draws it (`benchmarks.waterfall`).
@@ -19,6 +21,7 @@ from typing import Any
 from benchmarks.modes import LOCAL_MODE
 from benchmarks.plots import plot_hit_buckets, plot_timeline, plot_ttft_cdf
 from benchmarks.summary import LATENCY_FIELDS, Record, by_mode, hit_buckets
+from benchmarks.vllm_compat import REPORT_KEYS
 from benchmarks.waterfall import plot_waterfalls
 
 PDD_MODE = "pdd"
@@ -74,14 +77,16 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def rld_share(summary: dict[str, Any]) -> float:
-    """tokens_by_role.rld / (rld + md); 0.0 when neither produced tokens."""
+def rld_share(summary: dict[str, Any]) -> float | None:
+    """tokens_by_role.rld / (rld + md); 0.0 when neither produced tokens; None when not known."""
+    if summary["tokens_by_role"] is None:
+        return None
     rld, md = summary["tokens_by_role"]["rld"], summary["tokens_by_role"]["md"]
     return rld / (rld + md) if rld + md else 0.0
 
 
-def _div(num: float, den: float) -> float | None:
-    return num / den if den else None
+def _div(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
 
 
 def ratio_rows(modes: dict[str, dict[str, Any]]) -> list[list[Any]]:
@@ -117,7 +122,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "target": "RLD share of pdd output tokens",
             "measured": share,
             "bound": f"> 0 and <= {RLD_SHARE_MAX} (report: 0.062)",
-            "ok": 0 < share <= RLD_SHARE_MAX,
+            "ok": share is not None and 0 < share <= RLD_SHARE_MAX,
         }
     )
     for t in out:
@@ -129,11 +134,25 @@ def _header(results: dict[str, Any]) -> list[str]:
     settings = results.get("settings", {})
     lines = ["# PDD benchmark report", ""]
     lines += [f"- workload: `{json.dumps(results.get('workload', {}), sort_keys=True)}`"]
-    for key in ("slo", "prices", "instances", "duration_s"):
+    for key in ("target", "slo", "goodput", "max_concurrency", "prices", "instances", "duration_s"):
         if key in settings:
             lines.append(f"- {key}: `{json.dumps(settings[key], sort_keys=True)}`")
     lines.append(f"- outputs match across modes: {fmt(results['outputs_match_across_modes'])}")
+    if env := results.get("environment"):
+        lines.append(
+            f"- environment: commit {env.get('git_commit')}{' (uncommitted changes)' if env.get('git_dirty') else ''}, "
+            f"{env.get('cpu_model')}, {env.get('cpus_usable')} usable CPUs, "
+            f"`{json.dumps(env.get('packages', {}), sort_keys=True)}`"
+        )
     return lines
+
+
+ROLES, SIDES = ("rld", "md"), ("prefill", "md")
+
+
+def _part(summary: dict[str, Any], key: str, sub: str) -> Any:
+    """summary[key][sub], or None when the mode's server sent no `pdd` object to know it from."""
+    return None if summary.get(key) is None else summary[key][sub]
 
 
 def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
@@ -143,9 +162,9 @@ def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
         for key in ("requests", "completed", "failed", "goodput_rps", "output_tok_s", "cost", "bcr")
     ]
     rows += [["WAN KV bytes", *(s["wan_kv_bytes"] for s in modes.values())]]
-    rows += [[f"{role.upper()} tokens", *(s["tokens_by_role"][role] for s in modes.values())] for role in ("rld", "md")]
+    rows += [[f"{role.upper()} tokens", *(_part(s, "tokens_by_role", role) for s in modes.values())] for role in ROLES]
     rows += [["RLD share of output tokens", *(rld_share(s) for s in modes.values())]]
-    rows += [[f"prefix hit rate {side}", *(s["hit_rate"][side] for s in modes.values())] for side in ("prefill", "md")]
+    rows += [[f"prefix hit rate {side}", *(_part(s, "hit_rate", side) for s in modes.values())] for side in SIDES]
     return [
         "## Requests, throughput, cost, WAN",
         "",
@@ -187,6 +206,26 @@ def _buckets(buckets_by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def _busy(modes: dict[str, dict[str, Any]]) -> list[str]:
+    """Each instance's share of wall time in engine steps, per mode ("-": not in that mode's fleet)."""
+    measured = {m: s["busy"] for m, s in modes.items() if s.get("busy")}
+    if not measured:
+        return []
+    ids = sorted({i for busy in measured.values() for i in busy})
+    roles = {i: f"{b['role']}, {b['dc']}" for busy in measured.values() for i, b in busy.items()}
+    rows = [[f"{i} ({roles[i]})", *(m[i]["busy_fraction"] if i in m else "-" for m in measured.values())] for i in ids]
+    note = (
+        "Share of the run's wall time each engine spent in steps (busy_s from its heartbeats). "
+        "An instance near 1.0 bound the run by compute; all of them low while TTFT is high: bound by the line."
+    )
+    return ["## Busy fraction per instance", "", table(["instance", *measured], rows), "", note, ""]
+
+
+def _vllm(modes: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [[key, *(s.get(key) for s in modes.values())] for key in REPORT_KEYS]
+    return ["## As `vllm bench serve` names them", "", table(["metric", *modes], rows), ""]
+
+
 def _targets(results: dict[str, Any]) -> list[str]:
     targets = check_targets(results)
     if not targets:
@@ -203,9 +242,11 @@ def render_markdown(results: dict[str, Any], buckets_by_mode: dict[str, list[dic
         [""],
         _targets(results),
         _overview(modes),
+        _busy(modes),
         _latencies(modes),
         _ratios(modes),
         _buckets(buckets_by_mode),
+        _vllm(modes),
     ]
     return "\n".join(line for part in parts for line in part)
 

@@ -2,9 +2,11 @@
 
 Each request is sent at its arrival time (a later turn of a session also waits for the turn
 before it, whose actual answer it carries). Streams are read with client-side timestamps per
-SSE chunk; the `pdd` object (on the last text chunk) and the usage (a last chunk of its own, with
-no choices) are kept. One record per request (the schema of
-`requests.jsonl`, see benchmarks/summary.py).
+SSE chunk; the `pdd` object (on the last text chunk, PDD only) and the usage (a last chunk of its
+own, with no choices) are kept. One record per request (the schema of `requests.jsonl`, see
+benchmarks/summary.py). A request is ok when its stream ends (`[DONE]`, or a finish reason) with
+no error, so any OpenAI-compatible server can be replayed (`Target`: its URL, API key, model,
+`ignore_eos` and a cap on requests in flight, as `vllm bench serve` takes them).
 """
 
 from __future__ import annotations
@@ -13,11 +15,34 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from benchmarks.workloads import BenchRequest, Workload, fill_answers
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to send: a server's base URL and what each request carries."""
+
+    base_url: str
+    api_key: str | None = None
+    model: str | None = None  # None: the server's default (PDD serves one model)
+    ignore_eos: bool = False
+    max_concurrency: int | None = None  # None: open loop, no cap
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def extra(self) -> dict[str, Any]:
+        """Body fields every request gets."""
+        return {**({"model": self.model} if self.model else {}), **({"ignore_eos": True} if self.ignore_eos else {})}
+
+
+def as_target(target: Target | str) -> Target:
+    return target if isinstance(target, Target) else Target(target)
 
 
 class Progress:
@@ -40,8 +65,9 @@ class Progress:
         sys.stderr.flush()
 
 
-def _body(req: BenchRequest, answers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+def _body(req: BenchRequest, answers: dict[str, str], extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     common = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    common |= extra
     if req.messages is not None:
         return "/v1/chat/completions", {**common, "messages": fill_answers(req.messages, answers)}
     return "/v1/completions", {**common, "prompt": req.prompt_ids}
@@ -53,7 +79,10 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
             rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
             return
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if line.strip() == "data: [DONE]":
+                rec["ok"] = True
+                continue
+            if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
             if "error" in event:
@@ -66,16 +95,23 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
                 rec["text"] += piece
             if event.get("usage"):
                 rec["usage"] = event["usage"]
+            if choices and choices[0].get("finish_reason"):
+                rec["ok"] = True
             if "pdd" in event:
                 rec["pdd"] = event["pdd"]
                 rec["ok"] = True
 
 
-async def _one(client, base_url: str, req: BenchRequest, mode: str, t0: float, state: dict) -> dict[str, Any]:
+async def _one(client, target: Target, req: BenchRequest, mode: str, t0: float, state: dict) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
     if req.depends_on:
         await state["done"][req.depends_on].wait()
-    path, body = _body(req, state["answers"])
+    async with state["slots"]:
+        return await _sent(client, target, req, mode, t0, state)
+
+
+async def _sent(client, target: Target, req: BenchRequest, mode: str, t0: float, state: dict) -> dict[str, Any]:
+    path, body = _body(req, state["answers"], target.extra())
     rec: dict[str, Any] = {
         "request_id": req.request_id,
         "mode": mode,
@@ -91,9 +127,10 @@ async def _one(client, base_url: str, req: BenchRequest, mode: str, t0: float, s
         "pdd": {},
     }
     try:
-        await _send(client, base_url + path, body, t0, rec)
+        await _send(client, target.base_url + path, body, t0, rec)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
+    rec["ok"] = rec["ok"] and not rec["error"]
     usage = rec.pop("usage", {})
     rec["output_tokens"] = usage.get("completion_tokens", len(rec["token_times_s"]))
     rec["prompt_tokens"] = usage.get("prompt_tokens", 0)
@@ -103,24 +140,42 @@ async def _one(client, base_url: str, req: BenchRequest, mode: str, t0: float, s
     return rec
 
 
-async def replay(base_url: str, workload: Workload, mode: str) -> tuple[list[dict[str, Any]], float]:
-    """Run every request of the workload; returns the records and the run's duration in seconds."""
+async def replay(target: Target | str, workload: Workload, mode: str) -> tuple[list[dict[str, Any]], float]:
+    """Run every request of the workload; returns the records and the run's duration in seconds.
+
+    With `target.max_concurrency`, a request that arrives while that many are in flight waits
+    for one to end; its latencies count from when it is sent (`sent_s`), as vLLM's do."""
+    target = as_target(target)
+    cap = target.max_concurrency or len(workload.requests) or 1
     state = {
         "answers": {},
         "done": {r.request_id: asyncio.Event() for r in workload.requests},
         "progress": Progress(mode, len(workload.requests)),
+        "slots": asyncio.Semaphore(cap),
     }
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=target.headers())
+    async with client:
         t0 = time.perf_counter()
-        records = await asyncio.gather(*(_one(client, base_url, r, mode, t0, state) for r in workload.requests))
+        records = await asyncio.gather(*(_one(client, target, r, mode, t0, state) for r in workload.requests))
         duration = time.perf_counter() - t0
     return list(records), duration
 
 
-async def warm_up(base_url: str, n: int = 2) -> None:
+async def warm_up(target: Target | str, n: int = 2) -> None:
     """A couple of short requests so the first measured one does not pay one-time costs."""
-    async with httpx.AsyncClient(timeout=120.0) as client:
+    target = as_target(target)
+    async with httpx.AsyncClient(timeout=120.0, headers=target.headers()) as client:
         for i in range(n):
-            body = {"prompt": f"Warm-up {i}: hello", "max_tokens": 4, "temperature": 0}
-            await client.post(base_url + "/v1/completions", json=body)
+            body = {"prompt": f"Warm-up {i}: hello", "max_tokens": 4, "temperature": 0, **target.extra()}
+            await client.post(target.base_url + "/v1/completions", json=body)
+
+
+async def served_model(target: Target) -> str | None:
+    """The first model a server lists at /v1/models (what `vllm bench serve` asks for by default)."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0, headers=target.headers()) as client:
+            r = await client.get(target.base_url + "/v1/models")
+            return r.json()["data"][0]["id"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None

@@ -6,7 +6,10 @@ the run's settings (`slo`, `prices`, `instances`, `duration_s`). Nothing here ta
 1. `request_latencies` turns one record's client-side timestamps into TTFT, time to second
    token, inter-token gaps, TPOT and E2E (all ms, measured from `sent_s`, not `arrival_s`).
 2. `summarize_mode` pools those over one mode's records and adds goodput, throughput, WAN
-   bytes, tokens per role, prefix hit rates, hardware cost and BCR.
+   bytes, tokens per role, prefix hit rates, hardware cost and BCR, vLLM's figures under vLLM's
+   names (benchmarks/vllm_compat.py) and each instance's busy fraction when it was measured.
+   Figures that need the `pdd` object are None (missing, not zero) when no completed request
+   carried one (another server than PDD), and cost and BCR when the fleet is unknown.
 3. `outputs_match` checks that every mode produced the same text for the same request.
 4. `hit_buckets` groups one mode's requests by MD-side prefix-hit fraction.
 5. `build_results` is the whole `results.json` document.
@@ -20,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.modes import LOCAL_MODE
+from benchmarks.stats import latency_stats as latency_stats  # re-exported: the one percentile lives there
+from benchmarks.stats import percentile as percentile
+from benchmarks.vllm_compat import vllm_figures
 
 Record = dict[str, Any]
 
@@ -49,31 +55,6 @@ class RequestLatency:
     gaps_ms: list[float]
     tpot_ms: float | None
     e2e_ms: float
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default): rank = p/100 * (n - 1).
-    The one percentile of the benchmarks and the simulator (p = 50 is the median)."""
-    if not sorted_values:
-        return 0.0
-    rank = p / 100 * (len(sorted_values) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)
-
-
-def latency_stats(values: list[float]) -> dict[str, float]:
-    """{"mean", "p50", "p90", "p99", "max"} of `values` (ms); all 0.0 when there are none."""
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
-    return {
-        "mean": sum(xs) / len(xs),
-        "p50": percentile(xs, 50),
-        "p90": percentile(xs, 90),
-        "p99": percentile(xs, 99),
-        "max": xs[-1],
-    }
 
 
 def request_latencies(record: Record) -> RequestLatency | None:
@@ -155,7 +136,19 @@ def _latency_summary(lats: list[RequestLatency]) -> dict[str, dict[str, float]]:
     }
 
 
-def summarize_mode(records: list[Record], settings: dict[str, Any], mode: str) -> dict[str, Any]:
+def _pdd_figures(done: list[Record], prompt: int, known: bool) -> dict[str, Any]:
+    if not known:
+        return {"wan_kv_bytes": None, "tokens_by_role": None, "hit_rate": None}
+    return {
+        "wan_kv_bytes": sum(int((r.get("pdd") or {}).get("wan_kv_bytes", 0)) for r in done),
+        "tokens_by_role": {k: _pdd_sum(done, "tokens_by_role", k) for k in ("rld", "md")},
+        "hit_rate": {k: _ratio(_pdd_sum(done, "prefix_hit_tokens", k), prompt) for k in ("prefill", "md")},
+    }
+
+
+def summarize_mode(
+    records: list[Record], settings: dict[str, Any], mode: str, busy: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One mode's column of the report (`records` may hold every mode; only `mode`'s are used).
 
     completed = records with ok; failed = the rest. Latencies pool the completed requests that
@@ -166,26 +159,32 @@ def summarize_mode(records: list[Record], settings: dict[str, Any], mode: str) -
     cost = duration_h * cost_rate_per_hour (chips plus the WAN line, see `cost_rate_per_hour`).
     bcr = goodput_rps / cost_rate_per_hour: SLA-good requests per second per unit of hourly
     hardware cost (0.0 when the rate is 0). Durations come from `mode_duration_s`.
+    wan_kv_bytes, tokens_by_role and hit_rate are None when requests completed and none carried a
+    `pdd` object; cost and bcr are None for a mode absent from settings.instances (a server we
+    did not start). request_goodput counts against settings.goodput (vLLM's `--goodput`).
+    busy: {instance id: {"role", "dc", "busy_s", "wall_s", "busy_fraction"}} or None.
     """
     mine = [r for r in records if r.get("mode") == mode]
     done = [r for r in mine if r.get("ok")]
     lats = [x for x in (request_latencies(r) for r in done) if x is not None]
     duration = mode_duration_s(mine, settings, mode)
     rate = cost_rate_per_hour(settings, mode)
+    fleet_known = mode in settings.get("instances", {})
+    pdd_known = not done or any(r.get("pdd") for r in done)
     goodput = _ratio(sum(meets_slo(x, settings.get("slo", {})) for x in lats), duration)
     prompt = sum(int(r.get("prompt_tokens", 0)) for r in done)
     return {
+        **vllm_figures(lats, done, duration, settings.get("goodput")),
         "requests": len(mine),
         "completed": len(done),
         "failed": len(mine) - len(done),
         **_latency_summary(lats),
         "goodput_rps": goodput,
         "output_tok_s": _ratio(sum(int(r.get("output_tokens", 0)) for r in done), duration),
-        "wan_kv_bytes": sum(int((r.get("pdd") or {}).get("wan_kv_bytes", 0)) for r in done),
-        "tokens_by_role": {k: _pdd_sum(done, "tokens_by_role", k) for k in ("rld", "md")},
-        "hit_rate": {k: _ratio(_pdd_sum(done, "prefix_hit_tokens", k), prompt) for k in ("prefill", "md")},
-        "cost": duration / 3600 * rate,
-        "bcr": _ratio(goodput, rate),
+        **_pdd_figures(done, prompt, pdd_known),
+        "cost": duration / 3600 * rate if fleet_known else None,
+        "bcr": _ratio(goodput, rate) if fleet_known else None,
+        "busy": busy,
     }
 
 
@@ -216,13 +215,13 @@ def _bucket_index(fraction: float) -> int:
 
 
 def hit_buckets(records: list[Record]) -> list[dict[str, Any]]:
-    """`HIT_BUCKETS` over one mode's completed requests, by `md_hit_fraction`.
+    """`HIT_BUCKETS` over one mode's completed requests that carry a `pdd` object, by `md_hit_fraction`.
 
     Each: {"bucket", "lo", "hi", "count", "ttft_ms": latency_stats, "mean_wan_kv_bytes"}.
     """
     groups: list[list[Record]] = [[] for _ in HIT_BUCKETS]
     for r in records:
-        if r.get("ok"):
+        if r.get("ok") and r.get("pdd"):
             groups[_bucket_index(md_hit_fraction(r))].append(r)
     out = []
     for (label, lo, hi), rs in zip(HIT_BUCKETS, groups):
@@ -254,12 +253,18 @@ def by_mode(records: list[Record], modes: list[str]) -> dict[str, list[Record]]:
     return {m: [r for r in records if r.get("mode") == m] for m in modes}
 
 
-def build_results(workload_info: dict[str, Any], settings: dict[str, Any], records: list[Record]) -> dict[str, Any]:
-    """The `results.json` document: workload, settings, one summary per mode, outputs match."""
+def build_results(
+    workload_info: dict[str, Any],
+    settings: dict[str, Any],
+    records: list[Record],
+    busy: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The `results.json` document: workload, settings, one summary per mode, outputs match.
+    `busy` holds each mode's instance busy fractions (benchmarks/busy.py), when measured."""
     modes = modes_in(records, settings)
     return {
         "workload": workload_info,
         "settings": settings,
-        "modes": {m: summarize_mode(records, settings, m) for m in modes},
+        "modes": {m: summarize_mode(records, settings, m, (busy or {}).get(m)) for m in modes},
         "outputs_match_across_modes": outputs_match(by_mode(records, modes)),
     }

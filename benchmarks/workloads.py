@@ -68,9 +68,19 @@ def random_workload(
 
 
 def load_workload(
-    spec: str, *, n_requests: int, seed: int, rate_rps: float, tokenizer: Any | None = None, **trace_opts: Any
+    spec: str,
+    *,
+    n_requests: int,
+    seed: int,
+    rate_rps: float,
+    tokenizer: Any | None = None,
+    random_input_len: int = 256,
+    random_output_len: int = 32,
+    **trace_opts: Any,
 ) -> Workload:
     """The workload `spec` names: "agentic", "random" or "trace:FILE".
+
+    `random_input_len` / `random_output_len` are the random workload's prompt and output tokens.
 
     `trace_opts` (block_tokens, time_scale, output_scale, max_requests...) apply to traces only, so
     one command line can pass them whatever it names; None values are left at their defaults. A
@@ -80,7 +90,9 @@ def load_workload(
     if spec == "agentic":
         return agentic(n_requests, seed, rate_rps, tokenizer)
     if spec == "random":
-        return random_workload(n_requests, seed, rate_rps)
+        return random_workload(
+            n_requests, seed, rate_rps, input_tokens=random_input_len, output_tokens=random_output_len
+        )
     if spec.startswith("trace:") and len(spec) > len("trace:"):
         opts = {"max_requests": n_requests, **{k: v for k, v in trace_opts.items() if v is not None}}
         return trace(spec[len("trace:") :], seed=seed, **opts)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from benchmarks.vllm_compat import VLLM_KEYS
 from tests.bench.test_workloads import _trace_file
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,8 @@ MODE_KEYS = {
     "hit_rate",
     "cost",
     "bcr",
+    "busy",
+    *VLLM_KEYS,
 }
 
 
@@ -59,7 +62,8 @@ def _bench(out, workload: str, modes: str, *extra: str) -> dict:
 
 
 def _check_schema(results: dict, modes: list[str], n: int) -> None:
-    assert set(results) == {"workload", "settings", "modes", "outputs_match_across_modes"}
+    assert set(results) == {"workload", "settings", "modes", "outputs_match_across_modes", "environment"}
+    assert results["environment"]["git_commit"] and results["environment"]["packages"]["torch"]
     assert list(results["modes"]) == modes
     for mode, m in results["modes"].items():
         assert set(m) == MODE_KEYS, mode
@@ -67,6 +71,12 @@ def _check_schema(results: dict, modes: list[str], n: int) -> None:
         for key in ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms"):
             assert set(m[key]) == LATENCY
         assert m["ttft_ms"]["p50"] > 0 and set(m["tokens_by_role"]) == {"rld", "md"}
+        assert m["median_ttft_ms"] == m["ttft_ms"]["p50"] and m["total_output_tokens"] > 0
+        # every engine of the mode's fleet; prefill ran every prompt
+        fleet = results["settings"]["instances"][mode]
+        assert sorted(b["role"] for b in m["busy"].values()) == sorted(r for r, k in fleet.items() for _ in range(k))
+        assert all(0 <= b["busy_fraction"] <= 1 for b in m["busy"].values()), m["busy"]
+        assert m["busy"]["prefill-0"]["busy_fraction"] > 0, m["busy"]
 
 
 def test_agentic_pdd_against_naive_cross_dc(tmp_path):

@@ -20,6 +20,7 @@ from benchmarks.summary import (
     request_latencies,
     summarize_mode,
 )
+from benchmarks.vllm_compat import VLLM_KEYS
 
 STAT_KEYS = {"mean", "p50", "p90", "p99", "max"}
 LATENCY_KEYS = ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms")
@@ -35,6 +36,8 @@ MODE_KEYS = {
     "hit_rate",
     "cost",
     "bcr",
+    "busy",
+    *VLLM_KEYS,
 }
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
