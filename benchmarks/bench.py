@@ -83,7 +83,7 @@ def run_mode(name: str, base: dict[str, Any] | None, workload, args: argparse.Na
     """One mode on a fresh cluster: (records, duration_s, cluster config, busy fractions)."""
     from pdd.launcher import Cluster
 
-    cfg = mode_config(name, base)
+    cfg = mode_config(name, base, getattr(args, "kv_wire", "native"), getattr(args, "decode_dtype", "float32"))
     print(f"pdd bench: {name}: starting a cluster", file=sys.stderr)
     with Cluster(cfg, log=lambda m: None) as cluster:
         target = _target(cluster.url, args)

@@ -87,9 +87,11 @@ def _instance(iid: str, role: str, dc: str, **extra: Any) -> dict[str, Any]:
     return {"id": iid, "role": role, "dc": dc, "dtype": "float32", "threads": 1, "kv_tokens": 32768, **extra}
 
 
-def mode_config(name: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+def mode_config(name: str, base: dict[str, Any] | None = None, kv_wire: str = "native",
+                decode_dtype: str = "float32") -> dict[str, Any]:
     """The cluster config (plain data) for a mode, on top of `base` (a cluster YAML's content;
-    default: configs/single-host.yaml with the bench's WAN)."""
+    default: configs/single-host.yaml with the bench's WAN). `kv_wire` applies to the relay modes
+    (PDD's own; the baselines send their KV native); `decode_dtype` to the relay and main-decode."""
     m = mode(name)
     if base is None:
         with open(DEFAULT_CONFIG) as f:
@@ -98,9 +100,10 @@ def mode_config(name: str, base: dict[str, Any] | None = None) -> dict[str, Any]
     else:
         cfg = copy.deepcopy(base)
         cfg["wan"] = cfg.get("wan", {})
-    instances = [_instance("prefill-0", "prefill", "A"), _instance("md-0", "md", m.md_dc, prefix_cache=m.drc)]
+    instances = [_instance("prefill-0", "prefill", "A"),
+                 _instance("md-0", "md", m.md_dc, prefix_cache=m.drc, dtype=decode_dtype)]  # fmt: skip
     if m.relay:
-        instances.insert(1, _instance("rld-0", "rld", "A", kv_tokens=RLD_KV_TOKENS))
+        instances.insert(1, _instance("rld-0", "rld", "A", kv_tokens=RLD_KV_TOKENS, dtype=decode_dtype))
     cfg["instances"] = instances
     cfg["scheduler"] = {
         **cfg.get("scheduler", {}),
@@ -108,6 +111,7 @@ def mode_config(name: str, base: dict[str, Any] | None = None) -> dict[str, Any]
         "default_handoff": m.handoff,
         "ttft_slo_ms": SLO_TTFT_MS,
         "wan_mbps": cfg["wan"]["bandwidth_mbps"],
+        "kv_wire": kv_wire if m.relay else "native",
     }
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)

@@ -50,6 +50,8 @@ def _up(args: argparse.Namespace) -> int:
     overrides = {"port": args.port} if args.port is not None else {}
     if args.model:
         overrides["model"] = args.model
+    if args.kv_wire:
+        overrides["scheduler"] = {"kv_wire": args.kv_wire}
     return run_cluster(args.config, **overrides)
 
 
@@ -122,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", default=None, help="cluster YAML (default configs/single-host.yaml)")
     up.add_argument("--port", type=int, default=None, help="the gateway's port (default 8000, or PDD_PORT)")
     up.add_argument("--model", default=None, help="a local Hugging Face Llama/Qwen-family folder (default SmolLM2)")
+    up.add_argument("--kv-wire", default=None, choices=["native", "bf16", "fp8", "int8", "auto"],
+                    help="how KV crosses the WAN (default: the config's scheduler.kv_wire, native)")  # fmt: skip
     up.set_defaults(func=_up)
     serve = sub.add_parser("serve", help="run one service of one datacenter")
     serve.add_argument("role", choices=["gateway", "scheduler", "prefill", "rld", "md", "wanlink"])

@@ -139,8 +139,14 @@ class SchedulerConfig:
     rld_pressure: float = 0.75  # relay busy share above which handoff is as early as possible
     guard: bool = True  # oscillation guard: a saturated relay takes no more low-hit requests
     metrics_port: int = 0  # the scheduler's Prometheus /metrics (0 = none)
+    kv_wire: str = "native"  # KV over the WAN: native | bf16 | fp8 | int8 | auto (narrow as the SLO needs)
+    kv_wire_in_dc: str = "native"  # KV to relays in the same datacenter
 
     def __post_init__(self) -> None:
+        wires = ("native", "bf16", "fp8", "int8")
+        if self.kv_wire not in (*wires, "auto") or self.kv_wire_in_dc not in wires:
+            raise ConfigError(f"scheduler.kv_wire {self.kv_wire!r} / kv_wire_in_dc {self.kv_wire_in_dc!r}: one of "
+                              f"{', '.join(wires)} (kv_wire also auto)")  # fmt: skip
         if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
             raise ConfigError(f"scheduler.default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
         if self.default_handoff not in ("auto", *HANDOFFS):
@@ -251,8 +257,11 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ClusterConf
 
 
 def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: Any) -> ClusterConfig:
+    """`overrides` replace top-level settings; a section given as a dict (`scheduler={...}`) is
+    merged into the file's section, key by key."""
     raw = dict(raw)
-    raw.update(overrides)
+    for key, value in overrides.items():
+        raw[key] = {**(raw.get(key) or {}), **value} if isinstance(value, dict) else value
     wan = _build(WanConfig, raw.pop("wan", {}) or {}, f"{where}: wan")
     timeouts = _build(Timeouts, raw.pop("timeouts", {}) or {}, f"{where}: timeouts")
     handoff = _build(HandoffConfig, raw.pop("handoff", {}) or {}, f"{where}: handoff")

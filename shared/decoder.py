@@ -34,6 +34,7 @@ from shared.handoff import MainSide, RelaySide
 from shared.instance import InstanceService, to_params
 from shared.kv_transport import KVReceiver, Transfer, Verdict
 from shared.messages import Abort, Ack, BadMessage, DecodeTask, RequestStats, TokenChunk, WanSample
+from shared.model_info import WIRE_FORMATS
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import Engine, TokenOutput
@@ -152,8 +153,9 @@ class DecoderService(InstanceService):
         planned = {"start": req.task.kv_start, "end": n, "num_layers": layout.num_layers,
                    "kv_heads": layout.kv_heads, "head_dim": layout.head_dim}  # fmt: skip
         wrong = {k: kv.get(k) for k, v in planned.items() if kv.get(k) != v}
-        if wrong or kv.get("dtype") not in WIRE_DTYPES:
-            return Verdict.REFUSE, f"KV header of {t.request_id} differs from its task: {wrong or kv.get('dtype')}"
+        if wrong or kv.get("dtype") not in WIRE_DTYPES or kv.get("wire", "native") not in WIRE_FORMATS:
+            bad = wrong or (kv.get("dtype"), kv.get("wire"))
+            return Verdict.REFUSE, f"KV header of {t.request_id} differs from its task: {bad}"
         return Verdict.RECEIVE, ""
 
     async def on_transfer(self, t: Transfer) -> str:
@@ -169,7 +171,8 @@ class DecoderService(InstanceService):
             stats = RequestStats.from_dict(t.done.get("stats", {}))
         except BadMessage as e:
             return f"bad stats: {e}"
-        header = KVHeader(**{k: t.kv[k] for k in ("start", "end", "num_layers", "kv_heads", "head_dim", "dtype")})
+        header = KVHeader(**{k: t.kv[k] for k in ("start", "end", "num_layers", "kv_heads", "head_dim", "dtype")},
+                          wire=t.kv.get("wire", "native"))  # fmt: skip
         layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
         if self.requests.get(t.request_id) is not req or req.phase != Phase.PENDING:
             return ""  # aborted (or a duplicate landed) while the bytes were converted

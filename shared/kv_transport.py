@@ -35,6 +35,7 @@ from typing import Any
 
 import msgpack
 
+from shared.runtime import kv_wire
 from shared.security import peer_unit
 
 log = logging.getLogger(__name__)
@@ -303,16 +304,12 @@ def _transfer(head: dict[str, Any]) -> Transfer:
     return Transfer(rid, sender, kv, token=token, via_wan=bool(head.get("wan")))
 
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def _layer_bytes(kv: dict[str, Any]) -> int:
     """One layer's K and V on the wire, from the header's fields (checked: all small integers)."""
     try:
         n, heads, dim = int(kv["end"]) - int(kv["start"]), int(kv["kv_heads"]), int(kv["head_dim"])
-        item = _ITEMSIZE[kv["dtype"]]
+        if min(n, heads, dim) < 0 or max(n, heads, dim) > 1 << 20:
+            raise ValueError("out of range")
+        return kv_wire.layer_bytes(n, heads, dim, str(kv["dtype"]), str(kv.get("wire", "native")))
     except (KeyError, TypeError, ValueError):
         raise KVTransferError(f"bad KV header {kv!r}") from None
-    if min(n, heads, dim) < 0 or max(n, heads, dim) > 1 << 20:
-        raise KVTransferError(f"KV header out of range {kv!r}")
-    return 2 * n * heads * dim * item

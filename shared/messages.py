@@ -132,6 +132,7 @@ class Submit(Message):
     handoff: str | None = None
     avoid: list[str] = field(default_factory=list)  # instances this request must not use (they died)
     cache_salt: str = ""  # the tenant's: its prompts share cached KV only with the same salt
+    kv_wire: str | None = None  # forced WAN wire format (an admin's `pdd` override)
 
 
 @dataclass
@@ -148,6 +149,8 @@ class Plan(Message):
     reason: str = ""  # why this pipeline (policy.py)
     handoff_reason: str = ""
     chunk_tokens: int = 0  # catch-up chunk size (0: the relay's configured default)
+    kv_wire: str = "native"  # how KV crosses the WAN (shared/runtime/kv_wire.py)
+    kv_wire_reason: str = ""
     estimates: dict[str, Any] = field(default_factory=dict)  # the figures the decision rested on
     queue_ms: float = 0.0
     error: str = ""
@@ -165,6 +168,7 @@ class KVTarget(Message):
     start: int = 0  # send positions [start, prompt_len): the decoder already holds [0, start)
     token: str = ""  # the transfer token the decoder was told to expect
     wan: bool = False
+    wire: str = "native"  # the KV's wire format on this link
 
 
 @dataclass

@@ -14,6 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+WIRE_FORMATS = ("native", "bf16", "fp8", "int8")  # how KV may travel (shared/runtime/kv_wire.py)
+SCALED_WIRES = ("fp8", "int8")  # these carry a float32 scale per token and head
+
+
+def wire_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: str, wire: str) -> int:
+    """Bytes of one layer's K and V for `tokens` in wire format `wire` from a `dtype` pool."""
+    if wire not in WIRE_FORMATS:
+        raise ValueError(f"unknown KV wire format {wire!r}; one of {', '.join(WIRE_FORMATS)}")
+    element = ITEMSIZE[dtype] if wire == "native" else 2 if wire == "bf16" else 1
+    return 2 * tokens * kv_heads * (head_dim * element + (4 if wire in SCALED_WIRES else 0))
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # provisioned by shared/runtime/provision.py
 
 
@@ -38,9 +48,9 @@ class ModelInfo:
         """What clients call the model (the OpenAI `model` field)."""
         return self.path.name
 
-    def kv_bytes_per_token(self, dtype: str = "float32") -> int:
-        """KV bytes of one token in a pool of `dtype` (K and V, every layer)."""
-        return self.num_layers * 2 * self.kv_heads * self.head_dim * ITEMSIZE[dtype]
+    def kv_bytes_per_token(self, dtype: str = "float32", wire: str = "native") -> int:
+        """KV bytes of one token from a pool of `dtype` (K and V, every layer), as `wire` carries it."""
+        return self.num_layers * wire_bytes(1, self.kv_heads, self.head_dim, dtype, wire)
 
 
 def model_path(model: str) -> Path:

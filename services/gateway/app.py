@@ -125,7 +125,7 @@ async def _body(request: Request) -> bytes:
 
 
 async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest):
-    if (parsed.pipeline or parsed.handoff) and not key.admin:
+    if (parsed.pipeline or parsed.handoff or parsed.kv_wire) and not key.admin:
         raise APIError(403, "only admin keys may force a plan ('pdd' overrides)", type="permission_error",
                        param="pdd", code="admin_only")  # fmt: skip
     flow = gw.admit(parsed, key, request.state.request_id)  # 429 when the gateway or the key is full

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.messages import Sampling
+from shared.model_info import WIRE_FORMATS
 from shared.pipelines import HANDOFFS, PIPELINES, Pipeline, hands_off
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -78,6 +79,7 @@ class ParsedRequest:
     include_usage: bool = False  # streaming only: send a final chunk with usage
     pipeline: str | None = None  # forced by the client's `pdd` extension, else the policy decides
     handoff: str | None = None
+    kv_wire: str | None = None  # forced WAN wire format (admins: `pdd.kv_wire`)
 
 
 def check_body_size(content_length: str | None, received: int | None = None, limit: int = MAX_BODY_BYTES) -> None:
@@ -160,7 +162,7 @@ def _common(obj: Json, kind: str, served_model: str) -> ParsedRequest:
     model = _model(obj.get("model"), served_model)
     _reject_unsupported(obj)
     stream = _bool(obj, "stream")
-    pipeline, handoff = _pdd(obj.get("pdd"))
+    pipeline, handoff, kv_wire = _pdd(obj.get("pdd"))
     sampling = Sampling(
         temperature=_number(obj, "temperature", DEFAULT_TEMPERATURE, lambda v: 0 <= v <= 2, "in [0, 2]"),
         top_p=_number(obj, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -183,6 +185,7 @@ def _common(obj: Json, kind: str, served_model: str) -> ParsedRequest:
         include_usage=_include_usage(obj.get("stream_options")) and stream,
         pipeline=pipeline,
         handoff=handoff,
+        kv_wire=kv_wire,
     )
 
 
@@ -224,20 +227,21 @@ def _include_usage(options: Any) -> bool:
     return _bool(options, "include_usage", param="stream_options.include_usage")
 
 
-def _pdd(ext: Any) -> tuple[str | None, str | None]:
+def _pdd(ext: Any) -> tuple[str | None, str | None, str | None]:
     if ext is None:
-        return None, None
+        return None, None, None
     if not isinstance(ext, dict):
         raise invalid(f"'pdd' must be an object, got {_json_type(ext)}", "pdd")
     for key in ext:
-        if key not in ("pipeline", "handoff"):
-            raise invalid(f"unknown field 'pdd.{key}'; known: pipeline, handoff", f"pdd.{key}")
+        if key not in ("pipeline", "handoff", "kv_wire"):
+            raise invalid(f"unknown field 'pdd.{key}'; known: pipeline, handoff, kv_wire", f"pdd.{key}")
+    kv_wire = _choice(ext.get("kv_wire"), WIRE_FORMATS, "pdd.kv_wire")
     pipeline = _choice(ext.get("pipeline"), PIPELINES, "pdd.pipeline")
     handoff = _choice(ext.get("handoff"), HANDOFFS, "pdd.handoff")
     if handoff is not None and pipeline is not None and not hands_off(pipeline):
         raise invalid(f"'pdd.handoff' applies only to pipeline {Pipeline.P_RLD_MD.value}, not {pipeline!r}",
                       "pdd.handoff")  # fmt: skip
-    return pipeline, handoff
+    return pipeline, handoff, kv_wire
 
 
 def _choice(value: Any, allowed: tuple[str, ...], param: str) -> str | None:

@@ -42,6 +42,8 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "handoff": plan.handoff,
         "plan_reason": plan.reason,
         "handoff_reason": plan.handoff_reason,
+        "kv_wire": plan.kv_wire,  # how its KV crossed the WAN (native, bf16, fp8, int8)
+        "kv_wire_reason": plan.kv_wire_reason,
         "plan_estimates": plan.estimates,
         "instances": {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md},
         "tokens_by_role": dict(stats.tokens_by_role),

@@ -28,6 +28,7 @@ from shared import subjects
 from shared.instance import InstanceService, service_main, to_params
 from shared.kv_transport import KVPush, KVTransferError, send_kv
 from shared.messages import Abort, Ack, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
+from shared.model_info import WIRE_FORMATS
 from shared.pipelines import hands_off
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
@@ -143,8 +144,9 @@ class Prefiller(InstanceService):
 
     async def _send(self, target: KVTarget, rid: str, payload: KVPayload, done: dict) -> int:
         """Push one target's KV; a dropped or stalled connection is retried from the start."""
-        layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v) for k, v in payload.layers])
-        push = KVPush(rid, self.inst.id, target.token, payload.header.to_dict(), layers, done, wan=target.wan)
+        layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v, target.wire) for k, v in payload.layers])
+        header = {**payload.header.to_dict(), "wire": target.wire}
+        push = KVPush(rid, self.inst.id, target.token, header, layers, done, wan=target.wan)
         t = self.cfg.timeouts
         path = "wan" if target.wan else "in_dc"
         for attempt in range(t.kv_retries + 1):
@@ -194,7 +196,7 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
     if not 1 <= len(task.targets) <= 2 or len({t.role for t in task.targets}) != len(task.targets):
         return "a task names one or two decoders of different roles"
     for t in task.targets:
-        if t.role not in ("rld", "md") or not 0 < t.port < 65536 or not t.host or not t.token:
+        if t.role not in ("rld", "md") or not 0 < t.port < 65536 or not t.host or not t.token or t.wire not in WIRE_FORMATS:
             return f"bad KV target {t.instance_id!r}"
         if not 0 <= t.start <= len(task.prompt_ids) or t.start % block_size:
             return f"KV target {t.instance_id!r}: start {t.start} is not a block boundary inside the prompt"

@@ -14,7 +14,7 @@ from typing import Any
 from services.scheduler.policy import InstanceView, PolicyConfig
 from shared.config import ClusterConfig
 from shared.messages import InstanceInfo
-from shared.model_info import load_model_info
+from shared.model_info import WIRE_FORMATS, load_model_info
 
 
 def kv_bytes_per_token(cfg: ClusterConfig) -> int:
@@ -33,7 +33,9 @@ def policy_config(knobs: dict[str, Any], *, kv_bytes_per_token: int, rld_slots: 
 
 def cluster_policy_config(cfg: ClusterConfig) -> PolicyConfig:
     """What the scheduler service plans with, from the cluster config."""
-    knobs = {k: v for k, v in dataclasses.asdict(cfg.scheduler).items() if k != "metrics_port"}
+    knobs = {k: v for k, v in dataclasses.asdict(cfg.scheduler).items() if k not in ("metrics_port", "kv_wire_in_dc")}
+    model, md_dtype = load_model_info(cfg.model), cfg.of_role("md")[0].dtype
+    knobs["wire_bytes_per_token"] = {w: model.kv_bytes_per_token(md_dtype, w) for w in WIRE_FORMATS}
     return policy_config(knobs, kv_bytes_per_token=kv_bytes_per_token(cfg),
                          rld_slots=sum(i.max_running for i in cfg.of_role("rld")), wan_delay_ms=cfg.wan.delay_ms,
                          catchup_chunk=cfg.handoff.chunk_tokens)  # fmt: skip

@@ -24,6 +24,12 @@ Pipeline (`config.default_pipeline == "auto"`; first rule that applies, `reason`
 A pinned `default_pipeline` (`p-md`, `p-rld-md`: baselines and ablations) replaces 2-6 [default],
 falling back to `p-md` when no relay is alive [no-relay-alive].
 
+KV wire format over the WAN (`kv_wire_reason` in brackets), chosen before the pipeline, whose
+estimates then use its bytes: a configured format [configured]; with `kv_wire = "auto"`, the
+widest of native, bf16, int8 whose p-md TTFT estimate meets the SLO [slo-met for native,
+narrowed-for-slo otherwise], else int8 [narrowest]. Narrower KV trades a little accuracy for
+WAN bytes (docs/kv-wire.md measures how little).
+
 Handoff of `p-rld-md` (`handoff_reason` in brackets): the request's hint [forced], else a pinned
 `default_handoff` [default], else from RLD's live load and the expected backlog, i.e. the tokens
 RLD will have produced before MD can take over: (TTFT via MD - TTFT via RLD) / RLD step time.
@@ -45,6 +51,7 @@ a needed role -> `NoCapacity` (the gateway answers 503); alive but all full -> `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -78,6 +85,7 @@ class PlanRequest:
     pipeline: str | None = None
     handoff: str | None = None
     avoid: frozenset[str] = frozenset()  # instances this request already failed on
+    kv_wire: str | None = None  # forced WAN wire format
 
 
 @dataclass(frozen=True)
@@ -99,12 +107,16 @@ class PolicyConfig:
     catchup_threshold: int = 64  # backlog (tokens) above which catch-up beats one-shot
     rld_pressure: float = 0.75  # share of rld_slots busy above which handoff is as early as possible
     guard: bool = True  # oscillation guard: RLD admission control
+    kv_wire: str = "native"  # KV over the WAN: native | bf16 | fp8 | int8 | auto (see above)
+    wire_bytes_per_token: dict[str, int] = field(default_factory=dict)  # format -> WAN bytes per token
 
     def __post_init__(self) -> None:
         if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
             raise ValueError(f"default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
         if self.default_handoff not in ("auto", Handoff.ONESHOT, Handoff.CATCHUP):
             raise ValueError(f"default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
+        if self.kv_wire not in ("native", "bf16", "fp8", "int8", "auto"):
+            raise ValueError(f"kv_wire {self.kv_wire!r} must be native, bf16, fp8, int8 or auto")
         positive = ("ttft_slo_ms", "kv_bytes_per_token", "prefill_tok_s", "wan_mbps", "local_mbps",
                     "decode_step_ms", "rld_slots", "catchup_chunk")  # fmt: skip
         for name in positive:
@@ -140,6 +152,8 @@ class Decision:
     handoff_reason: str = ""  # why this handoff ("" when there is none)
     chunk_tokens: int = 0  # catch-up chunk size; 0 unless the handoff is catch-up
     estimates: PlanEstimates = field(default_factory=PlanEstimates)
+    kv_wire: str = "native"  # how KV crosses the WAN for this request
+    kv_wire_reason: str = ""
 
 
 # -- instance choice ------------------------------------------------------------------------
@@ -233,6 +247,29 @@ def choose_handoff(req: PlanRequest, rld: InstanceView, backlog: int, config: Po
     return Handoff.ONESHOT, "small-backlog"
 
 
+AUTO_WIRES = ("native", "bf16", "int8")  # widest first: narrow only as far as the SLO needs
+
+
+def with_wire(config: PolicyConfig, wire: str) -> PolicyConfig:
+    """The estimates' priors with the WAN carrying `wire` bytes per token."""
+    return dataclasses.replace(config, kv_bytes_per_token=config.wire_bytes_per_token.get(wire, config.kv_bytes_per_token))
+
+
+def choose_wire(req: PlanRequest, prefill: InstanceView, md: InstanceView | None, config: PolicyConfig,
+                wan: Link) -> tuple[str, str]:  # fmt: skip
+    if req.kv_wire is not None:
+        return req.kv_wire, "forced"
+    if config.kv_wire != "auto":
+        return config.kv_wire, "configured"
+    if md is None:
+        return "native", "no-wan"
+    for wire in AUTO_WIRES:
+        ttft = estimate_ttft(Pipeline.P_MD, req.prompt_len, prefill, md, with_wire(config, wire), wan).total_ms
+        if ttft <= config.ttft_slo_ms:
+            return wire, "slo-met" if wire == "native" else "narrowed-for-slo"
+    return AUTO_WIRES[-1], "narrowest"
+
+
 # -- the plan -------------------------------------------------------------------------------
 def choose_plan(
     req: PlanRequest, instances: list[InstanceView], config: PolicyConfig, wan_mbps: float | None = None
@@ -245,7 +282,9 @@ def choose_plan(
             decoders[role] = cheapest(instances, role, req, config)
         except NoCapacity as e:
             missing[role] = e
-    ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], config, wan).total_ms
+    wire, wire_reason = choose_wire(req, prefill, decoders.get("md"), config, wan)
+    priors = with_wire(config, wire)
+    ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan).total_ms
             for p, role in ((Pipeline.P_MD, "md"), (Pipeline.P_RLD_MD, "rld")) if role in decoders}  # fmt: skip
     uncached = uncached_tokens(req, instances)
     rld = decoders.get("rld")
@@ -274,4 +313,6 @@ def choose_plan(
         handoff_reason=handoff_reason,
         chunk_tokens=config.catchup_chunk if handoff == Handoff.CATCHUP else 0,
         estimates=estimates,
+        kv_wire=wire if "md" in picked else "native",
+        kv_wire_reason=wire_reason if "md" in picked else "",
     )

@@ -157,19 +157,20 @@ class Scheduler:
         hits = await self._prefix_hits(list(alive), sub.prompt_ids, sub.cache_salt)
         views = [instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
-                          frozenset(sub.avoid))  # fmt: skip
+                          frozenset(sub.avoid), sub.kv_wire)  # fmt: skip
         d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(time.monotonic()))
         plan = Plan(
             sub.request_id, pipeline=d.pipeline, handoff=d.handoff, prefill=d.instances.get("prefill", ""),
             rld=d.instances.get("rld", ""), md=d.instances.get("md", ""), md_cached_tokens=d.md_cached_tokens,
             reason=d.reason, handoff_reason=d.handoff_reason, chunk_tokens=d.chunk_tokens,
-            estimates=d.estimates.as_dict(),
+            estimates=d.estimates.as_dict(), kv_wire=d.kv_wire, kv_wire_reason=d.kv_wire_reason,
         )  # fmt: skip
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         for iid in d.instances.values():  # before any await: a request planned meanwhile must see these
             self.dispatched.add(iid, time.time())
         prefill = alive[plan.prefill]
-        targets = [_target(prefill, inst, d.starts[inst.role]) for inst in decoders]
+        targets = [_target(prefill, inst, d.starts[inst.role], plan.kv_wire, self.cfg.scheduler.kv_wire_in_dc)
+                   for inst in decoders]  # fmt: skip
         await self._record(plan)  # before any stage holds it: a holder of an unrecorded request drops it
         acks = await asyncio.gather(*(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)),
                                     return_exceptions=True)  # fmt: skip
@@ -221,8 +222,10 @@ class Scheduler:
             self.plans.pop(next(iter(self.plans)))
 
 
-def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int) -> KVTarget:
+def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: str, local_wire: str) -> KVTarget:
     """Where prefill pushes a decoder's KV (its advertised endpoint: across the line when it is
-    in the other site), with a fresh token only that decoder expects for this request."""
+    in the other site), with a fresh token only that decoder expects for this request, and the
+    wire format of that link."""
+    wan = decoder.dc != prefill.dc
     return KVTarget(decoder.id, decoder.role, decoder.kv_host, decoder.kv_port, start=start,
-                    token=secrets.token_hex(16), wan=decoder.dc != prefill.dc)  # fmt: skip
+                    token=secrets.token_hex(16), wan=wan, wire=wan_wire if wan else local_wire)  # fmt: skip

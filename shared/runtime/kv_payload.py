@@ -5,8 +5,8 @@ tensors `[n, kv_heads, head_dim]`; `import_kv` writes such a payload into anothe
 slots. Because the payload is token-contiguous, the receiver's block size and dtype are its
 own: the write converts dtype and scatters into whatever blocks the receiver allocated.
 
-The wire form (`header` + per-layer raw bytes) lives here too so the transport never has to
-know about torch dtypes.
+The wire form (`header` + per-layer bytes, in the header's wire format: shared/runtime/kv_wire.py)
+lives here too so the transport never has to know about torch dtypes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.runtime import kv_wire
 from shared.runtime.kv_pool import KVLayout, KVPool
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +30,7 @@ class KVHeader:
     kv_heads: int
     head_dim: int
     dtype: str  # sender's dtype, one of WIRE_DTYPES
+    wire: str = "native"  # how each layer travels (kv_wire.WIRE_FORMATS)
 
     @property
     def num_tokens(self) -> int:
@@ -37,8 +39,7 @@ class KVHeader:
     @property
     def layer_bytes(self) -> int:
         """Bytes of one layer's K plus V on the wire."""
-        item = torch.empty((), dtype=WIRE_DTYPES[self.dtype]).element_size()
-        return 2 * self.num_tokens * self.kv_heads * self.head_dim * item
+        return kv_wire.layer_bytes(self.num_tokens, self.kv_heads, self.head_dim, self.dtype, self.wire)
 
     @property
     def layout(self) -> KVLayout:
@@ -63,7 +64,7 @@ class KVPayload:
         if not h.start <= start <= end <= h.end:
             raise ValueError(f"[{start}, {end}) is not inside the payload's [{h.start}, {h.end})")
         a, b = start - h.start, end - h.start
-        header = KVHeader(start, end, h.num_layers, h.kv_heads, h.head_dim, h.dtype)
+        header = KVHeader(start, end, h.num_layers, h.kv_heads, h.head_dim, h.dtype, h.wire)
         return KVPayload(header, [(k[a:b], v[a:b]) for k, v in self.layers])
 
 
@@ -98,18 +99,10 @@ def import_kv(pool: KVPool, block_table: list[int], payload: KVPayload) -> None:
         import_layer(pool, slots, layer, k, v)
 
 
-def layer_to_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
-    """One layer's K and V as raw bytes (K first), in the tensors' own dtype."""
-    both = torch.stack([k.contiguous(), v.contiguous()])
-    return both.view(torch.uint8).numpy().tobytes()
+def layer_to_bytes(k: torch.Tensor, v: torch.Tensor, wire: str = "native") -> bytes:
+    """One layer's K and V as bytes (K first) in wire format `wire` (native: the tensors' own dtype)."""
+    return kv_wire.encode_layer(k, v, wire)
 
 
 def layer_from_bytes(header: KVHeader, data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(data) != header.layer_bytes:
-        raise ValueError(f"KV layer frame has {len(data)} bytes, expected {header.layer_bytes}")
-    if not data:  # the receiver already held the whole prompt: nothing but the header travels
-        empty = torch.empty((header.num_tokens, header.kv_heads, header.head_dim), dtype=WIRE_DTYPES[header.dtype])
-        return empty, empty
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    both = raw.view(WIRE_DTYPES[header.dtype]).view(2, header.num_tokens, header.kv_heads, header.head_dim)
-    return both[0], both[1]
+    return kv_wire.decode_layer(data, header.num_tokens, header.kv_heads, header.head_dim, header.dtype, header.wire)

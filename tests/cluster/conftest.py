@@ -54,15 +54,22 @@ def _keys_file() -> str:
 
 CLUSTERS = {
     # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
-    "cluster": {"port": 0, "handoff": {"chunk_tokens": 12, "final_tokens": 3}, "max_queue": 12,
+    # float32 everywhere: outputs must equal the model alone (transformers, float32) token for token
+    "cluster": {"port": 0, "handoff": {"chunk_tokens": 12, "final_tokens": 3}, "max_queue": 12, "instances": [
+                    {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384},
+                    {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 8192},
+                    {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 16384}],
                 "timeouts": {"kv_stall_s": 5, "kv_retries": 1, "request_s": 90}},
     # two prefill and two main-decode instances (small md pools, so eviction happens; at most
     # 12 requests each, so a burst finds the stage full)
     "fleet": {"port": 0, "instances": FLEET, "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}},
-    # API keys on (services/gateway/auth.py): the front door's tests
+    # the demo's heterogeneous fleet (prefill float32, relay and main-decode bfloat16) with API keys
+    # on (services/gateway/auth.py): the front door's and mixed precision's tests
     "keyed": {"port": 0, "gateway": {"keys_file": "<made at launch>"}, "max_queue": 128,
+              "handoff": {"chunk_tokens": 12, "final_tokens": 3},
               "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
-                            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 8192}]},
+                            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096, "dtype": "bfloat16"},
+                            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 8192, "dtype": "bfloat16"}]},
 }  # fmt: skip
 _launched: dict[str, Cluster] = {}
 
@@ -245,3 +252,43 @@ def tls_overhead(kv_bytes: int) -> int:
     """What TLS adds on the line to `kv_bytes` of KV frames: the handshake (certificates both
     ways, a few KiB) and 22 bytes per record of at most 16 KiB."""
     return 8192 + 32 * (kv_bytes // 16384 + 1)
+
+
+@pytest.fixture(scope="session")
+def mixed_reference(smol, smol_dir, smol_tokenizer):
+    """The one-process reference of the heterogeneous fleet: prefill in float32, the KV
+    converted, decoding in bfloat16. `handoff_after=k`: the relay's first k tokens, then
+    main-decode's restart from the same KV with those k tokens extended in one step."""
+    from shared.runtime.engine import Engine
+    from shared.runtime.kv_payload import export_kv, import_kv
+    from shared.runtime.models import load_model
+    from shared.runtime.sampling import SamplingParams
+    from shared.runtime.sequence import Sequence
+
+    bf16 = load_model(smol_dir, "bfloat16")
+    eos = tuple(e if isinstance(e, list) else [e]) if (e := smol.generation_config.eos_token_id) is not None else ()
+
+    def decode(prompt: list[int], known: list[int], payload, n: int, ignore_eos: bool) -> list[int]:
+        e = Engine.for_model(bf16, 512, eos_token_ids=eos)
+        seq = Sequence("d", [*prompt, *known], SamplingParams(max_tokens=n, ignore_eos=ignore_eos), prompt_len=len(prompt))
+        seq.block_table = e.allocate(e.pool.blocks_for(len(prompt) + n))
+        import_kv(e.pool, seq.block_table, payload)
+        seq.num_computed = len(prompt)
+        e.add(seq)
+        out = list(known)
+        while e.has_work:
+            out += [o.token_id for o in e.step() if o.token_id is not None]
+        return out
+
+    def text_for(prompt: list[int], n: int, ignore_eos: bool = False, handoff_after: int | None = None,
+                 ids: bool = False) -> str | list[int]:  # fmt: skip
+        p = Engine.for_model(smol, 512)
+        p.add(Sequence("p", list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1))
+        first = next(o.token_id for o in p.step() if o.token_id is not None)
+        payload = export_kv(p.pool, p.held["p"].block_table, 0, len(prompt))
+        tokens = decode(prompt, [first], payload, n, ignore_eos)
+        if handoff_after is not None and handoff_after < len(tokens):
+            tokens = decode(prompt, tokens[:handoff_after], payload, n, ignore_eos)
+        return tokens if ids else smol_tokenizer.decode(tokens, skip_special_tokens=True)
+
+    return text_for

@@ -89,8 +89,9 @@ def test_tenants_do_not_share_cached_kv(keyed):
     assert other["prefix_hit_tokens"] == {"prefill": 0, "md": 0}, json.dumps(other)
 
 
-def test_the_streams_of_an_admitted_key_finish_exactly(keyed, reference, smol_tokenizer):
+def test_the_streams_of_an_admitted_key_finish_exactly(keyed, mixed_reference, smol_tokenizer):
     prompt = "Water boils at"
     text, pdd, _ = stream_completion(keyed.url + "/v1/completions",
                                      {"prompt": prompt, "max_tokens": 8, "temperature": 0}, headers=auth("calm"))  # fmt: skip
-    assert text == reference(smol_tokenizer(prompt)["input_ids"], 8) and "instances" not in pdd
+    assert pdd["tokens_by_role"]["rld"] == 0  # a short prompt goes p-md: one decoder, bfloat16
+    assert text == mixed_reference(smol_tokenizer(prompt)["input_ids"], 8) and "instances" not in pdd

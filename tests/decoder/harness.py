@@ -92,7 +92,7 @@ class DecoderPair:
         roles = roles or tuple(r for r in ("rld", "md") if getattr(plan, r))
         return [await self.bus.request(subjects.decode_task(getattr(plan, r)), task, Ack, 5) for r in roles]
 
-    def transfer(self, rid: str, prompt: list[int], via_wan: bool, start: int = 0) -> Transfer:
+    def transfer(self, rid: str, prompt: list[int], via_wan: bool, start: int = 0, wire: str = "native") -> Transfer:
         """Prefill's push: the KV of [start, prompt) and the first token, as the receiver gets it."""
         e = self.prefill_engine
         params = to_params(self.sampling[rid]) if rid in self.sampling else greedy(1)
@@ -103,9 +103,10 @@ class DecoderPair:
             first = next((o.token_id for o in e.step() if o.seq_id == rid), None)
         payload = export_kv(e.pool, e.held[rid].block_table, start, len(prompt))
         e.release(rid)
-        layers = [layer_to_bytes(k, v) for k, v in payload.layers]
+        layers = [layer_to_bytes(k, v, wire) for k, v in payload.layers]
         done = {"first_token": first, "stats": {"prefill_ms": 1.0}}
-        return Transfer(rid, "prefill-0", dataclasses.asdict(payload.header), token=f"token-{rid}", layers=layers,
+        header = {**dataclasses.asdict(payload.header), "wire": wire}
+        return Transfer(rid, "prefill-0", header, token=f"token-{rid}", layers=layers,
                         done=done, wire_bytes=sum(map(len, layers)), via_wan=via_wan)  # fmt: skip
 
     async def land(self, role: str, rid: str, prompt: list[int], transfer: Transfer | None = None) -> str:

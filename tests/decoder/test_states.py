@@ -9,6 +9,8 @@ block, no message handler still waiting.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from shared import subjects
@@ -18,7 +20,7 @@ from shared.pipelines import Pipeline
 from tests.decoder.harness import DecoderPair, idle
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
-from tests.helpers import random_prompts, reference_generate
+from tests.helpers import random_prompts, reference_generate, run_to_completion
 
 N = 24
 
@@ -343,3 +345,33 @@ def _one_engine(model, prompt: list[int], params: SamplingParams) -> list[int]:
     e = make_engine(model)
     e.add(Sequence("solo", list(prompt), params))
     return run_to_completion(e)["solo"]
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8", "int8"])
+async def test_narrowed_kv_lands_and_decodes_as_one_process_would(tiny, pair, prompt, wire):
+    """Main-decode restores KV sent in a narrower wire format into its pool; the output is what
+    one process computes from the same KV round-tripped through that format."""
+    from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, layer_from_bytes, layer_to_bytes
+    from tests.decoder.harness import engine as cached_engine
+
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
+    t = pair.transfer("r1", prompt, via_wan=True, wire=wire)
+    assert await pair.land("md", "r1", prompt, t) == ""
+    await pair.drive(lambda: pair.finished("r1"))
+    e = cached_engine(tiny)  # the reference: prefill, the KV through `wire`, then decode, in one process
+    seq = Sequence("p", list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1)
+    e.add(seq)
+    first = run_to_completion(e)["p"][0]
+    payload = export_kv(e.pool, e.held["p"].block_table, 0, len(prompt))
+    header = dataclasses.replace(payload.header, wire=wire)
+    layers = [layer_from_bytes(header, layer_to_bytes(k, v, wire)) for k, v in payload.layers]
+    d = cached_engine(tiny)
+    ref = Sequence("d", list(prompt) + [first], SamplingParams(max_tokens=N, ignore_eos=True), prompt_len=len(prompt))
+    ref.block_table = d.allocate(d.pool.blocks_for(len(prompt) + N))
+    import_kv(d.pool, ref.block_table, KVPayload(header, layers))
+    ref.num_computed = len(prompt)
+    d.add(ref)
+    expected = [first] + run_to_completion(d)["d"]
+    assert [t for t, _ in pair.tokens("r1").values()] == expected
+    assert pair.chunks["r1"][-1].stats.wan_kv_bytes < sum(len(x) for x in pair.transfer("r2", prompt, True).layers)
+    pair.assert_gone("r1")

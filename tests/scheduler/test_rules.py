@@ -190,3 +190,27 @@ def test_a_full_relay_sends_the_request_to_main_decode():
 
 def test_unbounded_instances_are_never_full():
     assert choose_plan(request(1500), fleet(md_0={"held": 10_000}), CFG).instances["md"] == "md-0"
+
+
+# -- the KV wire format over the WAN --------------------------------------------------------
+WIRES = {"native": 46_080, "bf16": 23_040, "fp8": 12_240, "int8": 12_240}
+
+
+def test_a_configured_wire_format_is_used_and_its_bytes_estimated():
+    narrow = dataclasses.replace(CFG, kv_wire="int8", wire_bytes_per_token=WIRES)
+    d = choose_plan(request(2000), warm_prefill_cold_md(), narrow, wan_mbps=100.0)
+    wide = choose_plan(request(2000), warm_prefill_cold_md(), CFG, wan_mbps=100.0)
+    assert (d.kv_wire, d.kv_wire_reason) == ("int8", "configured") and wide.kv_wire == "native"
+    assert d.estimates.ttft_ms["p-md"] < wide.estimates.ttft_ms["p-md"] / 2  # a quarter of the bytes cross
+
+
+def test_auto_narrows_only_as_far_as_the_slo_needs():
+    auto = dataclasses.replace(CFG, kv_wire="auto", wire_bytes_per_token=WIRES)
+    fast = choose_plan(request(2000), warm_prefill_cold_md(), auto)  # native meets the SLO at 1 Gbps
+    assert (fast.kv_wire, fast.kv_wire_reason) == ("native", "slo-met")
+    sagged = choose_plan(request(2000), warm_prefill_cold_md(), auto, wan_mbps=300.0)
+    assert (sagged.kv_wire, sagged.kv_wire_reason, sagged.pipeline) == ("int8", "narrowed-for-slo", "p-md")
+    hopeless = choose_plan(request(2000), warm_prefill_cold_md(), auto, wan_mbps=20.0)
+    assert (hopeless.kv_wire, hopeless.kv_wire_reason, hopeless.pipeline) == ("int8", "narrowest", "p-rld-md")
+    relay_only = choose_plan(request(3000, 100), fleet(), auto)  # anomalous: nothing crosses
+    assert (relay_only.pipeline, relay_only.kv_wire) == ("p-rld", "native")
