@@ -22,13 +22,17 @@ up: setup
 	$(VENV)/bin/pdd up $(if $(CONFIG),--config $(CONFIG),)
 
 test: setup
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench-runtime: setup
 	$(PY) benchmarks/runtime_bench.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache

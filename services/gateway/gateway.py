@@ -136,5 +136,6 @@ def _log_request(flow: RequestFlow) -> None:
         "e2e_ms": round((time.perf_counter() - s.arrived) * 1000, 1), "wan_kv_bytes": d.wan_kv_bytes,
         "finish_reason": flow.finish_reason, "outcome": flow.outcome, "migrations": s.migrations,
         "key": flow.key.name,
+        **({"error": repr(flow.error)} if flow.error else {}),  # in full: the client saw it without hosts
     }  # fmt: skip
     log.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)

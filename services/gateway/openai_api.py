@@ -62,7 +62,18 @@ class APIError(Exception):
         self.counted = counted  # already in the request metrics (an admitted request's failure)
 
     def to_json(self) -> Json:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        message = self.message if self.status < 500 else public_message(self.message)
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# What a server-side failure may say about the cluster's insides: URLs, addresses and host:port
+_INTERNAL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b[\w.-]+:\d{2,5}\b", re.I)
+
+
+def public_message(message: str) -> str:
+    """A 5xx message as a client sees it: no internal host, address or port (the log keeps the
+    full message under the request id)."""
+    return _INTERNAL.sub("<internal>", message)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

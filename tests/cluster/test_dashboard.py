@@ -35,7 +35,9 @@ def chromium_binary() -> str | None:
 
 
 NO_BROWSER = "no Chromium (chromium, chromium-browser, google-chrome or PDD_CHROMIUM) to drive the dashboard"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(chromium_binary() is None, reason=NO_BROWSER)]
+# .ci/run installs Chromium and sets PDD_REQUIRE_BROWSER=1: in CI a missing browser fails, never skips
+REQUIRED = os.environ.get("PDD_REQUIRE_BROWSER") == "1"
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(chromium_binary() is None and not REQUIRED, reason=NO_BROWSER)]
 
 
 class Browser:
@@ -155,7 +157,9 @@ class Browser:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    b = Browser(chromium_binary(), tmp_path_factory.mktemp("browser"))
+    binary = chromium_binary()
+    assert binary, NO_BROWSER + " (PDD_REQUIRE_BROWSER=1)"
+    b = Browser(binary, tmp_path_factory.mktemp("browser"))
     yield b
     b.close()
 

@@ -169,6 +169,13 @@ def test_error_json_shape():
     assert "temperature" in e.message and "hot" in e.message
 
 
+def test_a_server_error_names_no_internal_host_or_port():
+    inside = "KV push to md-0.site-b.internal:7500 (10.1.2.3:7500) failed; nats://10.0.0.9:4222 timed out"
+    message = APIError(500, inside, type="server_error").to_json()["error"]["message"]
+    assert message == "KV push to <internal> (<internal>) failed; <internal> timed out"
+    assert APIError(400, "'max_tokens' must be >= 1, got 0").to_json()["error"]["message"].endswith("got 0")
+
+
 def test_unknown_model_is_404():
     e = error_of(completion, {"prompt": "x", "model": "gpt-4"})
     assert (e.status, e.param, e.type, e.code) == (404, "model", "not_found_error", "model_not_found")
