@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, layer_from_bytes, layer_to_bytes
+from shared.runtime.kv_pool import KVLayout, KVPool
 from shared.runtime.sequence import Sequence
 from tests.helpers import greedy, make_engine, random_prompts, reference_generate, reference_model, run_to_completion
 
@@ -124,3 +125,59 @@ def test_kv_that_finds_the_pool_full_waits_and_then_decodes_exactly(tiny, tiny_r
     assert _admit(receiver, parked, payload) is None and parked.cached_tokens == 32
     assert [first] + run_to_completion(receiver)["d"] == reference_generate(tiny_ref, prompt, 10)
     assert receiver.pool.num_free_blocks + receiver.cache.num_blocks == receiver.pool.num_blocks
+
+
+def _pool_holding(values: list[torch.Tensor], dtype: torch.dtype, block_size: int) -> tuple[KVPool, list[int]]:
+    """A pool of `dtype` whose sequence holds K = values[layer], V = -values[layer] at positions [0, n)."""
+    layout = KVLayout(len(values), *values[0].shape[1:])
+    pool = KVPool(layout, num_blocks=8, block_size=block_size, dtype=dtype)
+    table = pool.allocator.allocate(pool.blocks_for(len(values[0])))
+    slots = pool.slots(table, 0, len(values[0]))
+    for layer, k in enumerate(values):
+        pool.write(layer, slots, k, -k)
+    return pool, table
+
+
+def _convert(values: list[torch.Tensor], src: torch.dtype, dst: torch.dtype) -> tuple[KVPayload, KVPayload]:
+    """Export from a `src` pool (block size 16), over the wire's bytes, into a `dst` pool (block
+    size 8) at positions [0, n). Returns the payload sent and what the receiver's pool then holds."""
+    pool, table = _pool_holding(values, src, 16)
+    sent = export_kv(pool, table, 0, len(values[0]))
+    received = KVPayload(sent.header, [layer_from_bytes(sent.header, layer_to_bytes(k, v)) for k, v in sent.layers])
+    receiver, rtable = _pool_holding([torch.zeros_like(v) for v in values], dst, 8)
+    import_kv(receiver, rtable, received)
+    return sent, export_kv(receiver, rtable, 0, len(values[0]))
+
+
+def _kv_values(scale: float = 1.0, n: int = 37, layers: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(21)
+    return [torch.randn(n, 2, 8, generator=g) * scale for _ in range(layers)]  # 2 KV heads of 8
+
+
+def test_bf16_export_imports_into_fp32_exactly():
+    """A bf16 sender, an fp32 receiver: each value arrives as the bf16 value itself, upcast. The
+    values span more than float16's range (a detour through it would overflow or flush them)."""
+    values = [v * torch.logspace(-9, 9, v.shape[-1]) for v in _kv_values()]  # 1e-9 .. 1e9 along head_dim
+    sent, held = _convert(values, torch.bfloat16, torch.float32)
+    assert sent.header.dtype == "bfloat16" and held.header.dtype == "float32"
+    for (k, v), (k32, v32), orig in zip(sent.layers, held.layers, values):
+        assert torch.equal(k, orig.bfloat16()) and torch.equal(v, -orig.bfloat16())  # what the sender held
+        assert k32.dtype == torch.float32
+        assert torch.equal(k32, k.float()) and torch.equal(v32, v.float())
+        assert torch.isfinite(k32).all() and k32.abs().max() > 65504 and (k32 != 0).all()
+
+
+def test_fp32_to_fp16_rounds_once_and_fp16_to_fp32_is_exact():
+    values = _kv_values(scale=4.0)
+    sent, held = _convert(values, torch.float32, torch.float16)
+    for (k, v), (k16, v16) in zip(sent.layers, held.layers):
+        assert k16.dtype == torch.float16
+        assert torch.equal(k16, k.half()) and torch.equal(v16, v.half())  # round to nearest, once
+        normal = k.abs() >= 2**-14  # float16's normal range: rounding is relative there
+        rel = ((k16.float() - k) / k).abs()[normal]
+        assert rel.max() <= 2**-11 and rel.max() > 0  # half a float16 ulp: no coarser detour (bf16: 2**-9)
+    fp16 = [v.half() for v in values]
+    sent, held = _convert(fp16, torch.float16, torch.float32)
+    for (k, _), (k32, v32), orig in zip(sent.layers, held.layers, fp16):
+        assert torch.equal(k, orig) and k32.dtype == torch.float32
+        assert torch.equal(k32, orig.float()) and torch.equal(v32, -orig.float())

@@ -1,0 +1,45 @@
+"""The prefix index's lookup (shared/registry.py), against a real redis-server: block hashes are
+chained, so an instance holds a prefix only up to its first missing block; a block it holds
+after a gap is no part of that prefix and must not count."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.servers import EmbeddedServer, free_port
+from shared.messages import IndexEvent
+from shared.registry import Registry, connect
+
+HASHES = ["b0", "b1", "b2", "b3"]  # the prompt's chained block hashes, in order
+
+
+@pytest.fixture
+async def registry(tmp_path):
+    port = free_port()
+    server = EmbeddedServer.redis(port, "pw", tmp_path).start()
+    reg = Registry(connect(f"redis://127.0.0.1:{port}", "pw"), ttl_s=3.0)
+    yield reg
+    await reg.r.aclose()
+    server.close()
+
+
+async def holds(registry: Registry, instance_id: str, hashes: list[str]) -> None:
+    await registry.apply_kv_events(instance_id, [IndexEvent("cleared"), IndexEvent("stored", hashes)])
+
+
+async def test_a_gap_in_the_chain_stops_the_count(registry):
+    await holds(registry, "gap", ["b0", "b2", "b3"])  # block 1 missing: only block 0 is a prefix
+    await holds(registry, "all", HASHES)
+    await holds(registry, "tail", ["b1", "b2", "b3"])  # no block 0: no prefix at all
+    await holds(registry, "head", ["b0", "b1"])
+    assert await registry.prefix_blocks(["gap", "all", "tail", "head", "unknown"], HASHES) == {
+        "gap": 1, "all": 4, "tail": 0, "head": 2, "unknown": 0}  # fmt: skip
+
+
+async def test_the_count_follows_removals(registry):
+    await holds(registry, "md-0", HASHES)
+    await registry.apply_kv_events("md-0", [IndexEvent("removed", ["b1"])])  # evicted from the middle
+    assert await registry.prefix_blocks(["md-0"], HASHES) == {"md-0": 1}
+    await registry.apply_kv_events("md-0", [IndexEvent("stored", ["b1"])])
+    assert await registry.prefix_blocks(["md-0"], HASHES) == {"md-0": 4}
+    assert await registry.prefix_blocks(["md-0"], []) == {"md-0": 0}
