@@ -153,3 +153,12 @@ def test_pdd_help_loads_neither_torch_nor_matplotlib():
     loaded = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
     assert not loaded & {"torch", "transformers", "matplotlib"}
     assert "usage: pdd" in out.stdout
+
+
+def test_pipeline_names_have_one_home():
+    """Outside tests, a pipeline's or handoff's name is spelt only in shared/pipelines.py."""
+    names = ("p-md", "p-rld-md", "p-rld", "oneshot", "catchup")
+    spelt = {(module, node.value) for module, path in MODULES.items() if module != "shared.pipelines"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value in names}  # fmt: skip
+    assert spelt == set(), sorted(spelt)
