@@ -56,6 +56,20 @@ def test_blocks_in_use_are_never_evicted_and_lru_goes_first():
     assert set(old) <= set(range(32)) and new
 
 
+def test_eviction_follows_last_use_not_insertion_or_block_order():
+    """Three unused prefixes, the oldest used again since: the one least recently used goes
+    first, then the next; the re-used one (oldest inserted, lowest block ids) stays."""
+    cache, alloc = _cache()
+    a, b, c = ([n] * BS for n in (1, 2, 3))
+    blocks = {name: _insert(cache, alloc, t) for name, t in (("a", a), ("b", b), ("c", c))}
+    alloc.free(cache.match(a))  # a request reused a and finished: a is now the most recent
+    assert cache.evict(1) == 1 and cache.match(b) == [] and cache.num_blocks == 2
+    assert alloc.refcount(blocks["b"][0]) == 0
+    alloc.free(cache.match(c))  # c is used again: a is now the least recent
+    assert cache.evict(1) == 1 and cache.match(a) == []
+    assert cache.match(c) == blocks["c"] and cache.num_blocks == 1
+
+
 def test_namespaces_do_not_share():
     cache, alloc = _cache()
     _insert(cache, alloc, list(range(8)), ns="tenant-a")
