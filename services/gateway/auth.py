@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import math
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import yaml
 from services.gateway.openai_api import APIError
 
 WINDOW_S = 60.0
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def digest(key: str) -> str:
@@ -70,7 +72,7 @@ class KeyRing:
         keys = [Key(f"key-{i}", digest(k), admin=False) for i, k in enumerate(_split(env.get("PDD_API_KEYS")))]
         keys += [Key(f"admin-{i}", digest(k), admin=True) for i, k in enumerate(_split(env.get("PDD_ADMIN_KEYS")))]
         if keys_file:
-            keys += [_from_file_entry(e, keys_file) for e in yaml.safe_load(Path(keys_file).read_text()) or []]
+            keys += _load_keys_file(keys_file)
         return cls(keys)
 
     @property
@@ -135,13 +137,37 @@ def _split(value: str | None) -> list[str]:
     return [k.strip() for k in (value or "").split(",") if k.strip()]
 
 
+def _load_keys_file(path: str) -> list[Key]:
+    """The keys of a keys file; anything malformed is a ValueError naming the file."""
+    try:
+        entries = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:  # where and what only: the line itself might hold a key
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or type(e).__name__}") from None
+    if entries is not None and not isinstance(entries, list):
+        raise ValueError(f"{path}: a keys file is a YAML list of keys; got {type(entries).__name__}")
+    return [_from_file_entry(e, path) for e in entries or []]
+
+
 def _from_file_entry(entry: dict, where: str) -> Key:
     """`{name, sha256, scope: user|admin, max_concurrent, tokens_per_minute, cache_salt}`."""
     known = {"name", "sha256", "scope", "max_concurrent", "tokens_per_minute", "cache_salt"}
     if not isinstance(entry, dict) or set(entry) - known or "sha256" not in entry or "name" not in entry:
-        raise ValueError(f"{where}: each key is a map with name, sha256 and optionally {sorted(known)}; got {entry!r}")
+        got = f"fields {sorted(map(str, entry))}" if isinstance(entry, dict) else type(entry).__name__
+        raise ValueError(f"{where}: each key is a map with name, sha256 and optionally {sorted(known)}; got {got}")
     if entry.get("scope", "user") not in ("user", "admin"):
         raise ValueError(f"{where}: key {entry['name']!r}: scope must be user or admin")
-    return Key(str(entry["name"]), str(entry["sha256"]).lower(), entry.get("scope") == "admin",
-               int(entry.get("max_concurrent", 0)), int(entry.get("tokens_per_minute", 0)),
-               str(entry.get("cache_salt", "")))  # fmt: skip
+    sha256 = str(entry["sha256"]).lower()
+    if not _SHA256.fullmatch(sha256):  # a plain key (or a typo) here would be a key nobody could ever use
+        raise ValueError(f"{where}: key {entry['name']!r}: sha256 must be the 64 hex digits of the key's SHA-256 "
+                         "(`printf %s KEY | sha256sum`), not the key itself")  # fmt: skip
+    return Key(str(entry["name"]), sha256, entry.get("scope") == "admin", _limit(entry, "max_concurrent", where),
+               _limit(entry, "tokens_per_minute", where), str(entry.get("cache_salt", "")))  # fmt: skip
+
+
+def _limit(entry: dict, name: str, where: str) -> int:
+    value = entry.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: key {entry['name']!r}: {name} must be an integer >= 0 (0: no limit); got {value!r}")
+    return value

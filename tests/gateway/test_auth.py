@@ -152,16 +152,25 @@ def test_a_keys_file_gives_hashed_keys_their_scope_limits_and_salt(tmp_path):
     [
         ([{"sha256": digest(USER)}], "name, sha256"),  # no name
         ([{"name": "a"}], "name, sha256"),  # no digest
-        ([{"name": "a", "sha256": digest(USER), "rate": 5}], "name, sha256"),  # an unknown field
+        ([{"name": "a", "sha256": digest(USER), "rate": 5}], r"got fields \['name', 'rate', 'sha256'\]"),
         ([{"name": "a", "sha256": digest(USER), "scope": "root"}], "scope must be user or admin"),
-        (["just-a-string"], "each key is a map"),
+        ([USER], "each key is a map .*; got str$"),  # plain keys listed: named by type, not echoed
+        ({"name": "a", "sha256": digest(USER)}, "a YAML list of keys; got dict"),  # a map where a list is due
+        ("5\n", "a YAML list of keys; got int"),
+        (f"- name: a\n  sha256: {USER}: x\n", "not valid YAML at line 2"),  # the line may hold a key: not quoted
+        ([{"name": "a", "sha256": USER}], "sha256 must be the 64 hex digits"),  # the plain key, not its digest
+        ([{"name": "a", "sha256": digest(USER)[:-1]}], "sha256 must be the 64 hex digits"),
+        ([{"name": "a", "sha256": digest(USER), "max_concurrent": "lots"}], "max_concurrent must be an integer"),
+        ([{"name": "a", "sha256": digest(USER), "max_concurrent": -1}], "max_concurrent must be an integer >= 0"),
+        ([{"name": "a", "sha256": digest(USER), "tokens_per_minute": 1.5}], "tokens_per_minute must be an integer"),
+        ([{"name": "a", "sha256": digest(USER), "tokens_per_minute": True}], "tokens_per_minute must be an integer"),
     ],
 )
-def test_a_bad_keys_file_is_a_clear_error_naming_the_file(tmp_path, entries, named):
+def test_a_bad_keys_file_is_a_clear_error_naming_the_file_and_no_key(tmp_path, entries, named):
     path = keys_file(tmp_path, entries)
     with pytest.raises(ValueError, match=named) as e:
-        KeyRing.from_settings(path, {})
-    assert str(e.value).startswith(f"{path}: ")
+        KeyRing.from_settings(path, {"PDD_API_KEYS": USER2})
+    assert str(e.value).startswith(f"{path}: ") and USER not in str(e.value)
 
 
 def test_an_empty_keys_file_adds_no_key(tmp_path):
