@@ -23,7 +23,13 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
                 "subscribe": ["pdd.tokens.>"]},
     "scheduler": {
         "publish": ["pdd.prefill.*.task", "pdd.decode.*.task", "pdd.decode.*.drop", "pdd.abort"],
-        "subscribe": ["pdd.scheduler.submit", "pdd.scheduler.wan_sample", "pdd.scheduler.status", "pdd.registry.*"],
+        "subscribe": [
+            "pdd.scheduler.submit",
+            "pdd.scheduler.wan_sample",
+            "pdd.scheduler.status",
+            "pdd.registry.*",
+            "pdd.abort",  # aborts: the line's backlog forgets the request's KV
+        ],
     },
     "prefill": {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],

@@ -388,10 +388,12 @@ class ClusterStatus(Message):
 
 @dataclass
 class WanSample(Message):
-    """decoder -> scheduler: one KV transfer across the WAN, for the bandwidth estimate."""
+    """decoder -> scheduler: one KV transfer across the WAN landed, for the bandwidth estimate
+    and the line's backlog (the request's bytes leave it; "" from a sender that does not say)."""
 
     nbytes: int
     seconds: float
+    request_id: str = ""
 
 
 @dataclass

@@ -3,13 +3,13 @@
 Lifecycle of a request (`SimCluster.run`):
 1. Sent at its arrival time, or, for a later turn of a session, when the turn before it has
    finished (as `pdd bench`'s open-loop runner does).
-2. Planned by `choose_plan` — the scheduler's function itself, imported, never copied (then any
-   rule a config proposes, sim/proposed.py) — on
+2. Planned by `choose_plan` — the scheduler's function itself, imported, never copied — on
    views of every instance (sim/views.py): prefix hits from the block index, running /
    waiting / pending counts and free KV blocks — live, or from heartbeats `heartbeat_s` apart
    plus the dispatches since, as the real registry gives them — optionally the measured step
-   times and prefill throughput the real heartbeat does not carry, and the WAN bandwidth the
-   estimator has learnt from finished transfers.
+   times and prefill throughput the real heartbeat does not carry, the WAN bandwidth the
+   estimator has learnt from finished transfers, and the line's backlog (`Serving.backlog`,
+   the scheduler's own `WanBacklog`, kept as the service keeps it).
 3. Served by `sim.pipeline.Serving` (prefill, KV, decode, handoff).
 4. Finished: its later turns are released. A request no instance can take fails at once
    (`NoCapacity`, the gateway's 503).
@@ -25,7 +25,6 @@ from collections import defaultdict
 
 from services.scheduler.estimates import BandwidthEstimator, InstanceView
 from services.scheduler.policy import NoCapacity, PlanRequest, choose_plan
-from sim import proposed
 from sim.cache import PrefixIndex
 from sim.config import SimConfig, policy_config
 from sim.decoder import DecodeInstance
@@ -130,11 +129,8 @@ class SimCluster:
         try:
             plan_req = PlanRequest(req.request_id, req.prompt_len, req.output_len)
             views, wan_mbps = self.views(req), self.estimator.mbps(self.loop.now / 1000.0)
-            d = POLICY(plan_req, views, self.policy, wan_mbps=wan_mbps)
-            if self.cfg.proposed:
-                ctx = proposed.Context(views, self.policy, wan_mbps, POLICY, self.pipeline.wan_outstanding)
-                for name in proposed.check(self.cfg.proposed):
-                    d = proposed.RULES[name](d, plan_req, ctx)
+            backlog = self.pipeline.backlog.total(self.loop.now / 1000.0)
+            d = POLICY(plan_req, views, self.policy, wan_mbps=wan_mbps, wan_backlog_bytes=backlog)
         except NoCapacity as e:
             run.marks["failed"] = self.loop.now
             run.reason = f"no capacity: {e}"

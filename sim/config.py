@@ -6,14 +6,14 @@
     wan: {bandwidth_mbps, delay_ms, jitter_ms, swing, low, period_s, step, seed}
     local: {mbps, delay_ms}               # in-DC KV path
     handoff: {chunk_tokens, final_tokens}
-    scheduler: {...}                      # PolicyConfig knobs; each mode pins its own pipeline
+    scheduler: {...}                      # PolicyConfig knobs (relay_finishes, line_backlog, ...);
+                                          # each mode pins its own pipeline
     fleets: {default: {prefill, rld, md}, <mode>: {...}}
     slo: {ttft_ms, tpot_ms}
     prices: {wan_line, wan_line_gbps}     # the line's price (for a line of that size); chips: the profiles
     host: {cores, background_cores, request_overhead_ms, cold_start_ms, interleave_prefill}
                                           # sim/host.py; absent: every instance on its own chip
     views: {heartbeat_s, measured}        # sim/views.py: what the scheduler sees; absent: live, measured
-    proposed: [relay-finishes, ...]       # sim/proposed.py: scheduler rules under trial
 
 Modes mean what they mean in `pdd bench`: benchmarks/modes.py's `MODE_TABLE` says where MD runs
 (pd-local: chip A in datacenter A, no WAN), whether it keeps a DRC (not in pd-wan), whether a
@@ -33,7 +33,6 @@ import yaml
 from benchmarks.modes import mode
 from services.scheduler import inputs
 from services.scheduler.policy import PolicyConfig
-from sim import proposed
 from sim.host import HostSpec
 from sim.link import BandwidthSchedule
 from sim.profiles import ChipProfile, load_profiles
@@ -64,7 +63,6 @@ class SimConfig:
     drc: bool = True  # False: main-decode keeps no radix cache in any mode (an ablation)
     host: dict[str, Any] = field(default_factory=dict)
     views: dict[str, Any] = field(default_factory=dict)
-    proposed: tuple[str, ...] = ()  # scheduler rules under trial (sim/proposed.py), applied after choose_plan
     path: str = ""
 
     def chip(self, dc: str, role: str) -> ChipProfile:
@@ -153,10 +151,9 @@ def load_sim_config(path: str | Path) -> SimConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown}")
-    cfg = SimConfig(profiles=profiles, path=str(path), **{**raw, "proposed": tuple(raw.get("proposed", ()))})
+    cfg = SimConfig(profiles=profiles, path=str(path), **raw)
     for dc in ("A", "B"):
         cfg.chip(dc, "md")  # names a real profile, or fail now with its name
     cfg.host_spec()  # a bad host value fails now, named
     cfg.view_spec()
-    proposed.check(cfg.proposed)
     return cfg

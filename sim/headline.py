@@ -3,14 +3,16 @@ why the relay streams what it streams.
 
 5. `headline`: both chip pairs (`PAIRS`) and both workloads that match the report's (agent
    sessions at fleet scale, `agents`; the Mooncake trace at 2x its rate), each on a line sized
-   for PDD (sim/sizing.py): every mode, PDD with the proposed scheduler rules (sim/proposed.py:
-   line-backlog, relay-finishes), and naive cross-DC PD on a line sized for it.
+   for PDD (sim/sizing.py): every mode, PDD without the scheduler's relay-finishes and
+   line-backlog rules (services/scheduler/policy.py; `pdd` has them, as the scheduler does by
+   default), and naive cross-DC PD on a line sized for it.
 6. `sensitivity`: BCR of PDD over 88 A intra-DC against (a) the line's capacity (its price
    scales with it), (b) B's price relative to A (arithmetic on experiment 5's goodputs), (c) the
    average prefix hit (`hitmix`, agent-sized requests), each pair on its experiment-5 line.
 7. `relay`: experiment 1 request by request (`anatomy`: did the relay stream the whole answer,
-   and did the policy know it would?), the same run with the proposed rules, the trace on its
-   sized line, and the report's 64K-in / 1K-out set-up at ~90% hit for the relay's share.
+   and did the policy know it would?) without the two rules, with relay-finishes alone and with
+   both, the trace on its sized line, and the report's 64K-in / 1K-out set-up at ~90% hit for
+   the relay's share, each with and without the rules.
 Each writes its PNGs into `--out` and returns its figures for experiments.json.
 """
 
@@ -36,8 +38,7 @@ PAIRS = {"H100 + H200": "configs/sim/report-fleet.yaml", "H100 + H20": "configs/
 AGENT_REQUESTS, AGENT_RATE = 12_000, 60.0  # offered rate: 512 agents keep ~40 req/s going, 88 A saturate
 UNBOUNDED_MBPS = 1e7  # 10 Tbps: a line that holds nothing back, to measure demand
 MODES = ("pd-local", "pd-wan", "pd-wan-drc", "pdd")
-RULES = ("line-backlog", "relay-finishes")  # sim/proposed.py
-PROPOSED = "pdd + proposed rules"
+RULES_OFF = "pdd, rules off"  # without relay-finishes and line-backlog (services/scheduler/policy.py)
 LINE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 PRICES = tuple(round(0.3 + 0.05 * k, 2) for k in range(28))  # B's price / A's: 0.3 .. 1.65
 HITS = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -49,8 +50,13 @@ def with_line(cfg: SimConfig, gbps: float) -> SimConfig:
     return dataclasses.replace(cfg, wan={**cfg.wan, "bandwidth_mbps": gbps * 1000.0})
 
 
-def with_rules(cfg: SimConfig, rules: tuple[str, ...] = RULES) -> SimConfig:
-    return dataclasses.replace(cfg, proposed=rules)
+def with_rules(cfg: SimConfig, **knobs: bool) -> SimConfig:
+    """`cfg` with the scheduler's `relay_finishes` / `line_backlog` knobs set (both on by default)."""
+    return dataclasses.replace(cfg, scheduler={**cfg.scheduler, **knobs})
+
+
+def rules_off(cfg: SimConfig) -> SimConfig:
+    return with_rules(cfg, relay_finishes=False, line_backlog=False)
 
 
 def figures(cfg: SimConfig, mode: str, reqs: list[SimRequest], label: str = "") -> tuple[dict, list[RequestRun]]:
@@ -100,7 +106,7 @@ def headline(out: Path, trace: str) -> dict:
             sized, naive = size(cfg, "pdd", reqs), size(cfg, "pd-wan", reqs)
             line = with_line(cfg, sized["line_gbps"])
             rows = {m: figures(line, m, reqs, f"{wname} {pair} {m}")[0] for m in MODES}
-            rows[PROPOSED] = figures(with_rules(line), "pdd", reqs, f"{wname} {pair} {PROPOSED}")[0]
+            rows[RULES_OFF] = figures(rules_off(line), "pdd", reqs, f"{wname} {pair} {RULES_OFF}")[0]
             own = with_line(cfg, naive["line_gbps"])
             rows["pd-wan, own line"] = figures(own, "pd-wan", reqs, f"{wname} {pair} pd-wan on its line")[0]
             result[wname][pair] = {"line": sized, "naive_line": naive, "modes": rows}
@@ -109,7 +115,7 @@ def headline(out: Path, trace: str) -> dict:
 
 
 def _plot_headline(path: Path, result: dict) -> None:
-    shown = ("pd-wan", "pd-wan-drc", "pdd", PROPOSED, "pd-wan, own line")
+    shown = ("pd-wan", "pd-wan-drc", "pdd", RULES_OFF, "pd-wan, own line")
     fig, axes = plt.subplots(1, len(result), figsize=(6.5 * len(result), 4.2), squeeze=False)
     for ax, (wname, w) in zip(axes[0], result.items()):
         pairs = [p for p in PAIRS if p in w]
@@ -134,14 +140,14 @@ def sensitivity(out: Path, head: dict) -> dict:
         rows = []
         for f in LINE_FACTORS:
             row, _ = figures(with_line(cfg, sized * f), "pdd", reqs, f"line x{f} {pair}")
-            ruled, _ = figures(with_rules(with_line(cfg, sized * f)), "pdd", reqs, f"line x{f} {pair} {PROPOSED}")
+            off, _ = figures(rules_off(with_line(cfg, sized * f)), "pdd", reqs, f"line x{f} {pair} {RULES_OFF}")
             rows.append(
                 {
                     "factor": f,
                     **row,
                     "vs_local": row["bcr"] / local["bcr"],
-                    "proposed": ruled,
-                    "proposed_vs_local": ruled["bcr"] / local["bcr"],
+                    "rules_off": off,
+                    "rules_off_vs_local": off["bcr"] / local["bcr"],
                 }
             )
         result["line"][pair] = rows
@@ -168,7 +174,7 @@ def _hit_sweep(cfg: SimConfig, pair: str) -> list[dict]:
         reqs = hitmix(HIT_REQUESTS, 0, HIT_RATE, h, prompt_tokens=20480, output_tokens=512, block_tokens=256)
         local, _ = figures(cfg, "pd-local", reqs, f"hit {h} {pair} pd-local")
         pdd, _ = figures(cfg, "pdd", reqs, f"hit {h} {pair} pdd")
-        ruled, _ = figures(with_rules(cfg), "pdd", reqs, f"hit {h} {pair} {PROPOSED}")
+        off, _ = figures(rules_off(cfg), "pdd", reqs, f"hit {h} {pair} {RULES_OFF}")
         base = max(local["bcr"], 1e-12)
         rows.append(
             {
@@ -176,8 +182,8 @@ def _hit_sweep(cfg: SimConfig, pair: str) -> list[dict]:
                 "pd-local": local,
                 "pdd": pdd,
                 "vs_local": pdd["bcr"] / base,
-                "proposed": ruled,
-                "proposed_vs_local": ruled["bcr"] / base,
+                "rules_off": off,
+                "rules_off_vs_local": off["bcr"] / base,
             }
         )
     return rows
@@ -188,7 +194,7 @@ def _plot_sensitivity(out: Path, r: dict) -> None:
     for k, (pair, rows) in enumerate(r["line"].items()):
         xs = [x["line_gbps"] for x in rows]
         ax.plot(xs, [x["vs_local"] for x in rows], "o-", color=f"C{k}", label=f"{pair}, pdd")
-        ax.plot(xs, [x["proposed_vs_local"] for x in rows], "s--", color=f"C{k}", label=f"{pair}, {PROPOSED}")
+        ax.plot(xs, [x["rules_off_vs_local"] for x in rows], "s--", color=f"C{k}", label=f"{pair}, {RULES_OFF}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("line capacity (Gbps, nominal; price scales with it)")
@@ -211,7 +217,7 @@ def _plot_sensitivity(out: Path, r: dict) -> None:
     for k, (pair, rows) in enumerate(r["hit"].items()):
         xs = [x["hit"] * 100 for x in rows]
         ax.plot(xs, [x["vs_local"] for x in rows], "o-", color=f"C{k}", label=f"{pair}, pdd")
-        ax.plot(xs, [x["proposed_vs_local"] for x in rows], "s--", color=f"C{k}", label=f"{pair}, {PROPOSED}")
+        ax.plot(xs, [x["rules_off_vs_local"] for x in rows], "s--", color=f"C{k}", label=f"{pair}, {RULES_OFF}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("average prefix hit (%)")
     ax.set_ylabel("BCR of PDD / BCR of 88 A intra-DC")
@@ -264,15 +270,15 @@ def relay(out: Path, trace: str, fleet: SimConfig, head: dict) -> dict:
     moon = trace_requests(trace, block_tokens=512, time_scale=0.5, max_context=131072, loops=2)
     result: dict = {}
     variants = (
-        ("experiment 1", fleet),
-        ("experiment 1 + relay-finishes", with_rules(fleet, ("relay-finishes",))),
-        (f"experiment 1, {PROPOSED}", with_rules(fleet)),
+        ("experiment 1, rules off", rules_off(fleet)),
+        ("experiment 1, relay-finishes alone", with_rules(fleet, relay_finishes=True, line_backlog=False)),
+        ("experiment 1", with_rules(fleet, relay_finishes=True, line_backlog=True)),
     )
     for label, cfg in variants:
         row, runs = figures(cfg, "pdd", moon, label)
         result[label] = {**row, "anatomy": anatomy(runs)}
     sized = head["mooncake x2"]["H100 + H200"]["line"]["line_gbps"]
-    for label, cfg in (("", with_line(fleet, sized)), (f", {PROPOSED}", with_rules(with_line(fleet, sized)))):
+    for label, cfg in (("", with_line(fleet, sized)), (", rules off", rules_off(with_line(fleet, sized)))):
         row, runs = figures(cfg, "pdd", moon, f"mooncake on its line{label}")
         result[f"mooncake x2 on its line{label}"] = {**row, "anatomy": anatomy(runs)}
     cfg = load_sim_config(PAIRS["H100 + H200"])
@@ -287,7 +293,7 @@ def relay(out: Path, trace: str, fleet: SimConfig, head: dict) -> dict:
     )
     line = size(cfg, "pdd", long)
     local, _ = figures(with_line(cfg, line["line_gbps"]), "pd-local", long, "64K/1K pd-local")
-    for label, c in (("", cfg), (f", {PROPOSED}", with_rules(cfg))):
+    for label, c in (("", cfg), (", rules off", rules_off(cfg))):
         row, runs = figures(with_line(c, line["line_gbps"]), "pdd", long, f"64K/1K pdd{label}")
         result[f"64K in / 1K out, 90% hit{label}"] = {**row, "line": line, "pd-local": local, "anatomy": anatomy(runs)}
     return result

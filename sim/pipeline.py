@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.estimates import BandwidthEstimator
+from services.scheduler.inputs import WanBacklog
 from services.scheduler.policy import Decision
 from shared.pipelines import Handoff, Pipeline, decoders_of, hands_off
 from sim.decoder import DecodeInstance, Slot
@@ -59,8 +60,7 @@ class Serving:
     final_tokens: int
     on_finish: Callable[[RequestRun], None]
     handoffs: dict[str, Relayed] = field(default_factory=dict)
-    wan_outstanding: float = 0.0  # KV bytes planned across the WAN that have not landed (or been cancelled)
-    _owed: dict[str, float] = field(default_factory=dict)  # request -> its share of `wan_outstanding`
+    backlog: WanBacklog = field(default_factory=WanBacklog)  # KV planned across the WAN, not landed or cancelled
 
     def start(self, run: RequestRun, d: Decision) -> None:
         run.pipeline, run.handoff, run.reason, run.handoff_reason = d.pipeline, d.handoff, d.reason, d.handoff_reason
@@ -70,10 +70,9 @@ class Serving:
         for role in decoders_of(d.pipeline):
             self.instances[d.instances[role]].pending += 1
         prefill_dc = self.instances[d.instances["prefill"]].dc
-        if "md" in d.instances and self.instances[d.instances["md"]].dc != prefill_dc:
+        if "md" in d.instances and self.instances[d.instances["md"]].dc != prefill_dc:  # as the scheduler does
             owed = (run.req.prompt_len - d.starts.get("md", 0)) * self.kv_bytes_per_token
-            self._owed[run.req.request_id] = owed
-            self.wan_outstanding += owed
+            self.backlog.add(run.req.request_id, owed, self.loop.now / 1000.0)
         if hands_off(d.pipeline):
             chunk = d.chunk_tokens or self.chunk_tokens
             self.handoffs[run.req.request_id] = Relayed(
@@ -111,8 +110,8 @@ class Serving:
         if across and h is not None and dec is h.md:
             h.wan_flow = flow
 
-    def _settle(self, run: RequestRun) -> None:
-        self.wan_outstanding -= self._owed.pop(run.req.request_id, 0.0)
+    def _settle(self, run: RequestRun) -> None:  # the scheduler's WanSample (landed) or abort (cancelled)
+        self.backlog.settle(run.req.request_id)
 
     def _landed(self, run: RequestRun, dec: DecodeInstance, path: str) -> None:
         run.marks[path] = self.loop.now

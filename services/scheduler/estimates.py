@@ -12,7 +12,10 @@ the KV, so the user sees it when the first decoder of the pipeline has the KV an
 
 - prefill: (uncached prompt tokens + tokens already queued on that instance) / its tok/s.
 - transfer: `kv_bytes_per_token * (prompt_len - decoder_hit)` / bandwidth + one-way delay; the
-  link is the WAN when prefill and decoder sit in different datacenters, in-DC otherwise.
+  link is the WAN when prefill and decoder sit in different datacenters, in-DC otherwise. On
+  the WAN a transfer also waits for the line's backlog (`wan_backlog_bytes`: KV dispatched
+  across it that has not landed) / bandwidth: it finishes no sooner than everything ahead of it.
+  A decoder that lacks nothing sends no KV and waits for none.
 - queue: each request waiting on the decoder costs about one step (the step that admits it).
   `running` enters through the measured step time: a bigger batch steps slower.
 Measured figures (`step_ms`, `prefill_tok_s`: moving averages each engine keeps of its own steps,
@@ -110,18 +113,22 @@ FIRST_DECODER = {p: first_decoder(p) for p in Pipeline}
 
 
 def estimate_ttft(
-    pipeline: str, prompt_len: int, prefill: InstanceView, decoder: InstanceView, priors: Priors, wan: Link
-) -> TTFTEstimate:
+    pipeline: str, prompt_len: int, prefill: InstanceView, decoder: InstanceView, priors: Priors, wan: Link,
+    wan_backlog_bytes: float = 0.0,
+) -> TTFTEstimate:  # fmt: skip
     """TTFT of `pipeline` with these instances; `decoder` is the one that streams first (MD for
-    p-md, RLD otherwise). `wan` is the live link estimate (see `BandwidthEstimator`)."""
+    p-md, RLD otherwise). `wan` is the live link estimate (see `BandwidthEstimator`);
+    `wan_backlog_bytes` the KV already on it, which a transfer across it waits for."""
     if decoder.role != FIRST_DECODER[pipeline]:
         raise ValueError(f"{pipeline}: first decoder must be {FIRST_DECODER[pipeline]}, got {decoder.role}")
-    link = wan if decoder.dc != prefill.dc else Link(priors.local_mbps)
+    across = decoder.dc != prefill.dc
+    link = wan if across else Link(priors.local_mbps)
     lacking = prompt_len - min(decoder.hit_tokens, prompt_len)
+    behind = max(wan_backlog_bytes, 0.0) / (wan.mbps * BYTES_PER_MBIT_PER_MS) if across and lacking > 0 else 0.0
     step = step_ms_of(decoder, priors)
     return TTFTEstimate(
         prefill_ms=prefill_ms(prompt_len - prefill.hit_tokens, prefill.queued_tokens, tok_s_of(prefill, priors)),
-        transfer_ms=transfer_ms(lacking, priors.kv_bytes_per_token, link),
+        transfer_ms=transfer_ms(lacking, priors.kv_bytes_per_token, link) + behind,
         queue_ms=decode_queue_ms(decoder.waiting, step),
         step_ms=step,
     )

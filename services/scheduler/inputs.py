@@ -1,5 +1,5 @@
 """What the scheduler plans with, built from plain data: the policy's config, the view of an
-instance, and the dispatches its last heartbeat has not counted yet.
+instance, the dispatches its last heartbeat has not counted yet, and the KV on the line.
 
 The scheduler service builds these from the cluster config and the registry; the simulator
 (sim/) builds the same from its fleet, so both plan on exactly the same inputs with the same
@@ -9,9 +9,10 @@ The scheduler service builds these from the cluster config and the registry; the
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-from services.scheduler.policy import InstanceView, PolicyConfig
+from services.scheduler.policy import InstanceView, PolicyConfig, with_wire
 from shared.config import ClusterConfig
 from shared.messages import InstanceInfo
 from shared.model_info import WIRE_FORMATS, load_model_info
@@ -70,3 +71,51 @@ class Dispatched:
         times = [t for t in self._at.get(instance_id, ()) if t > heartbeat_at]
         self._at[instance_id] = times
         return len(times)
+
+
+def wan_kv_bytes(tokens: int, wire: str, config: PolicyConfig) -> int:
+    """KV bytes of `tokens` tokens crossing the WAN in `wire`, as the plan's estimates weigh them."""
+    return max(tokens, 0) * with_wire(config, wire).kv_bytes_per_token
+
+
+class WanBacklog:
+    """The line's backlog: KV bytes dispatched across the WAN that have not landed yet.
+
+    The bandwidth estimate learns only from finished transfers; this is what is still on its way
+    (`choose_plan`'s `wan_backlog_bytes`). A request's bytes are `add`ed when its plan, with KV
+    crossing the WAN, is dispatched, and `settle`d when that KV lands (the decoder's `WanSample`
+    names the request), when the request is aborted (which also stops its KV mid-way), or when
+    its dispatch failed. An entry nothing settles (a push that failed for good: prefill drops
+    only main-decode's copy, which the scheduler does not hear) expires `max_age_s` after its
+    dispatch (timeouts.request_s: no request lives longer), so at most the requests dispatched
+    in that span are held. Times are the caller's clock, non-decreasing across `add`s.
+    """
+
+    def __init__(self, max_age_s: float = math.inf) -> None:
+        self.max_age_s = max_age_s
+        self._owed: dict[str, tuple[float, int]] = {}  # request -> (dispatched at, bytes), oldest first
+        self._total = 0
+
+    def add(self, request_id: str, nbytes: int, at: float) -> None:
+        self.settle(request_id)  # planned again: the new plan replaces the old one's bytes
+        if nbytes > 0:
+            self._owed[request_id] = (at, nbytes)
+            self._total += nbytes
+
+    def settle(self, request_id: str) -> int:
+        """Its KV landed or will not cross: its bytes leave the backlog (0 if it had none)."""
+        _, nbytes = self._owed.pop(request_id, (0.0, 0))
+        self._total -= nbytes
+        return nbytes
+
+    def total(self, now: float) -> int:
+        """Bytes on the line now, after dropping entries older than `max_age_s`."""
+        while self._owed:
+            request_id, (at, _) = next(iter(self._owed.items()))
+            if now - at <= self.max_age_s:
+                break
+            self.settle(request_id)
+        return self._total
+
+    def __len__(self) -> int:
+        return len(self._owed)

@@ -1,17 +1,22 @@
 """Scheduling policy: a pure function from plain data to a plan. No I/O, no torch, no NATS.
 
-`choose_plan(request, instances, config, wan_mbps=None) -> Decision`
+`choose_plan(request, instances, config, wan_mbps=None, wan_backlog_bytes=0.0) -> Decision`
 
 `instances` are the alive ones: an instance that missed its heartbeats has expired from the
 registry and is simply absent. `wan_mbps` is the live WAN estimate (`BandwidthEstimator`);
-None = the configured prior. The scheduler, the benchmarks and the simulator call this function.
+None = the configured prior. `wan_backlog_bytes` is the line's backlog: KV already dispatched
+across the WAN that has not landed (services/scheduler/inputs.py `WanBacklog`). The bandwidth
+estimate learns only from finished transfers, so in a burst the line looks empty request after
+request; with `line_backlog` a transfer to MD is estimated to finish behind that backlog
+(services/scheduler/estimates.py). The scheduler, the benchmarks and the simulator call this function.
 
 Pipeline (`config.default_pipeline == "auto"`; first rule that applies, `reason` in brackets):
 1. The request forces one (its `pdd` override) [forced].
 2. Anomalous traffic: long uncached input (prompt_len - best prefill/MD hit >=
    `anomalous_min_uncached`) with a short output budget (max_tokens < `anomalous_max_output`)
-   runs on RLD alone, `p-rld`, and never crosses the WAN [anomalous]. Nothing else gets p-rld:
-   low-hit traffic finishing on RLD overloads the small pool and the pipeline oscillates.
+   runs on RLD alone, `p-rld`, and never crosses the WAN [anomalous]. Nothing else gets p-rld
+   but rules 3 and 6: low-hit traffic finishing on RLD overloads the small pool and the
+   pipeline oscillates.
 3. No main-decode alive (datacenter B unreachable: the line is down) and a relay alive ->
    `p-rld`: datacenter A serves on its own [no-md-alive].
    No relay alive -> `p-md` [no-relay-alive]; every relay full (see below) -> `p-md` [rld-full].
@@ -20,8 +25,12 @@ Pipeline (`config.default_pipeline == "auto"`; first rule that applies, `reason`
 5. Oscillation guard (RLD admission control): the relay is busy with `rld_slots` requests or
    more (`rld_busy`: running, queued, or planned with the KV on its way) -> `p-md`, paying the
    TTFT penalty rather than piling onto RLD [rld-saturated]. With `guard=False` the request goes to RLD anyway.
-6. Otherwise `p-rld-md`: RLD streams while MD's KV is on the wire [slo-miss-relay].
-A pinned `default_pipeline` (`p-md`, `p-rld-md`: baselines and ablations) replaces 2-6 [default],
+6. The expected backlog (below) covers the whole answer budget (>= max_tokens): MD's KV cannot
+   land before the relay has streamed every token, so the request runs `p-rld` and MD is not
+   sent a KV it would drop [relay-finishes] (`relay_finishes`). The relay holds it exactly as
+   long as under `p-rld-md`; the line carries only KV that MD will use.
+7. Otherwise `p-rld-md`: RLD streams while MD's KV is on the wire [slo-miss-relay].
+A pinned `default_pipeline` (`p-md`, `p-rld-md`: baselines and ablations) replaces 2-7 [default],
 falling back to `p-md` when no relay is alive [no-relay-alive].
 
 KV wire format over the WAN (`kv_wire_reason` in brackets), chosen before the pipeline, whose
@@ -108,6 +117,8 @@ class PolicyConfig:
     rld_pressure: float = 0.75  # share of rld_slots busy above which handoff is as early as possible
     guard: bool = True  # oscillation guard: RLD admission control
     kv_wire: str = "native"  # KV over the WAN: native | bf16 | fp8 | int8 | auto (see above)
+    relay_finishes: bool = True  # rule 6: a relay backlog covering the answer budget runs p-rld
+    line_backlog: bool = True  # a transfer to MD is estimated behind `wan_backlog_bytes`
     wire_bytes_per_token: dict[str, int] = field(default_factory=dict)  # format -> WAN bytes per token
 
     def __post_init__(self) -> None:
@@ -133,12 +144,14 @@ class PlanEstimates:
     ttft_ms: dict[str, float] = field(default_factory=dict)  # candidate pipeline -> estimated TTFT
     wan_mbps: float = 0.0
     uncached_tokens: int = 0  # prompt_len - best prefill/MD hit
-    backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md)
+    backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md, relay-finishes)
     rld_busy: int = 0  # relay's busy count (see `rld_busy`) when planned
+    wan_backlog_bytes: float = 0.0  # KV on the line ahead of this request's, as the estimates counted it
 
     def as_dict(self) -> dict:
         return {"ttft_ms": dict(self.ttft_ms), "wan_mbps": self.wan_mbps, "uncached_tokens": self.uncached_tokens,
-                "backlog_tokens": self.backlog_tokens, "rld_busy": self.rld_busy}  # fmt: skip
+                "backlog_tokens": self.backlog_tokens, "rld_busy": self.rld_busy,
+                "wan_backlog_bytes": self.wan_backlog_bytes}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -206,8 +219,9 @@ def rld_busy(rld: InstanceView) -> int:
 
 def choose_pipeline(
     req: PlanRequest, rld: InstanceView | None, md_alive: bool, ttft: dict[str, float], uncached: int,
-    config: PolicyConfig,
+    config: PolicyConfig, backlog: int = 0,
 ) -> tuple[str, str]:  # fmt: skip
+    """Rules 1-7 (above); `backlog` is `expected_backlog` on the relay (0 when there is none)."""
     if req.pipeline is not None:
         return req.pipeline, "forced"
     if config.default_pipeline != "auto":
@@ -224,6 +238,8 @@ def choose_pipeline(
         return Pipeline.P_MD, "slo-met-md"
     if config.guard and rld_busy(rld) >= config.rld_slots:
         return Pipeline.P_MD, "rld-saturated"
+    if config.relay_finishes and backlog >= req.max_tokens:
+        return Pipeline.P_RLD, "relay-finishes"
     return Pipeline.P_RLD_MD, "slo-miss-relay"
 
 
@@ -252,11 +268,13 @@ AUTO_WIRES = ("native", "bf16", "int8")  # widest first: narrow only as far as t
 
 def with_wire(config: PolicyConfig, wire: str) -> PolicyConfig:
     """The estimates' priors with the WAN carrying `wire` bytes per token."""
-    return dataclasses.replace(config, kv_bytes_per_token=config.wire_bytes_per_token.get(wire, config.kv_bytes_per_token))
+    return dataclasses.replace(
+        config, kv_bytes_per_token=config.wire_bytes_per_token.get(wire, config.kv_bytes_per_token)
+    )
 
 
 def choose_wire(req: PlanRequest, prefill: InstanceView, md: InstanceView | None, config: PolicyConfig,
-                wan: Link) -> tuple[str, str]:  # fmt: skip
+                wan: Link, wan_backlog_bytes: float = 0.0) -> tuple[str, str]:  # fmt: skip
     if req.kv_wire is not None:
         return req.kv_wire, "forced"
     if config.kv_wire != "auto":
@@ -264,7 +282,8 @@ def choose_wire(req: PlanRequest, prefill: InstanceView, md: InstanceView | None
     if md is None:
         return "native", "no-wan"
     for wire in AUTO_WIRES:
-        ttft = estimate_ttft(Pipeline.P_MD, req.prompt_len, prefill, md, with_wire(config, wire), wan).total_ms
+        priors = with_wire(config, wire)
+        ttft = estimate_ttft(Pipeline.P_MD, req.prompt_len, prefill, md, priors, wan, wan_backlog_bytes).total_ms
         if ttft <= config.ttft_slo_ms:
             return wire, "slo-met" if wire == "native" else "narrowed-for-slo"
     return AUTO_WIRES[-1], "narrowest"
@@ -272,9 +291,11 @@ def choose_wire(req: PlanRequest, prefill: InstanceView, md: InstanceView | None
 
 # -- the plan -------------------------------------------------------------------------------
 def choose_plan(
-    req: PlanRequest, instances: list[InstanceView], config: PolicyConfig, wan_mbps: float | None = None
-) -> Decision:
+    req: PlanRequest, instances: list[InstanceView], config: PolicyConfig, wan_mbps: float | None = None,
+    wan_backlog_bytes: float = 0.0,
+) -> Decision:  # fmt: skip
     wan = Link(wan_mbps or config.wan_mbps, config.wan_delay_ms)
+    line = max(wan_backlog_bytes, 0.0) if config.line_backlog else 0.0
     prefill = cheapest(instances, "prefill", req, config)
     decoders, missing = {}, {}
     for role in ("rld", "md"):
@@ -282,14 +303,15 @@ def choose_plan(
             decoders[role] = cheapest(instances, role, req, config)
         except NoCapacity as e:
             missing[role] = e
-    wire, wire_reason = choose_wire(req, prefill, decoders.get("md"), config, wan)
+    wire, wire_reason = choose_wire(req, prefill, decoders.get("md"), config, wan, line)
     priors = with_wire(config, wire)
-    ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan).total_ms
+    ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan, line).total_ms
             for p, role in ((Pipeline.P_MD, "md"), (Pipeline.P_RLD_MD, "rld")) if role in decoders}  # fmt: skip
     uncached = uncached_tokens(req, instances)
     rld = decoders.get("rld")
     md_alive = not (isinstance(missing.get("md"), NoCapacity) and not isinstance(missing.get("md"), Saturated))
-    pipeline, reason = choose_pipeline(req, rld, md_alive, ttft, uncached, config)
+    backlog = expected_backlog(req, rld, ttft, config) if rld is not None else 0
+    pipeline, reason = choose_pipeline(req, rld, md_alive, ttft, uncached, config, backlog)
     if reason == "no-relay-alive" and isinstance(missing.get("rld"), Saturated):
         reason = "rld-full"
     roles = ROLES_OF[pipeline]
@@ -297,12 +319,13 @@ def choose_plan(
         if role not in decoders:
             raise missing[role]
     picked = {"prefill": prefill} | {role: decoders[role] for role in roles[1:]}
-    handoff, handoff_reason, backlog = Handoff.NONE, "", 0
+    handoff, handoff_reason = Handoff.NONE, ""
     if pipeline == Pipeline.P_RLD_MD:
-        backlog = expected_backlog(req, decoders["rld"], ttft, config)
         handoff, handoff_reason = choose_handoff(req, decoders["rld"], backlog, config)
+    elif reason != "relay-finishes":
+        backlog = 0  # recorded only where it counted: the handoff, or the relay finishing alone
     starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != "prefill"}
-    estimates = PlanEstimates(ttft, wan.mbps, uncached, backlog, rld_busy(rld) if rld else 0)
+    estimates = PlanEstimates(ttft, wan.mbps, uncached, backlog, rld_busy(rld) if rld else 0, line)
     return Decision(
         pipeline=pipeline,
         handoff=handoff,

@@ -4,7 +4,11 @@ Lifecycle of a request here:
 1. `Submit` from the gateway (request-reply). A request id seen before gets its earlier plan
    back (idempotent: the gateway may retry after a timeout).
 2. Alive instances and their load are read from Redis; `policy.choose_plan` decides the
-   pipeline and the instances (pure function, no I/O).
+   pipeline and the instances (pure function, no I/O), counting the line's backlog: the KV
+   this scheduler dispatched across the WAN that has not landed (`WanBacklog`: in when a plan
+   sending KV across is dispatched, out when the decoder's `WanSample` for that request says
+   it landed, when the request is aborted or its dispatch failed, or `timeouts.request_s`
+   after its dispatch at the latest).
 3. Decoders first: each gets a `DecodeTask` and must ack, so it is ready before any KV flies.
    Then prefill gets a `PrefillTask` with the KV targets: each decoder's advertised endpoint
    and a fresh transfer token that only that decoder expects for this request.
@@ -20,19 +24,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 import secrets
 import signal
 import time
+from collections import Counter
 
 from services.scheduler.estimates import BandwidthEstimator
-from services.scheduler.inputs import Dispatched, cluster_policy_config, instance_view
+from services.scheduler.inputs import Dispatched, WanBacklog, cluster_policy_config, instance_view, wan_kv_bytes
 from services.scheduler.policy import NoCapacity, PlanRequest, PolicyConfig, choose_plan
 from services.scheduler.registrar import Registrar
 from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
-from shared.messages import Abort, Ack, ClusterStatus, DecodeTask, Inspect, InstanceInfo, KVTarget, Plan, PrefillTask, Submit, WanSample
+from shared.messages import (
+    Abort,
+    Ack,
+    ClusterStatus,
+    DecodeTask,
+    Inspect,
+    InstanceInfo,
+    KVTarget,
+    Plan,
+    PrefillTask,
+    Submit,
+    WanSample,
+)
 from shared.model_info import model_name
 from shared.prefix_hash import block_hashes, namespace_of
 from shared.registry import Registry, connect
@@ -69,9 +85,11 @@ class Scheduler:
         self.registry: Registry | None = None
         self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
         self.dispatched = Dispatched()
+        self.backlog = WanBacklog(max_age_s=cfg.timeouts.request_s)  # KV on the line, by request
         self.unreachable: dict[str, float] = {}  # instance -> when it failed to answer (wall clock)
         self.metrics = Metrics(model_name(cfg.model), "scheduler")
         self.wan_estimate = self.metrics.gauge("pdd:wan_bandwidth_estimate_mbps", "The scheduler's WAN estimate")
+        self.wan_backlog = self.metrics.gauge("pdd:wan_backlog_bytes", "KV dispatched across the WAN, not landed yet")
         self.planned = self.metrics.counter("pdd:plans", "Plans made, by pipeline and reason", ("pipeline", "reason"))
         self.plan_counts: Counter[str] = Counter()
         secrets = Secrets.of(cfg)
@@ -90,17 +108,30 @@ class Scheduler:
         await Registrar(self.registry).serve(self.bus)
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
         self.metrics.serve(self.cfg.host, self.cfg.scheduler.metrics_port)
-        await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
-        await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
-        await self.bus.serve(subjects.STATUS, Inspect, self.on_status)
+        await self.serve()
         log.info("scheduler ready")
         await stop.wait()
         await self.bus.close()
         await self.registry.r.aclose()
 
+    async def serve(self) -> None:
+        """Answer on `self.bus`: submissions, the decoders' WAN samples, aborts and status."""
+        await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
+        await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
+        await self.bus.serve(subjects.ABORT, Abort, self.on_abort)
+        await self.bus.serve(subjects.STATUS, Inspect, self.on_status)
+
     async def on_wan_sample(self, sample: WanSample) -> None:
         self.wan.add(sample.nbytes, sample.seconds, time.monotonic())
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
+        self._settle(sample.request_id)
+
+    async def on_abort(self, msg: Abort) -> None:
+        self._settle(msg.request_id)  # an aborted request's KV stops crossing (the decoder cancels it)
+
+    def _settle(self, request_id: str) -> None:
+        if request_id and self.backlog.settle(request_id):
+            self.wan_backlog.set(self.backlog.total(time.monotonic()))
 
     async def on_status(self, _: Inspect) -> ClusterStatus:
         return ClusterStatus(await self.registry.alive(), self.wan.mbps(time.monotonic()), dict(self.plan_counts),
@@ -155,10 +186,13 @@ class Scheduler:
     async def _plan_and_dispatch(self, sub: Submit) -> Plan:
         alive = {i.id: i for i in await self.registry.alive() if self._answering(i)}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids, sub.cache_salt)
-        views = [instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()]
+        views = [
+            instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()
+        ]
         req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
                           frozenset(sub.avoid), sub.kv_wire)  # fmt: skip
-        d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(time.monotonic()))
+        now = time.monotonic()
+        d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(now), wan_backlog_bytes=self.backlog.total(now))
         plan = Plan(
             sub.request_id, pipeline=d.pipeline, handoff=d.handoff, prefill=d.instances.get("prefill", ""),
             rld=d.instances.get("rld", ""), md=d.instances.get("md", ""), md_cached_tokens=d.md_cached_tokens,
@@ -171,6 +205,18 @@ class Scheduler:
         prefill = alive[plan.prefill]
         targets = [_target(prefill, inst, d.starts[inst.role], plan.kv_wire, self.cfg.scheduler.kv_wire_in_dc)
                    for inst in decoders]  # fmt: skip
+        on_line = sum(wan_kv_bytes(len(sub.prompt_ids) - t.start, t.wire, self.policy) for t in targets if t.wan)
+        self.backlog.add(sub.request_id, on_line, now)  # before any await, as the dispatches above
+        self.wan_backlog.set(self.backlog.total(now))
+        try:
+            await self._dispatch(sub, plan, prefill, decoders, targets)
+        except BaseException:  # nothing of it will cross (or, re-planned, the next plan counts it)
+            self._settle(sub.request_id)
+            raise
+        return plan
+
+    async def _dispatch(self, sub: Submit, plan: Plan, prefill: InstanceInfo, decoders: list[InstanceInfo],
+                        targets: list[KVTarget]) -> None:  # fmt: skip
         await self._record(plan)  # before any stage holds it: a holder of an unrecorded request drops it
         acks = await asyncio.gather(*(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)),
                                     return_exceptions=True)  # fmt: skip
@@ -183,7 +229,6 @@ class Scheduler:
             for inst in decoders:
                 await self.bus.publish(subjects.decode_drop(inst.id), Abort(sub.request_id, reason="re-planned"))
             raise
-        return plan
 
     async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:
         task = DecodeTask(sub.request_id, sub.prompt_ids, sub.sampling, plan, kv_start=target.start,

@@ -1,4 +1,5 @@
-"""Pipeline choice, the anomalous filter, handoff mode and the oscillation guard, rule by rule."""
+"""Pipeline choice, the anomalous filter, handoff mode, the oscillation guard, relay-finishes and
+the line's backlog, rule by rule."""
 
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def test_big_backlog_with_headroom_catches_up_in_chunks():
 
 
 def test_backlog_is_capped_by_the_output_budget():
-    d = choose_plan(request(2000, 50), warm_prefill_cold_md(), CFG, wan_mbps=100.0)
+    no_rule = dataclasses.replace(CFG, relay_finishes=False)  # with it, this request runs p-rld (below)
+    d = choose_plan(request(2000, 50), warm_prefill_cold_md(), no_rule, wan_mbps=100.0)
     assert d.estimates.backlog_tokens == 50 and d.handoff == "oneshot"
 
 
@@ -131,6 +133,82 @@ def test_handoff_hint_and_pinned_handoff_win_over_the_rule():
     assert (d.handoff, d.handoff_reason) == ("oneshot", "forced")
     d = choose_plan(request(1500), fleet(), dataclasses.replace(CFG, default_handoff="catchup"))
     assert (d.handoff, d.handoff_reason, d.chunk_tokens) == ("catchup", "default", 64)
+
+
+# -- relay-finishes: the relay will stream the whole answer before MD's KV lands -------------
+def test_the_relay_finishes_alone_exactly_when_its_backlog_covers_the_answer():
+    """MD lags the relay by ~7.3 s at 100 Mbps: 98 relay steps. An answer of at most 98 tokens is
+    over before MD could take it: p-rld, and no KV crosses for MD to drop. 99 tokens: p-rld-md."""
+    views = warm_prefill_cold_md()
+    b = choose_plan(request(2000, 10_000), views, CFG, wan_mbps=100.0).estimates.backlog_tokens
+    assert b == 98
+    for max_tokens in (1, b - 1, b):
+        d = choose_plan(request(2000, max_tokens), views, CFG, wan_mbps=100.0)
+        assert (d.pipeline, d.reason, d.handoff, d.handoff_reason) == ("p-rld", "relay-finishes", "none", "")
+        assert d.instances == {"prefill": "prefill-0", "rld": "rld-0"} and "md" not in d.starts
+        assert (d.estimates.backlog_tokens, d.kv_wire, d.kv_wire_reason) == (max_tokens, "native", "")
+    d = choose_plan(request(2000, b + 1), views, CFG, wan_mbps=100.0)
+    assert (d.pipeline, d.reason, d.estimates.backlog_tokens) == ("p-rld-md", "slo-miss-relay", b)
+
+
+def test_relay_finishes_replaces_only_the_slo_miss_relay_answer():
+    views = warm_prefill_cold_md()
+    fast = choose_plan(request(2000, 1), views, CFG)  # MD meets the SLO: its KV is worth sending
+    assert (fast.pipeline, fast.reason, fast.estimates.backlog_tokens) == ("p-md", "slo-met-md", 0)
+    forced = choose_plan(request(2000, 1, pipeline="p-rld-md"), views, CFG, wan_mbps=100.0)
+    pinned = choose_plan(request(2000, 1), views, dataclasses.replace(CFG, default_pipeline="p-rld-md"), wan_mbps=100.0)
+    assert [(d.pipeline, d.reason) for d in (forced, pinned)] == [("p-rld-md", "forced"), ("p-rld-md", "default")]
+    no_relay = choose_plan(request(2000, 1), fleet("prefill-0", "md-0", prefill_0={"hit_tokens": 1984}), CFG,
+                           wan_mbps=100.0)  # fmt: skip
+    assert (no_relay.pipeline, no_relay.reason) == ("p-md", "no-relay-alive")
+
+
+def test_the_guard_still_comes_first():
+    d = choose_plan(request(2000, 1), warm_prefill_cold_md(running=32), CFG, wan_mbps=100.0)
+    assert (d.pipeline, d.reason) == ("p-md", "rld-saturated")
+
+
+def test_without_relay_finishes_the_relay_streams_while_mds_kv_crosses_anyway():
+    off = dataclasses.replace(CFG, relay_finishes=False)
+    d = choose_plan(request(2000, 1), warm_prefill_cold_md(), off, wan_mbps=100.0)
+    assert (d.pipeline, d.reason, d.estimates.backlog_tokens) == ("p-rld-md", "slo-miss-relay", 1)
+
+
+# -- line-backlog: a transfer to MD waits for the KV already on the line --------------------
+def test_the_lines_backlog_delays_md_and_flips_the_plan():
+    """2000 tokens * 46,080 B at 1 Gbps: 737 ms on an idle line, 876 ms in all, under the 1 s SLO;
+    20 MB already dispatched and not landed add 160 ms: over it."""
+    views = warm_prefill_cold_md()
+    idle = choose_plan(request(2000), views, CFG)
+    busy = choose_plan(request(2000), views, CFG, wan_backlog_bytes=20e6)
+    assert (idle.pipeline, idle.reason) == ("p-md", "slo-met-md")
+    assert (busy.pipeline, busy.reason) == ("p-rld-md", "slo-miss-relay")
+    assert busy.estimates.ttft_ms["p-md"] - idle.estimates.ttft_ms["p-md"] == pytest.approx(20e6 / 125_000)
+    assert busy.estimates.ttft_ms["p-rld-md"] == idle.estimates.ttft_ms["p-rld-md"]  # the relay is in-DC
+    assert (idle.estimates.wan_backlog_bytes, busy.estimates.wan_backlog_bytes) == (0.0, 20e6)
+    short = choose_plan(request(2000, 10), views, CFG, wan_backlog_bytes=20e6)  # over before MD's KV lands
+    assert (short.pipeline, short.reason) == ("p-rld", "relay-finishes")
+
+
+def test_without_line_backlog_the_line_looks_idle():
+    off = dataclasses.replace(CFG, line_backlog=False)
+    d = choose_plan(request(2000), warm_prefill_cold_md(), off, wan_backlog_bytes=20e6)
+    assert (d.pipeline, d.reason, d.estimates.wan_backlog_bytes) == ("p-md", "slo-met-md", 0.0)
+    assert d.estimates.ttft_ms == choose_plan(request(2000), warm_prefill_cold_md(), CFG).estimates.ttft_ms
+
+
+def test_a_decoder_that_lacks_nothing_sends_no_kv_and_waits_for_none():
+    views = fleet(prefill_0={"hit_tokens": 2000}, md_0={"hit_tokens": 2000})
+    idle, busy = (choose_plan(request(2000), views, CFG, wan_backlog_bytes=b) for b in (0.0, 1e9))
+    assert busy.estimates.ttft_ms == idle.estimates.ttft_ms and busy.reason == "slo-met-md"
+
+
+def test_auto_wire_narrows_for_the_lines_backlog_too():
+    auto = dataclasses.replace(CFG, kv_wire="auto", wire_bytes_per_token=WIRES)
+    idle = choose_plan(request(2000), warm_prefill_cold_md(), auto)
+    busy = choose_plan(request(2000), warm_prefill_cold_md(), auto, wan_backlog_bytes=20e6)
+    assert (idle.kv_wire, busy.kv_wire, busy.kv_wire_reason, busy.pipeline) == (
+        "native", "bf16", "narrowed-for-slo", "p-md")  # fmt: skip
 
 
 # -- oscillation guard (relay admission control) --------------------------------------------

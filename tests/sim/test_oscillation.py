@@ -5,7 +5,8 @@ Trivial chip (tests/sim/factories.py) on a line at half the trivial rate (4 Mbps
 20-token prompt prefills in 20 ms and its 20,000 B of KV take 40 ms on the line, so prefill hands out
 a request every 20 ms while the line drains one every 40 ms. A relayed request stays on the relay
 until MD has its KV and says so: without the guard those stays grow with the line's backlog and the
-relay holds ever more requests; with it the relay holds at most its one slot.
+relay holds ever more requests; with it the relay holds at most its one slot. The scheduler's
+relay-finishes and line-backlog rules are off unless a test says so: these are the guard's checks.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from tests.sim.factories import make_config, make_request
 SLOTS = 1
 
 
-def _burst(n: int, guard: bool = True, slo_ms: float = 1.0, gap_ms: float = 20.0):
+def _burst(n: int, guard: bool = True, slo_ms: float = 1.0, gap_ms: float = 20.0, rules: bool = False):
     cfg = make_config(
         roles={"rld": {"max_running": SLOTS}},
-        scheduler={"ttft_slo_ms": slo_ms, "guard": guard},
+        scheduler={"ttft_slo_ms": slo_ms, "guard": guard, "relay_finishes": rules, "line_backlog": rules},
         wan={"bandwidth_mbps": 4.0, "delay_ms": 5.0},
     )
     reqs = [make_request(f"r{i:03d}", prompt=20, output=50, arrival_ms=i * gap_ms) for i in range(n)]
@@ -35,6 +36,8 @@ def test_with_the_guard_the_relay_never_holds_more_than_its_slots():
     assert max_busy <= SLOTS
     assert reasons["rld-saturated"] > 0 and reasons["slo-miss-relay"] > 0
     assert all(r.estimates["rld_busy"] < SLOTS for r in runs if r.reason == "slo-miss-relay")
+    runs, reasons, max_busy = _burst(40, rules=True)  # the guard still bounds the relay with the rules on
+    assert max_busy <= SLOTS and reasons["rld-saturated"] > 0
 
 
 def test_without_the_guard_the_relay_queue_grows_with_the_burst():

@@ -78,8 +78,9 @@ def test_catch_up_hands_chunks_while_the_relay_keeps_streaming():
 
 def test_relay_finishing_first_drops_main_decodes_copy_and_cancels_its_kv():
     # RLD streams 3 tokens at 100.1, 110.1, 120.1; MD's KV left at 100 at 1000 B/ms: at 120.1 it has
-    # sent 20,100 of its 100,000 B, and the rest never crosses (as the real transfer is aborted)
-    cfg = make_config(scheduler={"ttft_slo_ms": 1.0})
+    # sent 20,100 of its 100,000 B, and the rest never crosses (as the real transfer is aborted).
+    # relay-finishes off: with it the policy foresees this and sends no KV at all (below)
+    cfg = make_config(scheduler={"ttft_slo_ms": 1.0, "relay_finishes": False})
     [run], cluster = simulate(cfg, "pdd", [make_request(output=3)])
     assert run.tokens_by_role == {"rld": 3, "md": 0}
     assert run.wan_bytes == 20_100 and run.marks["kv_wan_cancelled"] == pytest.approx(120.1)
@@ -101,11 +102,11 @@ def test_drc_keeps_prompt_and_answer_for_the_next_turn():
     assert no_drc[1].hit["md"] == 0 and no_drc[1].wan_bytes == 224_000
 
 
-def test_proposed_relay_finishes_keeps_the_kv_that_main_decode_would_drop_off_the_line():
+def test_relay_finishes_keeps_the_kv_that_main_decode_would_drop_off_the_line():
     # p-md's estimated TTFT: prefill 100 ms + 100,000 B at 1000 B/ms + 5 ms + a 10 ms step = 215 ms;
     # p-rld-md's: 100 + 0.1 + 10 = 110.1 ms. The relay's lead, ~105 ms, is 11 steps: an answer of 3
     # tokens is over before MD could take it (p-rld, no WAN bytes, the same token times); 20 is not.
-    cfg = make_config(scheduler={"ttft_slo_ms": 1.0}, proposed=("relay-finishes",))
+    cfg = make_config(scheduler={"ttft_slo_ms": 1.0})  # the scheduler's rule, on by default
     [short], _ = simulate(cfg, "pdd", [make_request(output=3)])
     assert (short.pipeline, short.reason, short.estimates["backlog_tokens"]) == ("p-rld", "relay-finishes", 3)
     assert short.wan_bytes == 0 and short.token_times == pytest.approx([100.1, 110.1, 120.1])
@@ -113,16 +114,21 @@ def test_proposed_relay_finishes_keeps_the_kv_that_main_decode_would_drop_off_th
     assert (long.pipeline, long.reason, long.estimates["backlog_tokens"]) == ("p-rld-md", "slo-miss-relay", 11)
 
 
-def test_proposed_line_backlog_counts_the_kv_already_on_its_way():
+def test_line_backlog_counts_the_kv_already_on_its_way():
     # two 100-token prompts sent together. b's p-md estimate: prefill (its 100 + a's 100 queued
     # tokens) 200 ms + 100,000 B at 1000 B/ms 100 ms + 5 + a 10 ms step = 315 ms: under a 400 ms SLO.
     # Counting a's 100,000 B still owed to the line, b's transfer takes 200 ms: 415 ms, over it.
     reqs = [make_request("a"), make_request("b")]
-    plain, _ = simulate(make_config(scheduler={"ttft_slo_ms": 400.0}), "pdd", reqs)
+    off = {"ttft_slo_ms": 400.0, "line_backlog": False, "relay_finishes": False}
+    plain, _ = simulate(make_config(scheduler=off), "pdd", reqs)
     assert [(r.pipeline, r.estimates["ttft_ms"]["p-md"]) for r in plain] == [("p-md", 215.0), ("p-md", 315.0)]
-    cfg = make_config(scheduler={"ttft_slo_ms": 400.0}, proposed=("line-backlog",))
-    ruled, _ = simulate(cfg, "pdd", reqs)
+    ruled, cluster = simulate(make_config(scheduler={**off, "line_backlog": True}), "pdd", reqs)
     assert [(r.pipeline, r.estimates["ttft_ms"]["p-md"]) for r in ruled] == [("p-md", 215.0), ("p-rld-md", 415.0)]
+    assert [r.estimates["wan_backlog_bytes"] for r in ruled] == [0, 100_000]
+    assert cluster.pipeline.backlog.total(cluster.loop.now) == 0 and not cluster.pipeline.backlog  # all landed
+    # both rules, as the scheduler runs by default: b's 3 tokens are over long before MD's KV lands
+    both, _ = simulate(make_config(scheduler={"ttft_slo_ms": 400.0}), "pdd", reqs)
+    assert [(r.pipeline, r.reason) for r in both] == [("p-md", "slo-met-md"), ("p-rld", "relay-finishes")]
 
 
 def test_the_lines_price_scales_with_its_capacity():

@@ -1,0 +1,179 @@
+"""The line's backlog: the KV the scheduler dispatched across the WAN that has not landed.
+
+`WanBacklog` on its own, then the scheduler service keeping it, driven on the in-memory bus
+(tests/fakes.py) with a registry stand-in and instances that only ack their tasks: in when a plan
+whose KV crosses is dispatched, out on the decoder's `WanSample` for that request, on an abort,
+or when the dispatch failed; the next plan counts what is still on the line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from services.scheduler.inputs import WanBacklog, wan_kv_bytes
+from services.scheduler.policy import PolicyConfig
+from services.scheduler.service import Scheduler
+from shared import subjects
+from shared.config import config_from_dict
+from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, Plan, PrefillTask, Sampling, Submit, WanSample
+from tests.fakes import InMemoryNats
+
+WIRES = {"native": 46_080, "bf16": 23_040, "fp8": 12_240, "int8": 12_240}
+
+
+# -- the ledger -----------------------------------------------------------------------------
+def test_bytes_stay_on_the_line_until_settled():
+    b = WanBacklog()
+    b.add("a", 1000, at=0.0)
+    b.add("b", 500, at=1.0)
+    assert (b.total(now=2.0), len(b)) == (1500, 2)
+    assert b.settle("a") == 1000 and b.total(now=2.0) == 500
+    assert b.settle("a") == 0 and b.settle("nobody") == 0  # a second landing, an abort after it: no change
+    assert b.settle("b") == 500 and (b.total(now=2.0), len(b)) == (0, 0)
+
+
+def test_a_request_planned_again_is_counted_once_and_nothing_is_kept_for_no_bytes():
+    b = WanBacklog()
+    b.add("a", 1000, at=0.0)
+    b.add("a", 300, at=1.0)  # re-planned: the new plan's bytes replace the old one's
+    b.add("local", 0, at=1.0)  # nothing crosses: nothing held
+    assert (b.total(now=1.0), len(b)) == (300, 1)
+
+
+def test_entries_nothing_settles_expire_after_max_age():
+    b = WanBacklog(max_age_s=10.0)
+    for k in range(5):
+        b.add(f"r{k}", 100, at=float(k))
+    assert b.total(now=10.0) == 500  # r0 is exactly 10 s old: kept
+    assert (b.total(now=12.5), len(b)) == (200, 2)  # r0, r1 and r2 are over 10 s old
+    assert (b.total(now=100.0), len(b)) == (0, 0)
+
+
+def test_wan_bytes_are_the_chosen_wires():
+    cfg = PolicyConfig(wire_bytes_per_token=WIRES)
+    assert [wan_kv_bytes(100, w, cfg) for w in ("native", "bf16", "int8")] == [4_608_000, 2_304_000, 1_224_000]
+    assert wan_kv_bytes(-5, "native", cfg) == 0
+    assert wan_kv_bytes(10, "native", PolicyConfig()) == 460_800  # no wire table: the native size
+
+
+# -- the scheduler service keeping it -------------------------------------------------------
+CONFIG = {
+    "model": "tiny",
+    "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "rld-0", "role": "rld", "dc": "A"},
+                  {"id": "md-0", "role": "md", "dc": "B"}],
+    "timeouts": {"request_s": 60, "control_s": 1},
+}  # fmt: skip
+INSTANCES = [InstanceInfo(i, i.split("-")[0], "B" if i.startswith("md") else "A", kv_host="127.0.0.1", kv_port=1)
+             for i in ("prefill-0", "rld-0", "md-0")]  # fmt: skip
+
+
+class Registry:
+    """The Redis registry's calls the scheduler makes: every instance alive, nothing cached."""
+
+    async def alive(self) -> list[InstanceInfo]:
+        return list(INSTANCES)
+
+    async def prefix_blocks(self, instance_ids: list[str], hashes: list) -> dict[str, int]:
+        return {}
+
+    async def set_request(self, request_id: str, fields: dict, ttl_s: float) -> None: ...
+
+
+class Cluster:
+    """A scheduler on an in-memory bus; every instance acks its tasks (or refuses, when told)."""
+
+    def __init__(self, **policy) -> None:
+        self.nats = InMemoryNats()
+        self.scheduler = Scheduler(config_from_dict(CONFIG), PolicyConfig(wire_bytes_per_token=WIRES, **policy))
+        self.scheduler.bus, self.scheduler.registry = self.nats.client("scheduler"), Registry()
+        self.bus = self.nats.client("gateway and decoders")
+        self.refuse: set[str] = set()
+
+    async def start(self) -> Cluster:
+        await self.scheduler.serve()
+        for inst in INSTANCES:
+            subject, kind = ((subjects.prefill_task(inst.id), PrefillTask) if inst.role == "prefill"
+                             else (subjects.decode_task(inst.id), DecodeTask))  # fmt: skip
+            await self.bus.serve(subject, kind, self._acker(inst.id))
+        return self
+
+    def _acker(self, instance_id: str):
+        async def ack(task) -> Ack:
+            return Ack(task.request_id, ok=instance_id not in self.refuse, error="full", busy=True)
+
+        return ack
+
+    async def submit(self, rid: str, prompt_len: int, max_tokens: int = 600, **kw) -> Plan:
+        sub = Submit(rid, list(range(prompt_len)), Sampling(max_tokens=max_tokens), **kw)
+        return await self.bus.request(subjects.SUBMIT, sub, Plan, 5.0)
+
+    async def publish(self, subject: str, msg) -> None:
+        await self.bus.publish(subject, msg)
+        await asyncio.gather(*list(self.nats.tasks))  # its handler has run
+
+    @property
+    def backlog(self) -> int:
+        return self.scheduler.backlog.total(now=0.0)  # monotonic time is far past 0: nothing expires
+
+
+async def test_a_plan_whose_kv_crosses_puts_its_bytes_on_the_line_until_they_land():
+    c = await Cluster(ttft_slo_ms=1e9).start()  # every request meets the SLO via MD: p-md
+    first = await c.submit("r1", 100)
+    assert (first.pipeline, first.estimates["wan_backlog_bytes"]) == ("p-md", 0)
+    assert c.backlog == 100 * 46_080
+    second = await c.submit("r2", 50)
+    assert second.estimates["wan_backlog_bytes"] == 100 * 46_080  # planned behind r1's KV
+    assert c.backlog == 150 * 46_080
+    await c.publish(subjects.WAN_SAMPLE, WanSample(100 * 46_080, 0.5, "r1"))  # r1's KV landed at MD
+    assert c.backlog == 50 * 46_080 and len(c.scheduler.wan) == 1  # and it fed the bandwidth estimate
+    await c.publish(subjects.ABORT, Abort("r2"))  # the client went: MD's receiver cancels the rest
+    assert c.backlog == 0 and len(c.scheduler.backlog) == 0
+
+
+async def test_the_backlog_counts_the_chosen_wires_bytes():
+    c = await Cluster(ttft_slo_ms=1e9).start()
+    plan = await c.submit("r1", 100, kv_wire="int8")
+    assert (plan.kv_wire, c.backlog) == ("int8", 100 * 12_240)
+
+
+async def test_nothing_is_counted_for_kv_that_stays_in_datacenter_a():
+    c = await Cluster(anomalous_min_uncached=64, anomalous_max_output=100).start()
+    plan = await c.submit("r1", 100, max_tokens=10)  # anomalous: p-rld, KV only to the relay
+    assert (plan.pipeline, plan.reason, c.backlog) == ("p-rld", "anomalous", 0)
+
+
+async def test_a_failed_dispatch_leaves_nothing_on_the_line():
+    c = await Cluster(ttft_slo_ms=1e9).start()
+    c.refuse.add("md-0")
+    plan = await c.submit("r1", 100)
+    assert plan.status == 429 and c.backlog == 0 and len(c.scheduler.backlog) == 0
+
+
+async def test_an_old_decoders_sample_still_decodes_and_leaves_the_backlog_alone():
+    c = await Cluster(ttft_slo_ms=1e9).start()
+    await c.submit("r1", 100)
+    legacy = WanSample.decode(msgpack.packb({"nbytes": 4_608_000, "seconds": 0.5}))  # no request id
+    assert legacy.request_id == ""
+    await c.publish(subjects.WAN_SAMPLE, legacy)
+    assert c.backlog == 100 * 46_080 and len(c.scheduler.wan) == 1
+
+
+async def test_the_line_backlog_flips_the_next_plan_and_the_knob_ignores_it():
+    """1000 tokens = 46 MB at the 1 Gbps prior: 369 ms on an idle line, 464 ms to MD's first token
+    with a 10 ms prefill; the SLO is 600 ms, so the second request, planned behind the first's KV
+    (another 369 ms), goes through the relay."""
+    fast = {"ttft_slo_ms": 600.0, "prefill_tok_s": 100_000.0, "relay_finishes": False}
+    on = await Cluster(**fast).start()
+    plans = [await on.submit(f"r{k}", 1000) for k in range(2)]
+    assert [(p.pipeline, p.reason) for p in plans] == [("p-md", "slo-met-md"), ("p-rld-md", "slo-miss-relay")]
+    assert on.backlog == 2 * 1000 * 46_080  # the relayed request's KV still crosses for MD
+    off = await Cluster(**fast, line_backlog=False).start()
+    plans = [await off.submit(f"r{k}", 1000) for k in range(2)]
+    assert [p.pipeline for p in plans] == ["p-md", "p-md"] and plans[1].estimates["wan_backlog_bytes"] == 0
+
+
+def test_the_scheduler_bounds_the_map_by_the_request_timeout():
+    s = Scheduler(config_from_dict(CONFIG), PolicyConfig())
+    assert s.backlog.max_age_s == 60
