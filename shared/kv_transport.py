@@ -281,8 +281,8 @@ class KVReceiver:
             writer.close()
 
     async def _receive_body(self, reader: asyncio.StreamReader, t: Transfer) -> None:
-        size = self.layer_bytes(t)
-        for _ in range(int(t.kv["num_layers"])):
+        size, num_layers = self.layer_bytes(t), _num_layers(t.kv)
+        for _ in range(num_layers):
             t.layers.append(await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size))
             t.wire_bytes += size + _LEN.size
         body = await read_frame(reader, self.stall_s, Frame.DONE, MAX_CONTROL)
@@ -302,6 +302,13 @@ def _transfer(head: dict[str, Any]) -> Transfer:
     if not isinstance(rid, str) or not isinstance(sender, str) or not isinstance(token, str) or not isinstance(kv, dict):
         raise KVTransferError("HEADER lacks request_id, sender, token or kv")
     return Transfer(rid, sender, kv, token=token, via_wan=bool(head.get("wan")))
+
+
+def _num_layers(kv: dict[str, Any]) -> int:
+    try:
+        return int(kv["num_layers"])
+    except (KeyError, TypeError, ValueError):
+        raise KVTransferError(f"bad KV header {kv!r}") from None
 
 
 def _layer_bytes(kv: dict[str, Any]) -> int:

@@ -256,6 +256,21 @@ async def test_malformed_frames_are_refused(rig, refusals, case):
     peer.close()
 
 
+async def test_a_header_without_num_layers_is_refused_like_any_bad_header_when_nothing_vets(rig, refusals):
+    """A receiver without a vet (benchmarks/handoff_micro.py) still refuses, logs and counts it."""
+    r = await rig(stall_s=5.0)
+    r.rx.vet = None
+    without = packed(Frame.HEADER, {"request_id": "req-1", "sender": "prefill-0", "token": TOKEN,
+                                    "kv": {k: v for k, v in KV.items() if k != "num_layers"}})  # fmt: skip
+    for head in (without, header(num_layers=None), header(num_layers="three")):
+        peer = await Peer.dial(r.rx.port)
+        sent = await peer.send(head)
+        assert await peer.cut() - sent < 2.0
+        peer.close()
+    assert r.handled == [] and r.rx.refused == 3
+    assert all("refused: bad KV header" in line for line in refusals()) and len(refusals()) == 3
+
+
 WHOLE = transfer_bytes()
 CUTS = {  # where the sender's stream ends (it closes its side) before the transfer is whole
     "mid length prefix": 2,
