@@ -190,7 +190,7 @@ class Verdict(IntEnum):
     """What the receiver makes of a header, before reading anything else."""
 
     RECEIVE = 0
-    HAVE_IT = 1  # already committed (the sender's retry after a lost ACK): ACK at once, read nothing
+    HAVE_IT = 1  # already committed (the sender's retry after a lost ACK): read it to the end, keep nothing, ACK
     REFUSE = 2
 
 
@@ -256,12 +256,14 @@ class KVReceiver:
             verdict, why = self.vet(transfer) if self.vet is not None else (Verdict.RECEIVE, "")
             if verdict == Verdict.REFUSE:
                 raise KVTransferError(why)
-            if verdict == Verdict.HAVE_IT:  # a retried push whose first attempt landed: no body needed
+            self._receiving[transfer.request_id] = writer
+            # HAVE_IT (a retried push whose first attempt landed): read to the end, checked and not kept, then
+            # ACK. Closing on unread data would reset the socket, and the sender, still sending, lose its ACK.
+            await self._receive_body(reader, transfer, keep=verdict == Verdict.RECEIVE)
+            if verdict == Verdict.HAVE_IT:
                 writer.write(packed(Frame.ACK, {"ok": True, "error": ""}))
                 writer.close()
                 return
-            self._receiving[transfer.request_id] = writer
-            await self._receive_body(reader, transfer)
         except (KVTransferError, ConnectionError, ssl.SSLError) as e:
             self._refuse(writer, transfer, peer, str(e))
             return
@@ -280,10 +282,12 @@ class KVReceiver:
         finally:
             writer.close()
 
-    async def _receive_body(self, reader: asyncio.StreamReader, t: Transfer) -> None:
+    async def _receive_body(self, reader: asyncio.StreamReader, t: Transfer, keep: bool = True) -> None:
         size, num_layers = self.layer_bytes(t), _num_layers(t.kv)
         for _ in range(num_layers):
-            t.layers.append(await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size))
+            layer = await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size)
+            if keep:
+                t.layers.append(layer)
             t.wire_bytes += size + _LEN.size
         body = await read_frame(reader, self.stall_s, Frame.DONE, MAX_CONTROL)
         t.done = _unpack(body, "DONE")

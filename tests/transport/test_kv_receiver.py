@@ -296,6 +296,19 @@ async def test_a_truncated_transfer_is_refused(rig, refusals, cut):
     peer.close()
 
 
+async def test_a_retried_push_of_a_committed_transfer_is_acked_and_not_handled_again(rig, refusals):
+    r = await rig()
+    r.have.add("req-1")  # the first attempt landed and its ACK was lost: the sender pushes it all again
+    big = {**KV, "end": 1024}
+    data = layers(size=layer_bytes(1024, 2, 16, "float32", "native"))
+    for _ in range(3):
+        assert await send_kv("127.0.0.1", r.rx.port, push(kv=big, data=data), stall_s=5.0) > 3 * len(data[0])
+    assert r.handled == [] and r.vetted == ["req-1"] * 3 and r.rx.refused == 0 and refusals() == []
+    with pytest.raises(KVTransferError):  # what it sends is still checked frame by frame
+        await send_kv("127.0.0.1", r.rx.port, push(kv=big, data=[d[:-1] for d in data]), stall_s=5.0)
+    assert r.handled == [] and r.rx.refused == 1 and "LAYER frame of" in refusals()[0]
+
+
 # --- connections per peer ---------------------------------------------------------------------
 
 
