@@ -10,11 +10,18 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.conftest import tls_overhead, fresh_prompt, stream_completion
+from tests.cluster.conftest import fresh_prompt, stream_completion, tls_overhead
+from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def _in_flight(cluster) -> int:
+    """Requests admitted at the gateway and not finished (its pdd:num_requests_running)."""
+    text = httpx.get(cluster.url + "/metrics").text
+    return int(float(re.search(r"^pdd:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -74,7 +81,8 @@ def test_forced_plan_and_bad_override(cluster, model_id):
 def test_metrics_and_health(cluster, model_id):
     httpx.post(cluster.url + "/v1/completions", json={"model": model_id, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     text = httpx.get(cluster.url + "/metrics").text
-    assert "pdd:time_to_first_token_seconds_bucket" in text and 'pdd:requests_total{outcome="finished"' in text
+    assert "pdd:time_to_first_token_seconds_bucket" in text
+    assert re.search(r'^pdd:requests_total\{[^}]*outcome="finished"[^}]*\} [1-9]', text, re.M)
     assert httpx.get(cluster.url + "/health").json()["status"] == "ok"
 
 
@@ -160,6 +168,64 @@ def test_bad_input_is_a_clear_4xx_and_leaves_nothing(cluster, operator, payload,
     assert err["message"] and err["type"]
     if param is not None:
         assert err["param"] == param
-    assert re.search(r"^pdd:requests_in_flight 0(\.0)?$", httpx.get(cluster.url + "/metrics").text, re.M)
+    assert _in_flight(cluster) == 0
     for inst in cluster.cfg.instances:
         assert operator.inspect(inst.id).requests == []
+
+
+def test_stop_strings_finish_reasons_and_chunk_shape(cluster, model_id, reference, smol_tokenizer):
+    """Stop strings cut the text before the first one that occurs, even inside a token and across
+    tokens (finish_reason "stop"); max_tokens ends with "length". Every chunk of a stream is one
+    text_completion object with one id; the usage chunk comes last when asked for."""
+    prompt = "Count: one, two, three,"
+    full = reference(smol_tokenizer(prompt)["input_ids"], 24, ignore_eos=True)
+    stops = ["zebra", " ten", "ht, ni"]  # "ht, ni" spans " eight" "," " nine": it occurs before " ten"
+    assert all(s in full for s in stops[1:]) and "zebra" not in full, full
+    expected = full[: min(full.index(s) for s in stops[1:])]
+    assert expected and expected.endswith(" eig"), expected
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(cluster.url + "/v1/completions", json={**body, "stop": stops}, timeout=120).json()
+    assert whole["object"] == "text_completion" and whole["id"]
+    assert whole["choices"][0]["text"] == expected and whole["choices"][0]["finish_reason"] == "stop"
+    text, _, events = stream_completion(cluster.url + "/v1/completions", {**body, "stop": stops})
+    assert text == expected and events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(e["object"] == "text_completion" for e in events)
+    assert len({e["id"] for e in events}) == 1 and len({e["created"] for e in events}) == 1
+    whole = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120).json()
+    assert whole["choices"][0]["text"] == full and whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 24
+    text, pdd, events = stream_completion(cluster.url + "/v1/completions",
+                                          {**body, "stream_options": {"include_usage": True}})  # fmt: skip
+    assert text == full and events[-2]["choices"][0]["finish_reason"] == "length" and "pdd" in events[-2]
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 24 and usage["id"] == events[0]["id"]
+    assert all(e.get("usage") is None or e is usage for e in events)
+
+
+def test_no_live_instance_of_a_role_is_503_and_health_says_so(cluster, model_id, operator, reference,
+                                                             smol_tokenizer):  # fmt: skip
+    """The only prefill instance dies: once its heartbeat expires /health answers 503 naming the
+    role, a request is refused with 503 at once and leaves nothing behind; back, it serves again."""
+    body = {"model": model_id, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    cluster.kill("prefill-0")
+    try:
+        until(lambda: httpx.get(cluster.url + "/health").status_code == 503, 3 * cluster.cfg.heartbeat_ttl_s + 5,
+              "/health to notice that prefill-0 is gone")  # fmt: skip
+        assert httpx.get(cluster.url + "/health").json() == {"status": "degraded", "missing_roles": ["prefill"]}
+        t0 = time.perf_counter()
+        r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        refused_s = time.perf_counter() - t0
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "service_unavailable" and "prefill" in r.json()["error"]["message"]
+        assert refused_s < 5, refused_s  # planned and refused, not waited out
+        assert _in_flight(cluster) == 0
+        assert operator.request_keys() == []
+    finally:
+        cluster.start_process("prefill-0")
+        registry = operator.redis()
+        until(lambda: registry.exists("pdd:instance:prefill-0"), 120, "prefill-0 to register again", every=0.2)
+        registry.close()
+    assert httpx.get(cluster.url + "/health").status_code == 200
+    out = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["text"] == reference(smol_tokenizer(body["prompt"])["input_ids"], 6)

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import fresh_prompt, stream_completion
+from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +33,7 @@ def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 1
         worker = threading.Thread(target=lambda: result.update(
             out=stream_completion(cluster.url + "/v1/completions", body, timeout=180)))  # fmt: skip
         worker.start()
-        deadline = time.monotonic() + 60
-        while operator.line_bytes("md-0") - before < 256 * 1024 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(lambda: operator.line_bytes("md-0") - before >= 256 * 1024, 60, "md-0's KV on the line", every=0.02)
         operator.wan(forward="md-0", **fault)
         worker.join(180)
     finally:
@@ -70,8 +69,15 @@ def test_wan_stall_past_the_deadline_leaves_the_relay_serving(cluster, model_id,
 
 
 def _in_flight(cluster) -> int:
+    """Requests admitted at the gateway and not finished (its pdd:num_requests_running)."""
     text = httpx.get(cluster.url + "/metrics").text
-    return int(float(re.search(r"^pdd:requests_in_flight (\S+)$", text, re.M).group(1)))
+    return int(float(re.search(r"^pdd:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
+
+
+def _timed_stream(url: str, body: dict) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    text, _, _ = stream_completion(url, body)
+    return text, time.perf_counter() - t0
 
 
 def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, smol_tokenizer):
@@ -81,10 +87,8 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
     prompt = "Count: one, two,"
     admitted = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(capacity) as pool:
-        streams = [pool.submit(stream_completion, cluster.url + "/v1/completions", admitted) for _ in range(capacity)]
-        deadline = time.monotonic() + 30
-        while _in_flight(cluster) < capacity and time.monotonic() < deadline:
-            time.sleep(0.05)
+        streams = [pool.submit(_timed_stream, cluster.url + "/v1/completions", admitted) for _ in range(capacity)]
+        until(lambda: _in_flight(cluster) >= capacity, 30, f"{capacity} requests in flight")
         assert _in_flight(cluster) == capacity
         with httpx.Client(timeout=30) as client:
             rejected = []
@@ -95,12 +99,16 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
         results = [f.result() for f in streams]
     latencies = sorted(r[1] for r in rejected)
     p50 = latencies[len(latencies) // 2]
-    print(f"\n{capacity} admitted; {len(rejected)} more told 429 in p50 {p50 * 1000:.0f} ms, "
-          f"max {latencies[-1] * 1000:.0f} ms")
+    fastest_admitted = min(seconds for _, seconds in results)
+    print(f"\n{capacity} admitted (the fastest took {fastest_admitted:.1f} s); {len(rejected)} more told 429 in "
+          f"p50 {p50 * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms, {sum(latencies):.2f} s in all")  # fmt: skip
+    # at once: not held behind the admitted requests. All the refusals together take less time
+    # than one admitted request (they were answered while those ran), and even the slowest is
+    # answered within a second (a few ms is typical; the bound leaves room for a loaded 2-core host).
+    assert sum(latencies) < fastest_admitted and latencies[-1] < 1.0, (latencies[-5:], fastest_admitted)
     assert all(r[0] == 429 and r[2] and r[3]["error"]["type"] == "rate_limit_error" for r in rejected)
-    assert latencies[len(latencies) // 2] < 0.5
-    expected = reference(smol_tokenizer(prompt)["input_ids"], 24)
-    assert all(text == expected for text, _, _ in results)
+    expected = reference(smol_tokenizer(prompt)["input_ids"], 24, ignore_eos=True)
+    assert all(text == expected for text, _ in results)
     assert all(s.requests == [] for s in operator.idle().values())
 
 
@@ -108,7 +116,7 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
 def test_services_ride_out_a_server_restart(cluster, model_id, operator, reference, smol_tokenizer, kind):
     server = cluster.servers[kind]
     server.stop()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the outage itself (the scenario, not a wait for a state): down for a second
     server.start()
     prompt = f"After the {kind} restart, the sky is"
     body = {"model": model_id, "prompt": prompt, "max_tokens": 12, "temperature": 0}
@@ -124,8 +132,5 @@ def test_services_ride_out_a_server_restart(cluster, model_id, operator, referen
     if kind == "redis":  # the registry and the prefix index are rebuilt from what the instances report
         r = operator.redis()
         assert {k.split(":")[-1] for k in r.scan_iter("pdd:instance:*")} == {i.id for i in cluster.cfg.instances}
-        deadline = time.monotonic() + 5
-        while not r.scard("pdd:kv:md-0") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert r.scard("pdd:kv:md-0") > 0
+        until(lambda: r.scard("pdd:kv:md-0"), 5, "md-0's prefix index to be rebuilt", every=0.2)
         r.close()

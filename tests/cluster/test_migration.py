@@ -14,13 +14,29 @@ from tests.cluster.conftest import Operator, fresh_prompt, stream_completion
 pytestmark = pytest.mark.slow
 
 
+def until(predicate, timeout: float, what: str, every: float = 0.05):
+    """Poll `predicate` until it returns something truthy and return that; fail the test after
+    `timeout` seconds. (The pause between polls is the polling interval, not a guess.)"""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+    return value
+
+
 def _restart(cluster, name: str) -> None:
     cluster.start_process(name)
     r = Operator(cluster).redis()
-    deadline = time.monotonic() + 90
-    while not r.exists(f"pdd:instance:{name}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    r.close()
+    try:
+        until(lambda: r.exists(f"pdd:instance:{name}"), 90, f"{name} to register again", every=0.2)
+    finally:
+        r.close()
+
+
+def _holder(fleet, operator: Operator, role: str) -> str | None:
+    """The instance of `role` that holds a request now (None: none does)."""
+    return next((i.id for i in fleet.cfg.instances if i.role == role and operator.inspect(i.id).requests), None)
 
 
 @pytest.mark.parametrize("pipeline, victim", [("p-md", "md"), ("p-rld-md", "rld"), ("p-md", "prefill")])
@@ -32,30 +48,35 @@ def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, refer
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": pipeline}}
     r = fleet_operator.redis()
     result: dict = {}
+    events: list[dict] = []  # the stream's chunks as they arrive
     if victim == "rld":  # keep main-decode's copy on the wire so the relay still holds the request
         fleet_operator.wan(bandwidth_mbps=4.0)
     worker = threading.Thread(target=lambda: result.update(
-        out=stream_completion(fleet.url + "/v1/completions", body, timeout=240)))  # fmt: skip
+        out=stream_completion(fleet.url + "/v1/completions", body, timeout=240, events=events)))  # fmt: skip
     worker.start()
-    deadline, target = time.monotonic() + 60, None
-    while target is None and time.monotonic() < deadline:  # find the instance of that role holding it
-        for inst in (i for i in fleet.cfg.instances if i.role == victim):
-            if fleet_operator.inspect(inst.id).requests:
-                target = inst.id
-        time.sleep(0.05)
-    assert target is not None
-    time.sleep(1.0 if victim == "prefill" else 2.0)  # mid-prefill / a few tokens into decoding
-    fleet.kill(target)
-    worker.join(240)
+    target = None
     try:
+        target = until(lambda: _holder(fleet, fleet_operator, victim), 60, f"a {victim} instance to hold it")
+        if victim == "prefill":  # mid-prefill: some of the prompt's chunks computed (1500 tokens, 512 a step)
+            prompt_len = len(smol_tokenizer(prompt)["input_ids"])
+            until(lambda: 0 < fleet_operator.inspect(target).extra["queued_tokens"] < prompt_len, 60,
+                  f"{target} to be part-way through the prompt", every=0.01)  # fmt: skip
+        else:  # a few tokens into decoding on the victim
+            until(lambda: sum(bool(e["choices"] and e["choices"][0]["text"]) for e in events) >= 4, 60,
+                  f"tokens from {target}", every=0.01)  # fmt: skip
+            assert worker.is_alive() and _holder(fleet, fleet_operator, victim) == target, "it ended before the kill"
+        fleet.kill(target)
+        worker.join(240)
         text, pdd, events = result["out"]
         print(f"\nkilled {target} ({pipeline}): migrations {pdd['migrations']}, tokens {pdd['tokens_by_role']}, "
               f"now on {pdd['instances']}")  # fmt: skip
-        assert text == reference(smol_tokenizer(prompt)["input_ids"], n)
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], n, ignore_eos=True)
         assert pdd["migrations"] == 1 and target not in pdd["instances"].values()
         assert not r.exists(f"pdd:instance:{target}")  # its heartbeat expired
     finally:
         fleet_operator.wan(bandwidth_mbps=fleet.cfg.wan.bandwidth_mbps)
-        _restart(fleet, target)
+        if target is not None and fleet.procs[target].poll() is not None:
+            _restart(fleet, target)
         r.close()
+        worker.join(240)
     assert all(s.requests == [] for s in fleet_operator.idle(timeout=5).values())

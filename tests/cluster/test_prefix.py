@@ -5,15 +5,15 @@ Two prefill and two main-decode instances, so routing has to follow the cache.""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
-from shared import subjects
 from pdd.launcher import Cluster
+from shared import subjects
 from shared.messages import Inspect, InstanceState
-from tests.cluster.conftest import tls_overhead, Operator, fresh_prompt
+from tests.cluster.conftest import Operator, fresh_prompt, tls_overhead
+from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 
@@ -116,9 +116,7 @@ def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tok
         pop.wan(bandwidth_mbps=2.0)  # the ~20 new tokens take ~4 s to cross
         worker = threading.Thread(target=lambda: result.update(chat(pcluster, conv, 8, pdd={"pipeline": "p-md"})))
         worker.start()
-        deadline = time.monotonic() + 10
-        while not pop.inspect(md).requests and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: pop.inspect(md).requests, 10, f"{md} to hold the second turn")
         flushed = pop.run(lambda bus: bus.request(subjects.flush_cache(md), Inspect(md), InstanceState, 10))
         assert flushed.extra["cached_blocks"] == 0
         worker.join(60)
@@ -137,13 +135,11 @@ def test_restarted_md_clears_its_index_and_requests_go_on(pcluster, pop):
     r = pop.redis()
     assert r.scard(f"pdd:kv:{md}") > 0
     pcluster.kill(md)
-    time.sleep(pcluster.cfg.heartbeat_ttl_s + 0.5)  # its heartbeat expires
+    until(lambda: not r.exists(f"pdd:instance:{md}"), 3 * pcluster.cfg.heartbeat_ttl_s, f"{md}'s heartbeat to expire")
     during = chat(pcluster, conv, 4)
     assert during["pdd"]["instances"]["md"] != md  # the scheduler no longer counts on it
     pcluster.start_process(md)
-    deadline = time.monotonic() + 60
-    while not r.exists(f"pdd:instance:{md}") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    until(lambda: r.exists(f"pdd:instance:{md}"), 60, f"{md} to register again", every=0.2)
     assert r.scard(f"pdd:kv:{md}") == 0  # restarted empty: its old entries are gone
     after = chat(pcluster, conv, 4)
     assert after["choices"][0]["message"]["content"] == during["choices"][0]["message"]["content"]
