@@ -119,7 +119,7 @@ class Figures:
         self.eager = ModelRunner(model, self.pool, cuda_graphs=False)
         self.graphed = ModelRunner(model, self.pool, cuda_graphs=device.type == "cuda")
         if self.graphed.graphs is None:
-            self.graphed.graphs = DecodeGraphs(self.graphed, capture=False)
+            self.graphed.graphs = DecodeGraphs(self.graphed.decoder, self.graphed.pool, capture=False)
         self.clock = Clock(device)
         self.vocab = model.config.vocab_size
 

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from shared.runtime.attention import StepAttention, decode_context
-
-if TYPE_CHECKING:
-    from shared.runtime.runner import Batch, ModelRunner
+from shared.runtime.batch import Batch
+from shared.runtime.fused import FusedDecoder
+from shared.runtime.kv_pool import KVPool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CONTEXT_STEP = 256  # tokens; a multiple of any block size in use
@@ -56,10 +55,11 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, capture: bool | None = None, max_batch: int | None = None) -> None:
-        self.decoder = runner.decoder
-        self.pool = runner.pool
-        self.device = runner.pool.device
+    def __init__(self, decoder: FusedDecoder, pool: KVPool, capture: bool | None = None,
+                 max_batch: int | None = None) -> None:  # fmt: skip
+        self.decoder = decoder
+        self.pool = pool
+        self.device = pool.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.max_batch = max_batch or BATCH_BUCKETS[-1]
         self.graphs: dict[tuple[int, int], _Graph] = {}

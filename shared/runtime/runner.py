@@ -16,11 +16,13 @@ Which pieces run:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from shared.runtime.attention import SpanAttention, StepAttention, decode_context
+from shared.runtime.batch import Batch, pack
+from shared.runtime.cuda_graphs import DecodeGraphs
 from shared.runtime.fused import FusedDecoder, unsupported_reason
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.mirror import DecodeMirror
@@ -33,39 +35,6 @@ DEFAULT_MIRROR_BYTES = 1 << 30  # CPU decode mirror budget; 0 turns it off
 class StepResult:
     logits: torch.Tensor  # [len(sampled), vocab], float32, on the host
     sampled: list[Sequence]  # sequences whose step reached their last known token
-
-
-@dataclass
-class Batch:
-    """A step's work flattened: token t of the batch is `ids[t]` at `positions[t]`, stored at `slots[t]`."""
-
-    ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    decodes: list[tuple[int, Sequence, int]] = field(default_factory=list)  # (flat index, sequence, position)
-    spans: list[tuple[int, Sequence, int, int]] = field(default_factory=list)  # (flat index, sequence, start, end)
-    logit_rows: list[int] = field(default_factory=list)
-    sampled: list[Sequence] = field(default_factory=list)
-
-
-def pack(work: list[tuple[Sequence, int]], pool: KVPool) -> Batch:
-    batch = Batch()
-    for seq, n in work:
-        start, end = seq.num_computed, seq.num_computed + n
-        if n < 1 or end > seq.num_tokens:
-            raise ValueError(f"{seq.seq_id}: cannot compute tokens [{start}, {end}) of {seq.num_tokens}")
-        flat = len(batch.ids)
-        batch.ids.extend(seq.token_ids[start:end])
-        batch.positions.extend(range(start, end))
-        batch.slots.extend(pool.slot_list(seq.block_table, start, end))
-        if n == 1:
-            batch.decodes.append((flat, seq, start))
-        else:
-            batch.spans.append((flat, seq, start, end))
-        if end == seq.num_tokens:
-            batch.logit_rows.append(flat + n - 1)
-            batch.sampled.append(seq)
-    return batch
 
 
 class ModelRunner:
@@ -100,9 +69,7 @@ class ModelRunner:
         if cuda_graphs and self.decoder is None:
             raise ValueError("CUDA graphs need the fused decoder (a Llama-family model)")
         if cuda_graphs or (cuda_graphs is None and cuda and self.decoder is not None):
-            from shared.runtime.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self.decoder, pool)
 
     @torch.inference_mode()
     def forward(self, work: list[tuple[Sequence, int]]) -> StepResult:

@@ -123,7 +123,7 @@ def test_graph_bucket_step_matches_eager_step_and_keeps_kv():
     eager = _runner(model)
     graphed = _runner(model, cuda_graphs=DEVICE == "cuda")
     if graphed.graphs is None:  # CPU: the same static-shape step, run eagerly
-        graphed.graphs = DecodeGraphs(graphed, capture=False)
+        graphed.graphs = DecodeGraphs(graphed.decoder, graphed.pool, capture=False)
     expected = _decode_rounds(eager, prompts, batches)
     got = _decode_rounds(graphed, prompts, batches)
     for i, (x, y) in enumerate(zip(got, expected)):
