@@ -52,6 +52,8 @@ def _up(args: argparse.Namespace) -> int:
         overrides["model"] = args.model
     if args.kv_wire:
         overrides["scheduler"] = {"kv_wire": args.kv_wire}
+    if args.device:
+        overrides["device"] = args.device
     return run_cluster(args.config, **overrides)
 
 
@@ -126,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None, help="a local Hugging Face Llama/Qwen-family folder (default SmolLM2)")
     up.add_argument("--kv-wire", default=None, choices=["native", "bf16", "fp8", "int8", "auto"],
                     help="how KV crosses the WAN (default: the config's scheduler.kv_wire, native)")  # fmt: skip
+    up.add_argument("--device", default=None, help="run every instance on this device: cpu, cuda or cuda:N")
     up.set_defaults(func=_up)
     serve = sub.add_parser("serve", help="run one service of one datacenter")
     serve.add_argument("role", choices=["gateway", "scheduler", "prefill", "rld", "md", "wanlink"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ DEFAULT_CONFIG = Path(importlib.util.find_spec("configs").submodule_search_locat
 
 class ConfigError(ValueError):
     pass
+
+
+def check_device(device: str, what: str) -> None:
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ConfigError(f"{what}: device {device!r} must be cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class InstanceConfig:
     host: str = ""  # where others reach this instance ("" = the cluster's host)
     kv_port: int = 0  # decoders: the KV listener (0 = any free port; name one so a firewall can)
     metrics_port: int = 0  # Prometheus /metrics (0 = none)
+    device: str = "cpu"  # cpu | cuda | cuda:N (the model, its KV pool and CUDA-graph decode steps)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -58,6 +65,7 @@ class InstanceConfig:
             raise ConfigError(f"instance {self.id!r}: threads >= 1 and kv_tokens >= 16 required")
         if self.max_running < 1 or self.max_waiting < 0:
             raise ConfigError(f"instance {self.id!r}: max_running >= 1 and max_waiting >= 0 required")
+        check_device(self.device, f"instance {self.id!r}")
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,7 @@ class GatewayConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     model: str = "default"
+    device: str = ""  # when set, every instance's device (`pdd up --device cuda`)
     block_size: int = 16
     host: str = "127.0.0.1"  # where services listen
     port: int = 8000
@@ -285,6 +294,8 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
             raw[key] = int(value) if key == "port" else value
     cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "handoff": handoff, "scheduler": scheduler,
                                       "gateway": gateway, "instances": instances, "datacenters": datacenters}, where)
+    if cfg.device:
+        check_device(cfg.device, where)
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")

@@ -16,10 +16,11 @@ from shared.security import Secrets
 def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
     """The instance's model, KV pool and engine, as its config says."""
     path = provision_default_model() if cfg.model == "default" else model_path(cfg.model)
-    model = load_model(path, dtype=inst.dtype)
+    model = load_model(path, dtype=inst.dtype, device=cfg.device or inst.device)
     tokenizer = load_tokenizer(path)  # stop strings are checked on decoded text
     pool = KVPool.with_capacity(
-        kv_layout(model), tokens=inst.kv_tokens, block_size=cfg.block_size, dtype=parse_dtype(inst.dtype)
+        kv_layout(model), tokens=inst.kv_tokens, block_size=cfg.block_size, dtype=parse_dtype(inst.dtype),
+        device=next(model.parameters()).device,  # on a GPU: CUDA-graph decode steps (shared/runtime/runner.py)
     )
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()

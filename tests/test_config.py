@@ -1,0 +1,62 @@
+"""Cluster config: what is refused with a line naming it, and what reaches the instances."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared.config import ConfigError, config_from_dict, load_config
+
+INSTANCES = [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "md-0", "role": "md", "dc": "B"}]
+
+
+def cfg(**extra):
+    return config_from_dict({"instances": [dict(i) for i in INSTANCES], **extra})
+
+
+@pytest.mark.parametrize(
+    "raw, names",
+    [
+        ({"instances": [{**INSTANCES[0], "dtype": "float64"}, INSTANCES[1]]}, "dtype"),
+        ({"instances": [{**INSTANCES[0], "device": "gpu"}, INSTANCES[1]]}, "device 'gpu'"),
+        ({"instances": INSTANCES, "device": "tpu"}, "device 'tpu'"),
+        ({"instances": INSTANCES, "scheduler": {"kv_wire": "int4"}}, "kv_wire"),
+        ({"instances": [INSTANCES[0]]}, "md instance"),
+        ({"instances": INSTANCES, "gateway": {"pdd_object": "some"}}, "pdd_object"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it(raw, names):
+    with pytest.raises(ConfigError, match=names):
+        config_from_dict({**raw, "instances": [dict(i) for i in raw["instances"]]})
+
+
+def test_devices_and_the_cluster_wide_override():
+    c = cfg(instances=[{**INSTANCES[0], "device": "cuda:1"}, INSTANCES[1]])
+    assert [i.device for i in c.instances] == ["cuda:1", "cpu"] and c.device == ""
+    assert cfg(device="cuda").device == "cuda"  # `pdd up --device cuda`: every instance
+
+
+def test_the_demo_fleet_is_heterogeneous():
+    demo = load_config(None)
+    assert {i.role: i.dtype for i in demo.instances} == {"prefill": "float32", "rld": "bfloat16", "md": "bfloat16"}
+    s = demo.scheduler
+    assert (s.kv_wire, s.relay_finishes, s.line_backlog) == ("native", True, True)
+
+
+@pytest.mark.model
+def test_an_instance_is_built_on_its_device():
+    """On this machine's device the engine's model and pool land there; asking for CUDA where
+    there is none is a clear error, not a silent CPU run."""
+    from shared.runtime.build import build_engine
+
+    demo = load_config(None)
+    inst = dataclasses.replace(demo.instance("md-0"), kv_tokens=256)
+    engine = build_engine(demo, inst)
+    assert engine.pool.device.type == "cpu" and engine.pool.dtype == torch.bfloat16
+    if torch.cuda.is_available():
+        assert build_engine(dataclasses.replace(demo, device="cuda"), inst).pool.device.type == "cuda"
+    else:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            build_engine(dataclasses.replace(demo, device="cuda"), inst)
