@@ -30,10 +30,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs as vLLM: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most N requests in flight (default: no cap)")
-    p.add_argument("--kv-wire", default="native", choices=["native", "bf16", "fp8", "int8", "auto"],
-                   help="how the pdd modes' KV crosses the WAN (baselines send it native)")
-    p.add_argument("--decode-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="the relay's and main-decode's precision (prefill stays float32)")
+    p.add_argument(
+        "--kv-wire",
+        default="native",
+        choices=["native", "bf16", "fp8", "int8", "auto"],
+        help="how the pdd modes' KV crosses the WAN (baselines send it native)",
+    )
+    p.add_argument(
+        "--decode-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the relay's and main-decode's precision (prefill stays float32)",
+    )
 
 
 def add_handoff_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,8 +32,13 @@ REQUEST_MAPS = ("requests", "parked", "receiving", "bus_handlers")  # must be 0 
 
 async def _one(client: httpx.AsyncClient, url: str, rng: random.Random, i: int) -> str:
     words = " ".join(f"w{rng.randrange(500)}" for _ in range(rng.randrange(8, 60)))
-    body = {"prompt": f"[{uuid.uuid4().hex[:6]}] {words}", "max_tokens": rng.randrange(4, 16), "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "prompt": f"[{uuid.uuid4().hex[:6]}] {words}",
+        "max_tokens": rng.randrange(4, 16),
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     leave = rng.randrange(1, 4) if rng.random() < 0.2 else None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -75,8 +80,10 @@ async def _unknown_aborts(cluster: Cluster, n: int) -> None:
 async def _states(cluster: Cluster) -> dict[str, InstanceState]:
     bus = await Bus.connect(cluster.nats_url(), "bounded-state", "operator", cluster.secrets)
     try:
-        return {i.id: await bus.request(subjects.inspect(i.id), Inspect(i.id), InstanceState, 10)
-                for i in cluster.cfg.instances}  # fmt: skip
+        return {
+            i.id: await bus.request(subjects.inspect(i.id), Inspect(i.id), InstanceState, 10)
+            for i in cluster.cfg.instances
+        }
     finally:
         await bus.close()
 
@@ -115,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
 
         async def churn() -> dict[str, int]:
-            results = await asyncio.gather(_traffic(cluster.url, a.requests, a.concurrency, a.seed + 1),
-                                           _unknown_aborts(cluster, a.aborts))  # fmt: skip
+            results = await asyncio.gather(
+                _traffic(cluster.url, a.requests, a.concurrency, a.seed + 1), _unknown_aborts(cluster, a.aborts)
+            )
             return results[0]
 
         outcomes = asyncio.run(churn())

@@ -63,8 +63,9 @@ def _prepared(n_prompt: int, n_tokens: int):
     return engine, seq
 
 
-async def _kv_path(engine, seq, n_prompt: int, n_tokens: int, reps: int, secrets: Secrets | None,
-                   line: bool = True) -> tuple[list[float], int]:  # fmt: skip
+async def _kv_path(
+    engine, seq, n_prompt: int, n_tokens: int, reps: int, secrets: Secrets | None, line: bool = True
+) -> tuple[list[float], int]:
     """Push the N tokens' KV `reps` times (through the line unless `line` is False); with
     `secrets`, under mutual TLS as prefill-0 -> md-0."""
     payload = export_kv(engine.pool, seq.block_table, n_prompt, n_prompt + n_tokens)
@@ -143,8 +144,10 @@ def main(args: argparse.Namespace) -> int:
         kv_times, kv_bytes = asyncio.run(_kv_path(engine, seq, n, m, reps, None))
         tls_times, _ = asyncio.run(_kv_path(engine, seq, n, m, reps, secrets))
         id_times, id_bytes = asyncio.run(_ids_path(engine, seq, n, m, reps, Path(tmp)))
-        raw = {name: asyncio.run(_kv_path(engine, seq, n, m, reps, sec, line=False))[0]
-               for name, sec in (("plain", None), ("tls", secrets))}  # fmt: skip
+        raw = {
+            name: asyncio.run(_kv_path(engine, seq, n, m, reps, sec, line=False))[0]
+            for name, sec in (("plain", None), ("tls", secrets))
+        }
     result = {
         "tokens": m,
         "reps": reps,
@@ -152,14 +155,17 @@ def main(args: argparse.Namespace) -> int:
         "kv": {"payload_bytes": kv_bytes, **_stats(kv_times)},
         "kv_tls": {"payload_bytes": kv_bytes, **_stats(tls_times)},
         "token_ids": {"payload_bytes": id_bytes, **_stats(id_times)},
-        "loopback": {name: {**_stats(t), "mb_per_s": kv_bytes / 1e6 / (statistics.median(t) / 1000)}
-                     for name, t in raw.items()},  # fmt: skip
+        "loopback": {
+            name: {**_stats(t), "mb_per_s": kv_bytes / 1e6 / (statistics.median(t) / 1000)} for name, t in raw.items()
+        },
     }
     print(f"through the line ({WAN.bandwidth_mbps:.0f} Mbps random walk, {WAN.delay_ms:.0f}+-{WAN.jitter_ms:.0f} ms):")
     for name, label in (("kv", "KV, plaintext"), ("kv_tls", "KV, mutual TLS"), ("token_ids", "token ids + extend")):
         r = result[name]
-        print(f"  {label:<20} payload {r['payload_bytes'] / 1024:>8.1f} KB   mean {r['mean']:7.1f} ms   "
-              f"max {r['max']:7.1f} ms   std {r['std']:6.1f} ms")  # fmt: skip
+        print(
+            f"  {label:<20} payload {r['payload_bytes'] / 1024:>8.1f} KB   mean {r['mean']:7.1f} ms   "
+            f"max {r['max']:7.1f} ms   std {r['std']:6.1f} ms"
+        )
     print("loopback, no line (what TLS itself costs):")
     for name, r in result["loopback"].items():
         print(f"  KV, {name:<16} median {r['p50']:7.2f} ms   {r['mb_per_s']:8.1f} MB/s")

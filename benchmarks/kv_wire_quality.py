@@ -38,8 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def paragraphs(n: int, tokenizer, min_tokens: int = 48) -> list[list[int]]:
     """Prose from the repository's docs, one prompt per paragraph of enough tokens."""
-    texts = [p.strip() for f in sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
-             for p in re.split(r"\n\s*\n", f.read_text()) if len(p) > 200 and not p.lstrip().startswith(("|", "```"))]  # fmt: skip
+    texts = [
+        p.strip()
+        for f in sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+        for p in re.split(r"\n\s*\n", f.read_text())
+        if len(p) > 200 and not p.lstrip().startswith(("|", "```"))
+    ]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:160] for t in texts]
     return [i for i in ids if len(i) >= min_tokens][:n]
 
@@ -83,11 +87,19 @@ def perplexity(model, engine: Engine, ids: list[int], wire: str) -> float:
     kv = round_trip(payload, wire)
     cache = DynamicCache()
     for layer, (k, v) in enumerate(kv.layers):  # ours are [tokens, heads, dim]; HF wants [1, heads, tokens, dim]
-        cache.update(k.float().transpose(0, 1)[None].to(model.dtype), v.float().transpose(0, 1)[None].to(model.dtype),
-                     layer)  # fmt: skip
+        cache.update(
+            k.float().transpose(0, 1)[None].to(model.dtype), v.float().transpose(0, 1)[None].to(model.dtype), layer
+        )
     with torch.inference_mode():
-        logits = model(torch.tensor([ids[half - 1 : -1]]), past_key_values=cache,
-                       position_ids=torch.arange(half - 1, len(ids) - 1)[None]).logits[0].float()  # fmt: skip
+        logits = (
+            model(
+                torch.tensor([ids[half - 1 : -1]]),
+                past_key_values=cache,
+                position_ids=torch.arange(half - 1, len(ids) - 1)[None],
+            )
+            .logits[0]
+            .float()
+        )
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[half:]))
     return math.exp(float(nll))
 
@@ -115,9 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         native = native or outs
         firsts = [next((j for j, (x, y) in enumerate(zip(o, r)) if x != y), a.tokens) for o, r in zip(outs, native)]
         ppl = perplexity(hf, Engine.for_model(prefill_model, 256), held_out, wire)
-        rows.append({"wire": wire, "bytes_per_token": info.kv_bytes_per_token("float32", wire),
-                     "identical": sum(f == a.tokens for f in firsts) / len(firsts),
-                     "mean_first_divergence": sum(firsts) / len(firsts), "perplexity": ppl})  # fmt: skip
+        rows.append(
+            {
+                "wire": wire,
+                "bytes_per_token": info.kv_bytes_per_token("float32", wire),
+                "identical": sum(f == a.tokens for f in firsts) / len(firsts),
+                "mean_first_divergence": sum(firsts) / len(firsts),
+                "perplexity": ppl,
+            }
+        )
     print(table(rows, len(prompts), a))
     if a.json:
         Path(a.json).write_text(json.dumps({"prompts": len(prompts), "tokens": a.tokens, "rows": rows}, indent=2))
@@ -126,12 +144,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(rows: list[dict], n: int, a) -> str:
     native = rows[0]
-    out = [f"{n} prompts x {a.tokens} greedy tokens; prefill float32, decode {a.decode_dtype}", "",
-           "| wire | bytes/token | vs native | identical outputs | mean first divergence | perplexity |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"{n} prompts x {a.tokens} greedy tokens; prefill float32, decode {a.decode_dtype}",
+        "",
+        "| wire | bytes/token | vs native | identical outputs | mean first divergence | perplexity |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['wire']} | {r['bytes_per_token']:,} | {r['bytes_per_token'] / native['bytes_per_token']:.2f}x "
-                   f"| {r['identical']:.0%} | {r['mean_first_divergence']:.1f} | {r['perplexity']:.3f} |")  # fmt: skip
+        out.append(
+            f"| {r['wire']} | {r['bytes_per_token']:,} | {r['bytes_per_token'] / native['bytes_per_token']:.2f}x "
+            f"| {r['identical']:.0%} | {r['mean_first_divergence']:.1f} | {r['perplexity']:.3f} |"
+        )
     return "\n".join(out)
 
 

@@ -87,8 +87,9 @@ def _instance(iid: str, role: str, dc: str, **extra: Any) -> dict[str, Any]:
     return {"id": iid, "role": role, "dc": dc, "dtype": "float32", "threads": 1, "kv_tokens": 32768, **extra}
 
 
-def mode_config(name: str, base: dict[str, Any] | None = None, kv_wire: str = "native",
-                decode_dtype: str = "float32") -> dict[str, Any]:
+def mode_config(
+    name: str, base: dict[str, Any] | None = None, kv_wire: str = "native", decode_dtype: str = "float32"
+) -> dict[str, Any]:
     """The cluster config (plain data) for a mode, on top of `base` (a cluster YAML's content;
     default: configs/single-host.yaml with the bench's WAN). `kv_wire` applies to the relay modes
     (PDD's own; the baselines send their KV native); `decode_dtype` to the relay and main-decode."""
@@ -100,8 +101,10 @@ def mode_config(name: str, base: dict[str, Any] | None = None, kv_wire: str = "n
     else:
         cfg = copy.deepcopy(base)
         cfg["wan"] = cfg.get("wan", {})
-    instances = [_instance("prefill-0", "prefill", "A"),
-                 _instance("md-0", "md", m.md_dc, prefix_cache=m.drc, dtype=decode_dtype)]  # fmt: skip
+    instances = [
+        _instance("prefill-0", "prefill", "A"),
+        _instance("md-0", "md", m.md_dc, prefix_cache=m.drc, dtype=decode_dtype),
+    ]
     if m.relay:
         instances.insert(1, _instance("rld-0", "rld", "A", kv_tokens=RLD_KV_TOKENS, dtype=decode_dtype))
     cfg["instances"] = instances

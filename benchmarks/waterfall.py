@@ -25,14 +25,33 @@ from matplotlib.patches import Rectangle
 from benchmarks.summary import Record, request_latencies
 from services.gateway.dashboard import ROWS, layout
 
-LABELS = {"queue": "queue", "prefill": "prefill", "kv_local": "KV in-DC (A)", "kv_wan": "KV over the WAN",
-          "relay": "relay tokens", "handoff": "handoff chunks", "extend": "extend", "main": "main-decode tokens",
-          "end": "end"}  # fmt: skip
-COLORS = {"queue": "#9ca3af", "prefill": "#4b5563", "kv_local": "#06b6d4", "kv_wan": "#dc2626", "relay": "#f59e0b",
-          "handoff": "#7c3aed", "extend": "#a855f7", "main": "#2563eb", "end": "#111827"}  # fmt: skip
-PLACEMENT = ("Stages placed from the pdd object's durations: queue from 0, prefill after it, both KV transfers when "
-             "prefill ends; handoff chunks spread evenly from main-decode's KV landing to its first token, extend "
-             "ending there. Ticks: the client's receive time of each chunk.")  # fmt: skip
+LABELS = {
+    "queue": "queue",
+    "prefill": "prefill",
+    "kv_local": "KV in-DC (A)",
+    "kv_wan": "KV over the WAN",
+    "relay": "relay tokens",
+    "handoff": "handoff chunks",
+    "extend": "extend",
+    "main": "main-decode tokens",
+    "end": "end",
+}
+COLORS = {
+    "queue": "#9ca3af",
+    "prefill": "#4b5563",
+    "kv_local": "#06b6d4",
+    "kv_wan": "#dc2626",
+    "relay": "#f59e0b",
+    "handoff": "#7c3aed",
+    "extend": "#a855f7",
+    "main": "#2563eb",
+    "end": "#111827",
+}
+PLACEMENT = (
+    "Stages placed from the pdd object's durations: queue from 0, prefill after it, both KV transfers when "
+    "prefill ends; handoff chunks spread evenly from main-decode's KV landing to its first token, extend "
+    "ending there. Ticks: the client's receive time of each chunk."
+)
 
 
 def pick(records: list[Record], which: str) -> Record | None:
@@ -52,8 +71,9 @@ def record_layout(record: Record) -> dict[str, Any]:
     n_relay = min(int(pdd.get("tokens_by_role", {}).get("rld", 0)), len(times))
     marks = [(ms, "rld" if i < n_relay else "md") for i, ms in enumerate(times)]
     end = times[-1] if times else float(pdd.get("timings_ms", {}).get("e2e", 0.0))
-    return layout(pdd.get("timings_ms", {}), marks, int(pdd.get("handoff_chunks", 0)),
-                  float(pdd.get("handoff_gap_ms", 0.0)), end)  # fmt: skip
+    return layout(
+        pdd.get("timings_ms", {}), marks, int(pdd.get("handoff_chunks", 0)), float(pdd.get("handoff_gap_ms", 0.0)), end
+    )
 
 
 def plot_waterfall(path: Path, record: Record | None, title: str) -> Path:
@@ -67,10 +87,25 @@ def plot_waterfall(path: Path, record: Record | None, title: str) -> Path:
     y = {row: i for i, row in enumerate(ROWS)}
     if w["gap"]:  # behind the ticks it spans
         g = w["gap"]
-        ax.add_patch(Rectangle((g["start_ms"], y["relay"] - 0.45), g["dur_ms"], y["main"] - y["relay"] + 0.9,
-                               facecolor="none", edgecolor="#6b7280", hatch="//", linewidth=0.8))  # fmt: skip
-        ax.text(g["start_ms"] + g["dur_ms"], y["handoff"], f" handoff gap {g['dur_ms']:.0f} ms", va="center",
-                fontsize=8, fontweight="bold")  # fmt: skip
+        ax.add_patch(
+            Rectangle(
+                (g["start_ms"], y["relay"] - 0.45),
+                g["dur_ms"],
+                y["main"] - y["relay"] + 0.9,
+                facecolor="none",
+                edgecolor="#6b7280",
+                hatch="//",
+                linewidth=0.8,
+            )
+        )
+        ax.text(
+            g["start_ms"] + g["dur_ms"],
+            y["handoff"],
+            f" handoff gap {g['dur_ms']:.0f} ms",
+            va="center",
+            fontsize=8,
+            fontweight="bold",
+        )
     for b in w["bars"]:
         ax.barh(y[b["row"]], max(b["dur_ms"], 0.5), left=b["start_ms"], height=0.6, color=COLORS[b["row"]])
     for row, times in w["ticks"].items():
@@ -84,9 +119,12 @@ def plot_waterfall(path: Path, record: Record | None, title: str) -> Path:
     ax.set_xlim(left=0)
     pdd = record.get("pdd") or {}
     roles = pdd.get("tokens_by_role", {})
-    ax.set(xlabel="ms since the client sent the request", title=f"{title}: {record.get('request_id', '?')} "
-           f"({pdd.get('pipeline', '?')}, handoff {pdd.get('handoff', '?')}, relay {roles.get('rld', 0)} / main "
-           f"{roles.get('md', 0)} tokens)")  # fmt: skip
+    ax.set(
+        xlabel="ms since the client sent the request",
+        title=f"{title}: {record.get('request_id', '?')} "
+        f"({pdd.get('pipeline', '?')}, handoff {pdd.get('handoff', '?')}, relay {roles.get('rld', 0)} / main "
+        f"{roles.get('md', 0)} tokens)",
+    )
     ax.grid(axis="x", alpha=0.3)
     fig.text(0.01, 0.01, PLACEMENT, fontsize=6.5, color="#6b7280", wrap=True)
     return _save(fig, path)
@@ -101,6 +139,11 @@ def _save(fig: Any, path: Path) -> Path:
 
 def plot_waterfalls(out_dir: Path, records: list[Record], mode: str = "") -> list[Path]:
     """`waterfall_slowest.png` and `waterfall_median.png` of these records (one mode's)."""
-    return [plot_waterfall(Path(out_dir) / f"waterfall_{which}.png", pick(records, which),
-                           f"{which} TTFT{f' ({mode})' if mode else ''}")  # fmt: skip
-            for which in ("slowest", "median")]  # fmt: skip
+    return [
+        plot_waterfall(
+            Path(out_dir) / f"waterfall_{which}.png",
+            pick(records, which),
+            f"{which} TTFT{f' ({mode})' if mode else ''}",
+        )
+        for which in ("slowest", "median")
+    ]

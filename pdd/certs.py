@@ -36,16 +36,21 @@ LOCAL_NAMES = ("localhost", "127.0.0.1")
 
 
 def _name(common: str, unit: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdd"),
-                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common)])  # fmt: skip
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdd"),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit),
+            x509.NameAttribute(NameOID.COMMON_NAME, common),
+        ]
+    )
 
 
 def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     key_path = path.with_suffix(".key")
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     key_path.chmod(0o600)
     path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
@@ -60,9 +65,17 @@ def _sans(names: list[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(out)
 
 
-_CA_USAGE = x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                          encipher_only=False, decipher_only=False)  # fmt: skip
+_CA_USAGE = x509.KeyUsage(
+    digital_signature=False,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    key_cert_sign=True,
+    crl_sign=True,
+    encipher_only=False,
+    decipher_only=False,
+)
 
 
 class CertificateAuthority:
@@ -74,12 +87,18 @@ class CertificateAuthority:
         key = ec.generate_private_key(ec.SECP256R1())
         name = _name(f"pdd cluster CA {cluster}", "ca")
         now = datetime.datetime.now(datetime.UTC)
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                .add_extension(_CA_USAGE, critical=True)
-                .sign(key, hashes.SHA256()))  # fmt: skip
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(_CA_USAGE, critical=True)
+            .sign(key, hashes.SHA256())
+        )
         return cls(key, cert)
 
     def issue(self, common: str, unit: str, names: list[str]) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
@@ -87,12 +106,18 @@ class CertificateAuthority:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
-        cert = (x509.CertificateBuilder().subject_name(_name(common, unit)).issuer_name(self.cert.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-                .add_extension(_sans(names), critical=False).add_extension(usage, critical=False)
-                .sign(self.key, hashes.SHA256()))  # fmt: skip
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(common, unit))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+            .add_extension(_sans(names), critical=False)
+            .add_extension(usage, critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
         return key, cert
 
 
@@ -109,8 +134,11 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
         _write(out / "kv" / f"{inst.id}.pem", *ca.issue(inst.id, inst.role, [inst.id, *LOCAL_NAMES, *hosts]))
     for dc in cfg.datacenters:
         _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", [*LOCAL_NAMES, *hosts]))
-    creds = {"nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf")},
-             "redis": secrets.token_urlsafe(18), "index_key": secrets.token_hex(32)}  # fmt: skip
+    creds = {
+        "nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf")},
+        "redis": secrets.token_urlsafe(18),
+        "index_key": secrets.token_hex(32),
+    }
     path = out / "credentials.json"
     path.write_text(json.dumps(creds, indent=2))
     path.chmod(0o600)
@@ -131,7 +159,7 @@ def write_server_configs(cfg: ClusterConfig, out: Path) -> list[Path]:
         path.write_text(server_conf(cfg, dc, secrets, mount))
         paths.append(path)
     path = out / "redis.conf"
-    path.write_text(f"requirepass {secrets.redis_password}\nsave \"\"\nappendonly no\n")
+    path.write_text(f'requirepass {secrets.redis_password}\nsave ""\nappendonly no\n')
     paths.append(path)
     for p in paths:
         p.chmod(0o600)

@@ -1,23 +1,23 @@
 """The `pdd` command.
 
-    pdd model-dir                 print the default model folder, provisioning it if missing
-    pdd up [--config FILE]        start NATS, Redis, the WAN emulator and every service on one host
-    pdd serve ROLE --config FILE --instance ID
-                                  run one service alone (per-datacenter deployment, docs/deploy.md)
-    pdd certs --config FILE --out DIR [--host NAME ...]
-                                  a cluster's CA, certificates and credentials (pdd/certs.py)
-    pdd wan show | set | down | up [--bandwidth-mbps N --delay-ms N --jitter-ms N]
-                                  the emulated line of a running `pdd up` cluster (pdd/control.py)
-    pdd status [--json]           instances by datacenter, their load and KV blocks, the line
-    pdd bench [--workload W --modes M1,M2 --out DIR ...]
-                                  PDD and its baselines side by side (benchmarks/bench.py)
-    pdd bench handoff [--tokens 100 --reps 30]
-                                  KV over the WAN vs token ids + extend (benchmarks/handoff_micro.py)
-    pdd sim [--config FILE --workload W --modes M1,M2 --out DIR ...]
-                                  the same modes, simulated on any fleet (sim/run.py)
-    pdd sim profile               measure this machine's chip profile (sim/measure.py)
-    pdd sim validate | experiments
-                                  simulator vs the real bench run; the report's experiments (docs/sim)
+pdd model-dir                 print the default model folder, provisioning it if missing
+pdd up [--config FILE]        start NATS, Redis, the WAN emulator and every service on one host
+pdd serve ROLE --config FILE --instance ID
+                              run one service alone (per-datacenter deployment, docs/deploy.md)
+pdd certs --config FILE --out DIR [--host NAME ...]
+                              a cluster's CA, certificates and credentials (pdd/certs.py)
+pdd wan show | set | down | up [--bandwidth-mbps N --delay-ms N --jitter-ms N]
+                              the emulated line of a running `pdd up` cluster (pdd/control.py)
+pdd status [--json]           instances by datacenter, their load and KV blocks, the line
+pdd bench [--workload W --modes M1,M2 --out DIR ...]
+                              PDD and its baselines side by side (benchmarks/bench.py)
+pdd bench handoff [--tokens 100 --reps 30]
+                              KV over the WAN vs token ids + extend (benchmarks/handoff_micro.py)
+pdd sim [--config FILE --workload W --modes M1,M2 --out DIR ...]
+                              the same modes, simulated on any fleet (sim/run.py)
+pdd sim profile               measure this machine's chip profile (sim/measure.py)
+pdd sim validate | experiments
+                              simulator vs the real bench run; the report's experiments (docs/sim)
 """
 
 from __future__ import annotations
@@ -126,8 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", default=None, help="cluster YAML (default configs/single-host.yaml)")
     up.add_argument("--port", type=int, default=None, help="the gateway's port (default 8000, or PDD_PORT)")
     up.add_argument("--model", default=None, help="a local Hugging Face Llama/Qwen-family folder (default SmolLM2)")
-    up.add_argument("--kv-wire", default=None, choices=["native", "bf16", "fp8", "int8", "auto"],
-                    help="how KV crosses the WAN (default: the config's scheduler.kv_wire, native)")  # fmt: skip
+    up.add_argument(
+        "--kv-wire",
+        default=None,
+        choices=["native", "bf16", "fp8", "int8", "auto"],
+        help="how KV crosses the WAN (default: the config's scheduler.kv_wire, native)",
+    )
     up.add_argument("--device", default=None, help="run every instance on this device: cpu, cuda or cuda:N")
     up.set_defaults(func=_up)
     serve = sub.add_parser("serve", help="run one service of one datacenter")
@@ -138,10 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     certs = sub.add_parser("certs", help="make a cluster's CA, certificates and credentials (docs/deploy.md)")
     certs.add_argument("--config", default=None, help="cluster YAML: its instances and datacenters")
     certs.add_argument("--out", required=True, help="a new folder for them (refused if it already holds a CA)")
-    certs.add_argument("--host", action="append", default=[], help="a name or address the sites reach each other "
-                       "by, added to every certificate (repeat for several)")  # fmt: skip
-    certs.add_argument("--server-configs", action="store_true", help="also write each site's nats-server "
-                       "config and redis.conf beside them (servers run outside `pdd up`)")  # fmt: skip
+    certs.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a name or address the sites reach each other by, added to every certificate (repeat for several)",
+    )
+    certs.add_argument(
+        "--server-configs",
+        action="store_true",
+        help="also write each site's nats-server config and redis.conf beside them (servers run outside `pdd up`)",
+    )
     certs.set_defaults(func=_certs)
     add_wan_arguments(sub)
     add_status_arguments(sub)

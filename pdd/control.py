@@ -43,8 +43,10 @@ def find_cluster(port: int | None) -> ClusterConfig:
     running = [f for f in files if f.exists() and _alive(json.loads(f.read_text()).get("pid", 0))]
     if len(running) != 1:
         what = f"on port {port}" if port else f"in {state_dir()}"
-        raise SystemExit(f"pdd: {'no' if not running else 'more than one'} running cluster {what}"
-                         + ("; start one with `pdd up`" if not running else "; name one with --port"))  # fmt: skip
+        raise SystemExit(
+            f"pdd: {'no' if not running else 'more than one'} running cluster {what}"
+            + ("; start one with `pdd up`" if not running else "; name one with --port")
+        )
     return load_config(json.loads(running[0].read_text())["config"])
 
 
@@ -74,8 +76,10 @@ async def gather_status(cfg: ClusterConfig) -> dict[str, Any]:
             first = await bus.request(subjects.wan_control(cfg.wan.name), WanControl(), WanState, 5.0)
             await asyncio.sleep(0.5)
             second = await bus.request(subjects.wan_control(cfg.wan.name), WanControl(), WanState, 5.0)
-            lines = {d: {**dataclasses.asdict(ls), "bytes_per_s": (ls.bytes - first.lines[d].bytes) / 0.5}
-                     for d, ls in second.lines.items()}  # fmt: skip
+            lines = {
+                d: {**dataclasses.asdict(ls), "bytes_per_s": (ls.bytes - first.lines[d].bytes) / 0.5}
+                for d, ls in second.lines.items()
+            }
     finally:
         await bus.close()
     return status_view(cfg, status, lines)
@@ -96,16 +100,22 @@ def format_status(view: dict[str, Any]) -> str:
                 out.append(f"  {r['id']:<10} {r['role']:<8} MISSING (no heartbeat)")
                 continue
             kv = r["kv_blocks"]
-            out.append(f"  {r['id']:<10} {r['role']:<8} up  running {r['running']:>3}  waiting {r['waiting']:>3}  "
-                       f"pending {r['pending']:>3}  held {r['held']}/{r['capacity']}  "
-                       f"KV blocks used {kv['used']} cached {kv['cached']} free {kv['free']}")  # fmt: skip
+            out.append(
+                f"  {r['id']:<10} {r['role']:<8} up  running {r['running']:>3}  waiting {r['waiting']:>3}  "
+                f"pending {r['pending']:>3}  held {r['held']}/{r['capacity']}  "
+                f"KV blocks used {kv['used']} cached {kv['cached']} free {kv['free']}"
+            )
     wan = view["wan"]
-    out.append(f"line: configured {wan['configured']['bandwidth_mbps']:g} Mbps, {wan['configured']['delay_ms']:g} ms "
-               f"one way; scheduler's estimate {wan['estimate_mbps']:g} Mbps")  # fmt: skip
+    out.append(
+        f"line: configured {wan['configured']['bandwidth_mbps']:g} Mbps, {wan['configured']['delay_ms']:g} ms "
+        f"one way; scheduler's estimate {wan['estimate_mbps']:g} Mbps"
+    )
     for d, ls in (wan["lines"] or {}).items():
         state = "DOWN" if ls["down"] else "stalled" if ls["stalled"] else "up"
-        out.append(f"  {d} {state}: {ls['bandwidth_mbps']:g} Mbps now, carrying {ls['bytes_per_s'] * 8 / 1e6:.2f} Mbit/s, "
-                   f"{ls['bytes'] / 1e6:.1f} MB since start")  # fmt: skip
+        out.append(
+            f"  {d} {state}: {ls['bandwidth_mbps']:g} Mbps now, carrying {ls['bytes_per_s'] * 8 / 1e6:.2f} Mbit/s, "
+            f"{ls['bytes'] / 1e6:.1f} MB since start"
+        )
     out.append("plans: " + ", ".join(f"{p} {n}" for p, n in sorted(view["plans"].items())))
     return "\n".join(out)
 
@@ -113,17 +123,24 @@ def format_status(view: dict[str, Any]) -> str:
 def add_status_arguments(sub) -> None:
     p = sub.add_parser("status", help="instances by datacenter and the line, of a running `pdd up` cluster")
     p.add_argument("--json", action="store_true", help="print it as JSON")
-    p.add_argument("--port", type=int, default=None, help="the cluster's gateway port (default PDD_PORT, or the "
-                   "only running cluster)")  # fmt: skip
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="the cluster's gateway port (default PDD_PORT, or the only running cluster)",
+    )
     p.set_defaults(func=status_command)
 
 
 def wan_command(args: argparse.Namespace) -> int:
     cfg = find_cluster(args.port)
     settings = {"bandwidth_mbps": args.bandwidth_mbps, "delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms}
-    msg = WanControl(direction=args.direction, forward=args.forward,
-                     down={"down": True, "up": False}.get(args.action),
-                     **(settings if args.action == "set" else {}))  # fmt: skip
+    msg = WanControl(
+        direction=args.direction,
+        forward=args.forward,
+        down={"down": True, "up": False}.get(args.action),
+        **(settings if args.action == "set" else {}),
+    )
     state: WanState = asyncio.run(ask(cfg, subjects.wan_control(cfg.wan.name), msg, WanState))
     print(format_wan(state))
     if state.error:
@@ -136,23 +153,34 @@ def format_wan(state: WanState) -> str:
     lines = [f"line {state.name}:"]
     for direction, ls in state.lines.items():
         status = "DOWN" if ls.down else "stalled" if ls.stalled else "up"
-        lines.append(f"  {direction}  {status:<7} {ls.bandwidth_mbps:>9.1f} Mbps  delay {ls.delay_ms:g} ms "
-                     f"+- {ls.jitter_ms:g} ms  carried {ls.bytes / 1e6:.1f} MB")  # fmt: skip
+        lines.append(
+            f"  {direction}  {status:<7} {ls.bandwidth_mbps:>9.1f} Mbps  delay {ls.delay_ms:g} ms "
+            f"+- {ls.jitter_ms:g} ms  carried {ls.bytes / 1e6:.1f} MB"
+        )
     for name, port in state.forwards.items():
-        lines.append(f"  forward {name:<10} port {port:<6} open {state.connections.get(name, 0)}  "
-                     f"accepted {state.accepted.get(name, 0)}")  # fmt: skip
+        lines.append(
+            f"  forward {name:<10} port {port:<6} open {state.connections.get(name, 0)}  "
+            f"accepted {state.accepted.get(name, 0)}"
+        )
     return "\n".join(lines)
 
 
 def add_wan_arguments(sub) -> None:
     p = sub.add_parser("wan", help="show or change the emulated line of a running `pdd up` cluster")
-    p.add_argument("action", choices=["show", "set", "down", "up"], help="show it; set bandwidth, delay or jitter; "
-                   "take it down (nothing crosses) or bring it back up")  # fmt: skip
+    p.add_argument(
+        "action",
+        choices=["show", "set", "down", "up"],
+        help="show it; set bandwidth, delay or jitter; take it down (nothing crosses) or bring it back up",
+    )
     p.add_argument("--bandwidth-mbps", type=float, default=None, help="with `set`: the rate, in Mbit/s")
     p.add_argument("--delay-ms", type=float, default=None, help="with `set`: one-way delay, in ms")
     p.add_argument("--jitter-ms", type=float, default=None, help="with `set`: +- jitter on the delay, in ms")
     p.add_argument("--direction", choices=["both", "a-b", "b-a"], default="both", help="which way (default both)")
     p.add_argument("--forward", default="", help="down/up one forward only (a decoder's KV port, nats-B)")
-    p.add_argument("--port", type=int, default=None, help="the cluster's gateway port (default PDD_PORT, or the "
-                   "only running cluster)")  # fmt: skip
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="the cluster's gateway port (default PDD_PORT, or the only running cluster)",
+    )
     p.set_defaults(func=wan_command)

@@ -112,8 +112,9 @@ class Cluster:
                 conf = self.run_dir / f"nats-{dc.name}.conf"
                 conf.write_text(server_conf(self.cfg, dc, self.secrets))
                 self.log(f"pdd: starting the NATS server of datacenter {dc.name}")
-                self.servers[f"nats-{dc.name}"] = EmbeddedServer.nats(f"nats-{dc.name}", conf, dc.nats_port,
-                                                                      self.run_dir).start()  # fmt: skip
+                self.servers[f"nats-{dc.name}"] = EmbeddedServer.nats(
+                    f"nats-{dc.name}", conf, dc.nats_port, self.run_dir
+                ).start()
         if self.embedded_redis:
             self.log(f"pdd: starting Redis (datacenter {self.cfg.control_dc})")
             password = self.secrets.redis_password if self.secrets else None
@@ -126,12 +127,21 @@ class Cluster:
         spec = self.specs[name]
         argv = serve_argv(spec.role, self.config_path, name if spec.role in ("prefill", "rld", "md") else None)
         # two malloc arenas: the engine's worker and asyncio's threads otherwise each grow their own heap
-        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED} | {"PYTHONUNBUFFERED": "1",
-                                                                                    "MALLOC_ARENA_MAX": "2"}  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED} | {
+            "PYTHONUNBUFFERED": "1",
+            "MALLOC_ARENA_MAX": "2",
+        }
         self.log(f"pdd: starting {name}" + (f" (datacenter {spec.dc})" if spec.dc else " (the line between sites)"))
         with open(self.run_dir / f"{name}.log", "ab") as logf:
-            self.procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                                start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+            self.procs[name] = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
 
     def _until(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -212,8 +222,11 @@ def run_cluster(config_path: str | None, **overrides: Any) -> int:
         names = [s.name for s in cluster.specs.values() if s.dc == dc.name]
         print(f"pdd: datacenter {dc.name}: {', '.join(names)} (NATS {dc.nats_url})", flush=True)
     if cluster.cfg.wan.enabled:
-        print(f"pdd: the line between them: {cluster.cfg.wan.bandwidth_mbps:g} Mbps, {cluster.cfg.wan.delay_ms:g} ms "
-              f"one way (`pdd wan show`)", flush=True)  # fmt: skip
+        print(
+            f"pdd: the line between them: {cluster.cfg.wan.bandwidth_mbps:g} Mbps, {cluster.cfg.wan.delay_ms:g} ms "
+            f"one way (`pdd wan show`)",
+            flush=True,
+        )
     metrics = [f"gateway {cluster.url}/metrics", f"scheduler :{cluster.cfg.scheduler.metrics_port}/metrics"]
     metrics += [f"{i.id} :{i.metrics_port}/metrics" for i in cluster.cfg.instances]
     print(f"pdd: Prometheus metrics: {', '.join(metrics)}", flush=True)

@@ -19,8 +19,10 @@ from shared.security import Secrets
 _REPORT = ["pdd.registry.heartbeat", "pdd.registry.index", "pdd.registry.leave", "pdd.scheduler.wan_sample"]
 _OPERATED = ["pdd.abort", "pdd.inspect.*", "pdd.admin.*.flush"]
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
-    "gateway": {"publish": ["pdd.scheduler.submit", "pdd.scheduler.status", "pdd.abort", "pdd.wanlink.*.control"],
-                "subscribe": ["pdd.tokens.>"]},
+    "gateway": {
+        "publish": ["pdd.scheduler.submit", "pdd.scheduler.status", "pdd.abort", "pdd.wanlink.*.control"],
+        "subscribe": ["pdd.tokens.>"],
+    },
     "scheduler": {
         "publish": ["pdd.prefill.*.task", "pdd.decode.*.task", "pdd.decode.*.drop", "pdd.abort"],
         "subscribe": [
@@ -37,9 +39,14 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "rld": {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.chunk", *_REPORT],
-        "subscribe": ["pdd.decode.*.task", "pdd.decode.*.drop", "pdd.handoff.*.ready", "pdd.handoff.*.finish",
-                      *_OPERATED],
-    },  # fmt: skip
+        "subscribe": [
+            "pdd.decode.*.task",
+            "pdd.decode.*.drop",
+            "pdd.handoff.*.ready",
+            "pdd.handoff.*.finish",
+            *_OPERATED,
+        ],
+    },
     "md": {
         "publish": ["pdd.tokens.>", "pdd.handoff.*.ready", "pdd.handoff.*.finish", *_REPORT],
         "subscribe": ["pdd.decode.*.task", "pdd.decode.*.drop", "pdd.handoff.*.chunk", *_OPERATED],
@@ -53,11 +60,16 @@ def _user(role: str, password: str) -> dict:
     if role == "operator":  # tests, `pdd status`, `pdd wan`: everything
         return {"user": role, "password": password}
     perms = PERMISSIONS[role]
-    return {"user": role, "password": password,
-            "permissions": {"publish": {"allow": perms["publish"] or ["pdd.none"]},
-                            # replies to its own requests come on its own inbox prefix (shared/bus.py)
-                            "subscribe": {"allow": [*perms["subscribe"], f"_INBOX.{role}.>"]},
-                            "allow_responses": True}}  # fmt: skip
+    return {
+        "user": role,
+        "password": password,
+        "permissions": {
+            "publish": {"allow": perms["publish"] or ["pdd.none"]},
+            # replies to its own requests come on its own inbox prefix (shared/bus.py)
+            "subscribe": {"allow": [*perms["subscribe"], f"_INBOX.{role}.>"]},
+            "allow_responses": True,
+        },
+    }
 
 
 def _tls(secrets: Secrets, dc: str, mount: Path | None) -> dict:
@@ -65,14 +77,22 @@ def _tls(secrets: Secrets, dc: str, mount: Path | None) -> dict:
     where = Secrets(mount) if mount else secrets
     cert, key = where.cert("nats", dc)
     # handshake_first: TLS from the first byte, not even the server's INFO in the clear
-    return {"cert_file": str(cert), "key_file": str(key), "ca_file": str(where.ca), "timeout": 5,
-            "handshake_first": True}  # fmt: skip
+    return {
+        "cert_file": str(cert),
+        "key_file": str(key),
+        "ca_file": str(where.ca),
+        "timeout": 5,
+        "handshake_first": True,
+    }
 
 
 def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | None, mount: Path | None = None) -> str:
     """The server config of site `dc` (JSON, which nats-server reads as its own format)."""
-    conf: dict = {"server_name": f"pdd-{dc.name}", "listen": f"{cfg.host}:{dc.nats_port or 4222}",
-                  "max_payload": 1 << 20}  # fmt: skip
+    conf: dict = {
+        "server_name": f"pdd-{dc.name}",
+        "listen": f"{cfg.host}:{dc.nats_port or 4222}",
+        "max_payload": 1 << 20,
+    }
     if dc.monitor_port:  # /healthz for container healthchecks
         conf["http_port"] = dc.monitor_port
     home = dc.name == cfg.control_dc
@@ -82,8 +102,10 @@ def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | Non
     if home:
         leaf = {"listen": f"{cfg.host}:{dc.leaf_port}"}
         if secrets is not None:
-            leaf |= {"tls": _tls(secrets, dc.name, mount) | {"verify": True},  # a client certificate from our CA
-                     "authorization": {"user": "leaf", "password": secrets.nats_password("leaf")}}  # fmt: skip
+            leaf |= {
+                "tls": _tls(secrets, dc.name, mount) | {"verify": True},  # a client certificate from our CA
+                "authorization": {"user": "leaf", "password": secrets.nats_password("leaf")},
+            }
         conf["leafnodes"] = leaf
     elif dc.leaf_remote:
         creds = f"leaf:{secrets.nats_password('leaf')}@" if secrets else ""

@@ -85,14 +85,27 @@ class EmbeddedServer:
     def redis(cls, port: int, password: str | None, run_dir: Path) -> EmbeddedServer:
         workdir = run_dir / "redis"
         workdir.mkdir(exist_ok=True)
-        argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                "--dir", str(workdir), *(["--requirepass", password] if password else [])]  # fmt: skip
+        argv = [
+            redis_server_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            *(["--requirepass", password] if password else []),
+        ]
         return cls("redis", argv, port, run_dir / "redis.log")
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+            )
         wait_port("127.0.0.1", self.port, timeout, self.proc)
         return self
 

@@ -45,14 +45,28 @@ def _port(p: int) -> int:
 
 def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
     """A config for this host: free ports where 0, site URLs, forwards through the line, secrets."""
-    instances = tuple(dataclasses.replace(i, kv_port=_port(i.kv_port) if i.role != "prefill" else 0,
-                                          metrics_port=_port(i.metrics_port)) for i in cfg.instances)  # fmt: skip
-    sites = tuple(dataclasses.replace(dc, nats_port=_port(dc.nats_port),
-                                      leaf_port=_port(dc.leaf_port) if dc.name == cfg.control_dc else 0)
-                  for dc in cfg.datacenters)  # fmt: skip
+    instances = tuple(
+        dataclasses.replace(
+            i, kv_port=_port(i.kv_port) if i.role != "prefill" else 0, metrics_port=_port(i.metrics_port)
+        )
+        for i in cfg.instances
+    )
+    sites = tuple(
+        dataclasses.replace(
+            dc, nats_port=_port(dc.nats_port), leaf_port=_port(dc.leaf_port) if dc.name == cfg.control_dc else 0
+        )
+        for dc in cfg.datacenters
+    )
     scheduler = dataclasses.replace(cfg.scheduler, metrics_port=_port(cfg.scheduler.metrics_port))
-    cfg = dataclasses.replace(cfg, instances=instances, datacenters=sites, port=_port(cfg.port), scheduler=scheduler,
-                              redis_port=_port(cfg.redis_port), nats_url="")  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg,
+        instances=instances,
+        datacenters=sites,
+        port=_port(cfg.port),
+        scheduler=scheduler,
+        redis_port=_port(cfg.redis_port),
+        nats_url="",
+    )
     ports = {name: _port(cfg.wan.ports.get(name, 0)) for name, *_ in cfg.wan_forwards()} if cfg.wan.enabled else {}
     capture = cfg.wan.capture_dir or str(run_dir / "wan-capture")  # written only when turned on
     cfg = dataclasses.replace(cfg, wan=dataclasses.replace(cfg.wan, ports=ports, capture_dir=capture))

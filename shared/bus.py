@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
 from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from shared.messages import BadMessage, M, Message

@@ -155,8 +155,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         wires = ("native", "bf16", "fp8", "int8")
         if self.kv_wire not in (*wires, "auto") or self.kv_wire_in_dc not in wires:
-            raise ConfigError(f"scheduler.kv_wire {self.kv_wire!r} / kv_wire_in_dc {self.kv_wire_in_dc!r}: one of "
-                              f"{', '.join(wires)} (kv_wire also auto)")  # fmt: skip
+            raise ConfigError(
+                f"scheduler.kv_wire {self.kv_wire!r} / kv_wire_in_dc {self.kv_wire_in_dc!r}: one of "
+                f"{', '.join(wires)} (kv_wire also auto)"
+            )
         if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
             raise ConfigError(f"scheduler.default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
         if self.default_handoff not in ("auto", *HANDOFFS):
@@ -228,10 +230,16 @@ class ClusterConfig:
         Each decoder outside the scheduler's site takes KV pushes from prefill; each other site's
         NATS server joins the scheduler's site's leafnode port. Nothing else crosses."""
         home = self.datacenter(self.control_dc)
-        out = [(i.id, self.control_dc, (i.host or self.host, i.kv_port)) for i in self.instances
-               if i.dc != self.control_dc and i.role != "prefill"]  # fmt: skip
-        out += [(f"nats-{d.name}", d.name, (home.leaf_host or self.host, home.leaf_port)) for d in self.datacenters
-                if d.name != self.control_dc]  # fmt: skip
+        out = [
+            (i.id, self.control_dc, (i.host or self.host, i.kv_port))
+            for i in self.instances
+            if i.dc != self.control_dc and i.role != "prefill"
+        ]
+        out += [
+            (f"nats-{d.name}", d.name, (home.leaf_host or self.host, home.leaf_port))
+            for d in self.datacenters
+            if d.name != self.control_dc
+        ]
         return out
 
     def kv_endpoint(self, inst: InstanceConfig) -> tuple[str, int]:
@@ -280,8 +288,10 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     gateway = _build(GatewayConfig, raw.pop("gateway", {}) or {}, f"{where}: gateway")
     instances = tuple(_build(InstanceConfig, i, f"{where}: instance") for i in raw.pop("instances", []))
     dcs = raw.pop("datacenters", None) or {d: {} for d in sorted({i.dc for i in instances} | {wan.src_dc, wan.dst_dc})}
-    datacenters = tuple(_build(DatacenterConfig, {"name": name, **(v or {})}, f"{where}: datacenters.{name}")
-                        for name, v in (dcs.items() if isinstance(dcs, dict) else ((d["name"], d) for d in dcs)))  # fmt: skip
+    datacenters = tuple(
+        _build(DatacenterConfig, {"name": name, **(v or {})}, f"{where}: datacenters.{name}")
+        for name, v in (dcs.items() if isinstance(dcs, dict) else ((d["name"], d) for d in dcs))
+    )
     env = {
         "nats_url": os.environ.get("PDD_NATS_URL"),
         "redis_url": os.environ.get("PDD_REDIS_URL"),
@@ -292,8 +302,20 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     for key, value in env.items():
         if value:
             raw[key] = int(value) if key == "port" else value
-    cfg = _build(ClusterConfig, {**raw, "wan": wan, "timeouts": timeouts, "handoff": handoff, "scheduler": scheduler,
-                                      "gateway": gateway, "instances": instances, "datacenters": datacenters}, where)
+    cfg = _build(
+        ClusterConfig,
+        {
+            **raw,
+            "wan": wan,
+            "timeouts": timeouts,
+            "handoff": handoff,
+            "scheduler": scheduler,
+            "gateway": gateway,
+            "instances": instances,
+            "datacenters": datacenters,
+        },
+        where,
+    )
     if cfg.device:
         check_device(cfg.device, where)
     ids = [i.id for i in cfg.instances]
@@ -326,8 +348,10 @@ def serving_problems(cfg: ClusterConfig, role: str, instance: str | None) -> lis
     if role in ("gateway", "scheduler") and not cfg.redis_url:
         problems.append("no Redis: set PDD_REDIS_URL (Redis runs in the scheduler's datacenter)")
     if not cfg.secrets_dir:
-        problems.append("no certificates or credentials: set PDD_SECRETS_DIR or secrets_dir (make them with "
-                        "`pdd certs`); every link between sites is encrypted and authenticated")  # fmt: skip
+        problems.append(
+            "no certificates or credentials: set PDD_SECRETS_DIR or secrets_dir (make them with "
+            "`pdd certs`); every link between sites is encrypted and authenticated"
+        )
     return problems
 
 

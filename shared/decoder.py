@@ -83,8 +83,12 @@ class DecoderService(InstanceService):
 
     def state_sizes(self) -> dict[str, int]:
         receiving = len(self.receiver._receiving) if self.receiver else 0
-        return {"requests": len(self.requests), "parked": len(self.parked), "receiving": receiving,
-                "remembered_aborts": len(self.aborted)}  # fmt: skip
+        return {
+            "requests": len(self.requests),
+            "parked": len(self.parked),
+            "receiving": receiving,
+            "remembered_aborts": len(self.aborted),
+        }
 
     def holding_since(self, older_than_s: float) -> list[str]:
         cutoff = time.monotonic() - older_than_s
@@ -150,8 +154,13 @@ class DecoderService(InstanceService):
         if req.phase != Phase.PENDING:  # a retried push whose first attempt landed after all
             return Verdict.HAVE_IT, ""
         kv, n, layout = t.kv, len(req.task.prompt_ids), self.layout
-        planned = {"start": req.task.kv_start, "end": n, "num_layers": layout.num_layers,
-                   "kv_heads": layout.kv_heads, "head_dim": layout.head_dim}  # fmt: skip
+        planned = {
+            "start": req.task.kv_start,
+            "end": n,
+            "num_layers": layout.num_layers,
+            "kv_heads": layout.kv_heads,
+            "head_dim": layout.head_dim,
+        }
         wrong = {k: kv.get(k) for k, v in planned.items() if kv.get(k) != v}
         if wrong or kv.get("dtype") not in WIRE_DTYPES or kv.get("wire", "native") not in WIRE_FORMATS:
             bad = wrong or (kv.get("dtype"), kv.get("wire"))
@@ -171,8 +180,10 @@ class DecoderService(InstanceService):
             stats = RequestStats.from_dict(t.done.get("stats", {}))
         except BadMessage as e:
             return f"bad stats: {e}"
-        header = KVHeader(**{k: t.kv[k] for k in ("start", "end", "num_layers", "kv_heads", "head_dim", "dtype")},
-                          wire=t.kv.get("wire", "native"))  # fmt: skip
+        header = KVHeader(
+            **{k: t.kv[k] for k in ("start", "end", "num_layers", "kv_heads", "head_dim", "dtype")},
+            wire=t.kv.get("wire", "native"),
+        )
         layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
         if self.requests.get(t.request_id) is not req or req.phase != Phase.PENDING:
             return ""  # aborted (or a duplicate landed) while the bytes were converted
@@ -183,8 +194,12 @@ class DecoderService(InstanceService):
         else:
             req.stats.local_kv_bytes, req.stats.kv_local_ms = t.wire_bytes, t.elapsed_ms
         task = req.task
-        seq = Sequence(req.id, list(task.prompt_ids) + [first], to_params(task.sampling),
-                       namespace=namespace_of(self.cfg.model, task.cache_salt))  # fmt: skip
+        seq = Sequence(
+            req.id,
+            list(task.prompt_ids) + [first],
+            to_params(task.sampling),
+            namespace=namespace_of(self.cfg.model, task.cache_salt),
+        )
         seq.prompt_len = len(task.prompt_ids)
         seq.shadow = self.side.shadows(task)
         req.parked, req.phase = (seq, KVPayload(header, layers), first), Phase.PARKED
@@ -230,8 +245,12 @@ class DecoderService(InstanceService):
             req.stats.rld_hit_tokens = seq.cached_tokens
         if seq.imported is not None:
             req.stats.recomputed_tokens = seq.imported[0] - seq.num_computed
-            log.info("%s: %s: prefix evicted since the plan; recomputing %d tokens", self.inst.id, seq.seq_id,
-                     req.stats.recomputed_tokens)  # fmt: skip
+            log.info(
+                "%s: %s: prefix evicted since the plan; recomputing %d tokens",
+                self.inst.id,
+                seq.seq_id,
+                req.stats.recomputed_tokens,
+            )
 
     async def _unparker(self) -> None:
         while True:
@@ -255,9 +274,14 @@ class DecoderService(InstanceService):
     def emit(self, out: TokenOutput) -> None:
         req = self.requests.get(out.seq_id)
         chunk = TokenChunk(
-            out.seq_id, out.index, [] if out.token_id is None else [out.token_id],
-            role=self.role, instance_id=self.inst.id, finish_reason=out.finish_reason, error=out.error or "",
-        )  # fmt: skip
+            out.seq_id,
+            out.index,
+            [] if out.token_id is None else [out.token_id],
+            role=self.role,
+            instance_id=self.inst.id,
+            finish_reason=out.finish_reason,
+            error=out.error or "",
+        )
         if req is not None:
             self.side.emitting(req, out)
         if out.finish_reason is not None:
@@ -339,8 +363,10 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
         # prompt's blocks could wait forever beside another for the blocks each still lacks
         need = pool.blocks_for(seq.max_total_tokens)
         if need > pool.num_blocks:  # never fits, however long it waits: fail it now
-            raise ValueError(f"the request needs {seq.max_total_tokens} tokens of KV; this pool holds "
-                             f"{pool.num_blocks * pool.block_size}")  # fmt: skip
+            raise ValueError(
+                f"the request needs {seq.max_total_tokens} tokens of KV; this pool holds "
+                f"{pool.num_blocks * pool.block_size}"
+            )
         seq.block_table += engine.allocate(need - len(seq.block_table))
         if max(hit, start) < n:  # never write into shared cached blocks
             with torch.inference_mode():
@@ -354,7 +380,9 @@ def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
     if hit < start:
         seq.num_computed, seq.imported = hit, (start, n)
     elif engine.cache is not None:  # KV is cached as it lands: the next turn hits at once
-        engine.cache.insert(seq.token_ids[:n], seq.block_table[: n // pool.block_size], seq.namespace or engine.namespace)
+        engine.cache.insert(
+            seq.token_ids[:n], seq.block_table[: n // pool.block_size], seq.namespace or engine.namespace
+        )
     engine.count_prefix(seq)
     try:
         engine.add(seq)

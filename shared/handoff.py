@@ -71,8 +71,7 @@ class RelaySide:
     async def on_finish_here(self, msg: FinishOnRelay) -> None:
         req = self.d.requests.get(msg.request_id)
         if req is not None and not req.md_ready:
-            log.info("%s: %s: main-decode will not get it (%s); finishing on relay", self.d.inst.id, req.id,
-                     msg.reason)  # fmt: skip
+            log.info("%s: %s: main-decode will not get it (%s); finishing on relay", self.d.inst.id, req.id, msg.reason)
             req.alone = True
 
     def emitting(self, req: DecodeRequest, out: TokenOutput) -> None:

@@ -60,8 +60,14 @@ class InstanceService:
         self.inst = inst
         self.bus: Bus | None = None
         self.worker: EngineWorker | None = None
-        self.info = InstanceInfo(id=inst.id, role=inst.role, dc=inst.dc, dtype=inst.dtype, block_size=cfg.block_size,
-                                 capacity=inst.max_running + inst.max_waiting)  # fmt: skip
+        self.info = InstanceInfo(
+            id=inst.id,
+            role=inst.role,
+            dc=inst.dc,
+            dtype=inst.dtype,
+            block_size=cfg.block_size,
+            capacity=inst.max_running + inst.max_waiting,
+        )
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.metrics = Metrics(model_name(cfg.model), inst.id)
@@ -102,8 +108,13 @@ class InstanceService:
         held = len(self.held_requests())
         if held < self.info.capacity:
             return None
-        return Ack(request_id, ok=False, busy=True, error=f"{self.inst.id} is full ({held} requests held, "
-                   f"max_running {self.inst.max_running} + max_waiting {self.inst.max_waiting})")  # fmt: skip
+        return Ack(
+            request_id,
+            ok=False,
+            busy=True,
+            error=f"{self.inst.id} is full ({held} requests held, "
+            f"max_running {self.inst.max_running} + max_waiting {self.inst.max_waiting})",
+        )
 
     def task_problem(self, prompt_ids: list[int], sampling: Sampling) -> str:
         """Why a task cannot run here ("" when it can): checked before the engine sees it, so a
@@ -113,7 +124,8 @@ class InstanceService:
         if len(prompt_ids) + sampling.max_tokens > self.context_len:
             return f"prompt {len(prompt_ids)} + max_tokens {sampling.max_tokens} exceed the context {self.context_len}"
         return token_problem(prompt_ids, self.vocab_size, "prompt", self.context_len) or sampling.problem(
-            self.vocab_size, self.context_len)
+            self.vocab_size, self.context_len
+        )
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         """A task the service keeps a reference to (so it is not collected) and cancels at shutdown."""
@@ -212,8 +224,11 @@ class InstanceService:
             requests=self.held_requests(),
             free_blocks=load.get("free_blocks", 0),
             total_blocks=load.get("total_blocks", 0),
-            extra={**load, "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks),
-                   "state": {**self.state_sizes(), "bus_handlers": len(getattr(self.bus, "_tasks", ()))}},
+            extra={
+                **load,
+                "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks),
+                "state": {**self.state_sizes(), "bus_handlers": len(getattr(self.bus, "_tasks", ()))},
+            },
         )
 
     async def _flush_cache(self, msg: Inspect) -> InstanceState:

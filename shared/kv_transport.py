@@ -81,8 +81,9 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, stall_s: float) ->
     return b"".join(parts)
 
 
-async def read_frame(reader: asyncio.StreamReader, stall_s: float, kind: Frame, max_body: int,
-                     exact: int | None = None) -> bytes:  # fmt: skip
+async def read_frame(
+    reader: asyncio.StreamReader, stall_s: float, kind: Frame, max_body: int, exact: int | None = None
+) -> bytes:
     """The body of the next frame, which must be of `kind` and at most `max_body` bytes (exactly
     `exact` when given): checked on the 5-byte prefix, before any of the body is read."""
     length, got = _LEN.unpack(await _read_exactly(reader, _LEN.size, stall_s))
@@ -145,21 +146,36 @@ class KVPush:
     wan: bool = False
 
 
-async def send_kv(host: str, port: int, push: KVPush, stall_s: float, tls: ssl.SSLContext | None = None,
-                  server_name: str | None = None) -> int:  # fmt: skip
+async def send_kv(
+    host: str,
+    port: int,
+    push: KVPush,
+    stall_s: float,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
+) -> int:
     """Push one transfer and wait for the receiver's ACK. Returns the bytes sent. With `tls`
     the receiver must prove it is `server_name` (the decoder the scheduler picked)."""
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=tls, server_hostname=server_name if tls else None), stall_s)
+            asyncio.open_connection(host, port, ssl=tls, server_hostname=server_name if tls else None), stall_s
+        )
     except (TimeoutError, OSError, ssl.SSLError) as e:
         raise KVTransferError(f"cannot connect to KV endpoint {host}:{port}: {e}") from None
     sent, acked = 0, False
     try:
-        head = {"request_id": push.request_id, "sender": push.sender, "token": push.token, "wan": push.wan,
-                "kv": push.kv_header}  # fmt: skip
-        frames = [packed(Frame.HEADER, head), *(frame(Frame.LAYER, d) for d in push.layers),
-                  packed(Frame.DONE, push.done)]  # fmt: skip
+        head = {
+            "request_id": push.request_id,
+            "sender": push.sender,
+            "token": push.token,
+            "wan": push.wan,
+            "kv": push.kv_header,
+        }
+        frames = [
+            packed(Frame.HEADER, head),
+            *(frame(Frame.LAYER, d) for d in push.layers),
+            packed(Frame.DONE, push.done),
+        ]
         for data in frames:
             for i in range(0, len(data), WRITE_SLICE):
                 writer.write(data[i : i + WRITE_SLICE])
@@ -201,8 +217,15 @@ Vet = Callable[[Transfer], tuple[Verdict, str]]
 class KVReceiver:
     """A TCP listener that hands each complete transfer to `handler` and ACKs its verdict."""
 
-    def __init__(self, handler: Handler, stall_s: float, vet: Vet | None = None, tls: ssl.SSLContext | None = None,
-                 layer_bytes: Callable[[Transfer], int] | None = None, max_per_peer: int = 16) -> None:  # fmt: skip
+    def __init__(
+        self,
+        handler: Handler,
+        stall_s: float,
+        vet: Vet | None = None,
+        tls: ssl.SSLContext | None = None,
+        layer_bytes: Callable[[Transfer], int] | None = None,
+        max_per_peer: int = 16,
+    ) -> None:
         self.handler = handler
         self.stall_s = stall_s
         self.vet = vet
@@ -303,7 +326,12 @@ class KVReceiver:
 def _transfer(head: dict[str, Any]) -> Transfer:
     kv = head.get("kv")
     rid, sender, token = head.get("request_id"), head.get("sender", ""), head.get("token", "")
-    if not isinstance(rid, str) or not isinstance(sender, str) or not isinstance(token, str) or not isinstance(kv, dict):
+    if (
+        not isinstance(rid, str)
+        or not isinstance(sender, str)
+        or not isinstance(token, str)
+        or not isinstance(kv, dict)
+    ):
         raise KVTransferError("HEADER lacks request_id, sender, token or kv")
     return Transfer(rid, sender, kv, token=token, via_wan=bool(head.get("wan")))
 

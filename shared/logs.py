@@ -22,8 +22,13 @@ class JsonFormatter(logging.Formatter):
         self.instance = instance
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {"ts": round(record.created, 3), "level": record.levelname, "instance": self.instance,
-                "logger": record.name, "msg": record.getMessage()}  # fmt: skip
+        line = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "instance": self.instance,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         line.update({k: v for k, v in vars(record).items() if k not in _RESERVED})
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)

@@ -103,8 +103,12 @@ class Sampling(Message):
             return f"max_tokens {self.max_tokens} not in [1, {context_len}]"
         if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0 and 0 <= self.top_k <= vocab_size):
             return f"sampling out of range: temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k}"
-        if not (abs(self.presence_penalty) <= 2 and abs(self.frequency_penalty) <= 2 and 0 < self.repetition_penalty
-                <= 2 and 0 <= self.min_tokens <= self.max_tokens):  # fmt: skip
+        if not (
+            abs(self.presence_penalty) <= 2
+            and abs(self.frequency_penalty) <= 2
+            and 0 < self.repetition_penalty <= 2
+            and 0 <= self.min_tokens <= self.max_tokens
+        ):
             return "penalties or min_tokens out of range"
         if len(self.stop) > 16 or any(len(s) > 256 for s in self.stop):
             return "too many or too long stop strings"

@@ -24,6 +24,8 @@ def wire_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: str, wire: str)
         raise ValueError(f"unknown KV wire format {wire!r}; one of {', '.join(WIRE_FORMATS)}")
     element = ITEMSIZE[dtype] if wire == "native" else 2 if wire == "bf16" else 1
     return 2 * tokens * kv_heads * (head_dim * element + (4 if wire in SCALED_WIRES else 0))
+
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # provisioned by shared/runtime/provision.py
 
 

@@ -29,8 +29,9 @@ def next_hash(parent: str, tokens: tuple[int, ...] | list[int], namespace: str =
     return h.hexdigest()
 
 
-def block_hashes(tokens: list[int], block_size: int, namespace: str = "", limit: int | None = None,
-                 key: bytes = b"") -> list[str]:  # fmt: skip
+def block_hashes(
+    tokens: list[int], block_size: int, namespace: str = "", limit: int | None = None, key: bytes = b""
+) -> list[str]:
     """Hashes of the full blocks of `tokens` (at most `limit` of them)."""
     n = len(tokens) // block_size
     if limit is not None:
@@ -40,4 +41,3 @@ def block_hashes(tokens: list[int], block_size: int, namespace: str = "", limit:
         parent = next_hash(parent, tokens[i * block_size : (i + 1) * block_size], namespace, key)
         out.append(parent)
     return out
-

@@ -21,11 +21,21 @@ def status_view(cfg: ClusterConfig, status: ClusterStatus, lines: dict | None) -
         row = {"id": inst.id, "role": inst.role, "state": "up" if info else "missing"}
         if info:
             used = info.total_blocks - info.free_blocks - info.cached_blocks
-            row |= {"running": info.running, "waiting": info.waiting, "pending": info.pending, "held": info.held,
-                    "capacity": info.capacity, "kv_blocks": {"used": used, "cached": info.cached_blocks,
-                                                             "free": info.free_blocks},
-                    "heartbeat_age_s": round(status.now - info.updated_at, 2), "busy_s": info.busy_s}  # fmt: skip
+            row |= {
+                "running": info.running,
+                "waiting": info.waiting,
+                "pending": info.pending,
+                "held": info.held,
+                "capacity": info.capacity,
+                "kv_blocks": {"used": used, "cached": info.cached_blocks, "free": info.free_blocks},
+                "heartbeat_age_s": round(status.now - info.updated_at, 2),
+                "busy_s": info.busy_s,
+            }
         sites[inst.dc].append(row)
-    wan = {"configured": {"bandwidth_mbps": cfg.wan.bandwidth_mbps, "delay_ms": cfg.wan.delay_ms},
-           "estimate_mbps": round(status.wan_estimate_mbps, 1), "emulated": cfg.wan.enabled, "lines": lines}  # fmt: skip
+    wan = {
+        "configured": {"bandwidth_mbps": cfg.wan.bandwidth_mbps, "delay_ms": cfg.wan.delay_ms},
+        "estimate_mbps": round(status.wan_estimate_mbps, 1),
+        "emulated": cfg.wan.enabled,
+        "lines": lines,
+    }
     return {"datacenters": sites, "wan": wan, "plans": status.plans}

@@ -1,22 +1,22 @@
 """NATS subject names: the whole control plane at a glance.
 
-    pdd.scheduler.submit            gateway -> scheduler   Submit   -> Plan (request-reply)
-    pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
-    pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
-    pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
-    pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
-    pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
-    pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
-    pdd.handoff.<rld>.finish        prefill, md -> rld     FinishOnRelay (main-decode will not get it)
-    pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
-    pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
-    pdd.decode.<instance>.drop      prefill -> a decoder   Abort (this decoder only: its copy failed)
-    pdd.registry.heartbeat          instances -> registrar InstanceInfo -> HeartbeatReply (load, liveness)
-    pdd.registry.index              instances -> registrar IndexUpdate -> Ack (prefix-cache block events)
-    pdd.registry.leave              instances -> registrar Leave (shutting down)
-    pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
-    pdd.admin.<instance>.flush      operators -> any       Inspect -> InstanceState (drop unused cache)
-    pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
+pdd.scheduler.submit            gateway -> scheduler   Submit   -> Plan (request-reply)
+pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
+pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
+pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
+pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
+pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
+pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
+pdd.handoff.<rld>.finish        prefill, md -> rld     FinishOnRelay (main-decode will not get it)
+pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
+pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
+pdd.decode.<instance>.drop      prefill -> a decoder   Abort (this decoder only: its copy failed)
+pdd.registry.heartbeat          instances -> registrar InstanceInfo -> HeartbeatReply (load, liveness)
+pdd.registry.index              instances -> registrar IndexUpdate -> Ack (prefix-cache block events)
+pdd.registry.leave              instances -> registrar Leave (shutting down)
+pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
+pdd.admin.<instance>.flush      operators -> any       Inspect -> InstanceState (drop unused cache)
+pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
 """
 
 SUBMIT = "pdd.scheduler.submit"

@@ -18,8 +18,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-LATENCY_BUCKETS = (1e-6, 0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                   40.0, 80.0)  # fmt: skip; 1 us: an observation of (almost) 0 shows up alone
+LATENCY_BUCKETS = (
+    1e-6,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)  # 1 us: an observation of (almost) 0 shows up alone
 BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
 
 
@@ -40,8 +59,9 @@ class Metrics:
         return _Bound(Gauge(name, doc, self._labels(labels), registry=self.registry), self.constant)
 
     def histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS, labels: tuple[str, ...] = ()) -> Any:
-        return _Bound(Histogram(name, doc, self._labels(labels), buckets=buckets, registry=self.registry),
-                      self.constant)  # fmt: skip
+        return _Bound(
+            Histogram(name, doc, self._labels(labels), buckets=buckets, registry=self.registry), self.constant
+        )
 
     def engine_figures(self, figures: Callable[[], dict[str, Any]]) -> None:
         """Serve an engine's figures (EngineWorker.figures) as vLLM's gauges and counters."""
@@ -83,11 +103,10 @@ class _EngineCollector(Collector):
         for name, doc, value in (
             ("pdd:num_requests_running", "Requests in the engine's running batch", f.get("running", 0)),
             ("pdd:num_requests_waiting", "Requests queued in the engine", f.get("waiting", 0)),
-            ("pdd:kv_cache_usage_perc", "KV blocks held by requests (1 = full; cached blocks are free)",
-             used / total),
+            ("pdd:kv_cache_usage_perc", "KV blocks held by requests (1 = full; cached blocks are free)", used / total),
             ("pdd:kv_cache_blocks_cached", "KV blocks held only by the prefix cache", f.get("cached_blocks", 0)),
             ("pdd:kv_cache_blocks_free", "KV blocks free", f.get("free_blocks", 0)),
-        ):  # fmt: skip
+        ):
             g = GaugeMetricFamily(name, doc, labels=keys)
             g.add_metric(values, float(value))
             yield g

@@ -89,8 +89,9 @@ class InMemoryBus:
         except TimeoutError:
             raise BusTimeout(f"no reply on {subject} within {timeout:.1f}s") from None
 
-    async def serve(self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]],
-                    queue: str = "") -> None:  # fmt: skip
+    async def serve(
+        self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]], queue: str = ""
+    ) -> None:
         async def handle(data: bytes, reply: Any) -> None:
             try:
                 response = await handler(msg_type.decode(data))

@@ -49,8 +49,11 @@ def mismatches(services: dict, specs: list[ProcessSpec], infra: set[str]) -> lis
     pdd = {n: s for n, s in services.items() if n not in infra}
     problems = [f"{s.name}: planned, missing from the compose file" for s in specs if s.name not in pdd]
     problems += [f"{n}: in the compose file, not planned here" for n in pdd if n not in {s.name for s in specs}]
-    problems += [f"{s.name}: command {pdd[s.name].get('command')} != {list(s.argv)}" for s in specs
-                 if s.name in pdd and pdd[s.name].get("command") != list(s.argv)]  # fmt: skip
+    problems += [
+        f"{s.name}: command {pdd[s.name].get('command')} != {list(s.argv)}"
+        for s in specs
+        if s.name in pdd and pdd[s.name].get("command") != list(s.argv)
+    ]
     return problems
 
 
@@ -72,7 +75,8 @@ def test_a_service_missing_or_in_the_wrong_site_is_caught():
     extra = ProcessSpec("md-1", "md", "A", ("pdd", "serve", "md", "--config", "x", "--instance", "md-1"))
     assert mismatches(services, [*specs, extra], infra) == ["md-1: planned, missing from the compose file"]
     assert mismatches(services, [s for s in specs if s.name != "rld-0"], infra) == [
-        "rld-0: in the compose file, not planned here"]  # fmt: skip
+        "rld-0: in the compose file, not planned here"
+    ]
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -108,7 +112,10 @@ def test_no_compose_variable_interpolation_by_accident():
 def test_docker_config_has_the_single_host_topology():
     docker, single = load_config(DOCKER_CONFIG), load_config(SINGLE_HOST_CONFIG)
     assert [(i.id, i.role, i.dc) for i in docker.instances] == [(i.id, i.role, i.dc) for i in single.instances]
-    assert docker.wan.enabled and docker.wan_forwards() == [("md-0", "A", ("md-0", 7500)), ("nats-B", "B", ("nats-a", 7422))]
+    assert docker.wan.enabled and docker.wan_forwards() == [
+        ("md-0", "A", ("md-0", 7500)),
+        ("nats-B", "B", ("nats-a", 7422)),
+    ]
     assert docker.kv_endpoint(docker.instance("md-0")) == ("wanlink", 7500)  # prefill reaches md-0 through the line
     assert docker.datacenter("B").leaf_remote == f"wanlink:{docker.wan.ports['nats-B']}"
     same = ("bandwidth_mbps", "delay_ms", "jitter_ms", "swing")

@@ -76,8 +76,9 @@ def _closure(module: str) -> set[str]:
 
 
 def test_shared_imports_nothing_above_it():
-    bad = {m: sorted(d for d in deps if not d.startswith("shared")) for m, deps in GRAPH.items()
-           if m.startswith("shared")}  # fmt: skip
+    bad = {
+        m: sorted(d for d in deps if not d.startswith("shared")) for m, deps in GRAPH.items() if m.startswith("shared")
+    }
     assert not {m: d for m, d in bad.items() if d}
 
 
@@ -85,8 +86,11 @@ def test_no_service_imports_another_service():
     def service(m: str) -> str:
         return ".".join(m.split(".")[:2])
 
-    bad = {m: sorted(d for d in deps if d.startswith("services.") and service(d) != service(m))
-           for m, deps in GRAPH.items() if m.startswith("services.")}  # fmt: skip
+    bad = {
+        m: sorted(d for d in deps if d.startswith("services.") and service(d) != service(m))
+        for m, deps in GRAPH.items()
+        if m.startswith("services.")
+    }
     assert not {m: d for m, d in bad.items() if d}
 
 
@@ -134,8 +138,13 @@ def test_the_policy_imports_no_io_library(module):
 
 
 def _loaded_by(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sys.modules))"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sys.modules))"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return {m.split(".")[0] for m in out.stdout.split()}
 
 
@@ -148,8 +157,13 @@ def test_the_gateway_imports_neither_torch_nor_transformers():
 
 
 def test_pdd_help_loads_neither_torch_nor_matplotlib():
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "pdd.cli", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pdd.cli", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     loaded = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
     assert not loaded & {"torch", "transformers", "matplotlib"}
     assert "usage: pdd" in out.stdout
@@ -158,7 +172,11 @@ def test_pdd_help_loads_neither_torch_nor_matplotlib():
 def test_pipeline_names_have_one_home():
     """Outside tests, a pipeline's or handoff's name is spelt only in shared/pipelines.py."""
     names = ("p-md", "p-rld-md", "p-rld", "oneshot", "catchup")
-    spelt = {(module, node.value) for module, path in MODULES.items() if module != "shared.pipelines"
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Constant) and node.value in names}  # fmt: skip
+    spelt = {
+        (module, node.value)
+        for module, path in MODULES.items()
+        if module != "shared.pipelines"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    }
     assert spelt == set(), sorted(spelt)

@@ -72,8 +72,13 @@ def create_app(gw: Gateway) -> FastAPI:
     async def model(model_id: str, request: Request) -> dict:
         gw.keys.authenticate(request.headers.get("authorization"))
         if model_id != gw.served_model:
-            raise APIError(404, f"the model {model_id!r} does not exist", type="not_found_error", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"the model {model_id!r} does not exist",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         return gw.model_card()
 
     @app.get("/metrics")
@@ -89,16 +94,26 @@ def create_app(gw: Gateway) -> FastAPI:
         key = _front_door(gw, request)
         body = await _body(request)
         parsed = await asyncio.to_thread(  # tokenizing a long prompt must not stall every other stream
-            parse_completion, body, served_model=gw.served_model, context_len=gw.context_len,
-            count_tokens=gw.encode, vocab_size=gw.vocab_size)  # fmt: skip
+            parse_completion,
+            body,
+            served_model=gw.served_model,
+            context_len=gw.context_len,
+            count_tokens=gw.encode,
+            vocab_size=gw.vocab_size,
+        )
         return await _serve(gw, request, key, parsed)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         key = _front_door(gw, request)
         body = await _body(request)
-        parsed = await asyncio.to_thread(parse_chat, body, served_model=gw.served_model,
-                                         context_len=gw.context_len, apply_template=gw.apply_chat_template)  # fmt: skip
+        parsed = await asyncio.to_thread(
+            parse_chat,
+            body,
+            served_model=gw.served_model,
+            context_len=gw.context_len,
+            apply_template=gw.apply_chat_template,
+        )
         return await _serve(gw, request, key, parsed)
 
     return app
@@ -126,8 +141,13 @@ async def _body(request: Request) -> bytes:
 
 async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest):
     if (parsed.pipeline or parsed.handoff or parsed.kv_wire) and not key.admin:
-        raise APIError(403, "only admin keys may force a plan ('pdd' overrides)", type="permission_error",
-                       param="pdd", code="admin_only")  # fmt: skip
+        raise APIError(
+            403,
+            "only admin keys may force a plan ('pdd' overrides)",
+            type="permission_error",
+            param="pdd",
+            code="admin_only",
+        )
     flow = gw.admit(parsed, key, request.state.request_id)  # 429 when the gateway or the key is full
     request.state.request_id = flow.request_id
     try:
@@ -137,8 +157,9 @@ async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest)
         raise
     headers = {"X-Request-Id": flow.request_id}
     if parsed.stream:
-        return StreamingResponse(_sse(gw, flow), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})  # fmt: skip
+        return StreamingResponse(
+            _sse(gw, flow), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
+        )
     try:
         text, finish, pdd = await _until_done_or_gone(flow, request)
     except StreamError as e:

@@ -89,8 +89,7 @@ class KeyRing:
             for key in self.keys:
                 if hmac.compare_digest(d, key.sha256):
                     return key
-        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                       code="invalid_api_key")  # fmt: skip
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
 
     def admit(self, key: Key, prompt_tokens: int, now: float | None = None) -> None:
         """Count a request in (or 429 with Retry-After, this key only). Pair with `release`."""
@@ -99,14 +98,23 @@ class KeyRing:
         now = time.monotonic() if now is None else now
         use = self._usage[key.sha256]
         if key.max_concurrent and use.in_flight >= key.max_concurrent:
-            raise APIError(429, f"{key.max_concurrent} requests in flight for this key", type="rate_limit_error",
-                           code="concurrency_limit", retry_after=1)  # fmt: skip
+            raise APIError(
+                429,
+                f"{key.max_concurrent} requests in flight for this key",
+                type="rate_limit_error",
+                code="concurrency_limit",
+                retry_after=1,
+            )
         if key.tokens_per_minute:
             used = use.tokens_in_window(now)
             if used + prompt_tokens > key.tokens_per_minute:
-                raise APIError(429, f"{used} tokens in the last minute; the limit is {key.tokens_per_minute}",
-                               type="rate_limit_error", code="tokens_per_minute",
-                               retry_after=_retry_after(use, now, used + prompt_tokens - key.tokens_per_minute))  # fmt: skip
+                raise APIError(
+                    429,
+                    f"{used} tokens in the last minute; the limit is {key.tokens_per_minute}",
+                    type="rate_limit_error",
+                    code="tokens_per_minute",
+                    retry_after=_retry_after(use, now, used + prompt_tokens - key.tokens_per_minute),
+                )
         use.in_flight += 1
         self.count_tokens(key, prompt_tokens, now)
 
@@ -160,10 +168,18 @@ def _from_file_entry(entry: dict, where: str) -> Key:
         raise ValueError(f"{where}: key {entry['name']!r}: scope must be user or admin")
     sha256 = str(entry["sha256"]).lower()
     if not _SHA256.fullmatch(sha256):  # a plain key (or a typo) here would be a key nobody could ever use
-        raise ValueError(f"{where}: key {entry['name']!r}: sha256 must be the 64 hex digits of the key's SHA-256 "
-                         "(`printf %s KEY | sha256sum`), not the key itself")  # fmt: skip
-    return Key(str(entry["name"]), sha256, entry.get("scope") == "admin", _limit(entry, "max_concurrent", where),
-               _limit(entry, "tokens_per_minute", where), str(entry.get("cache_salt", "")))  # fmt: skip
+        raise ValueError(
+            f"{where}: key {entry['name']!r}: sha256 must be the 64 hex digits of the key's SHA-256 "
+            "(`printf %s KEY | sha256sum`), not the key itself"
+        )
+    return Key(
+        str(entry["name"]),
+        sha256,
+        entry.get("scope") == "admin",
+        _limit(entry, "max_concurrent", where),
+        _limit(entry, "tokens_per_minute", where),
+        str(entry.get("cache_salt", "")),
+    )
 
 
 def _limit(entry: dict, name: str, where: str) -> int:

@@ -42,8 +42,9 @@ CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'no
 ROWS = ("queue", "prefill", "kv_local", "kv_wan", "relay", "handoff", "extend", "main", "end")
 
 
-def layout(t: dict[str, float], marks: list[tuple[float, str]], handoff_chunks: int, gap_ms: float,
-           end_ms: float) -> dict[str, Any]:  # fmt: skip
+def layout(
+    t: dict[str, float], marks: list[tuple[float, str]], handoff_chunks: int, gap_ms: float, end_ms: float
+) -> dict[str, Any]:
     """One request on one time axis, in ms since it arrived, from the `pdd` object's durations
     (`t` = timings_ms) and the tokens' arrival marks. The stages report durations, not start
     times, so they are placed: queue from 0, prefill after the queue, both KV transfers when
@@ -53,8 +54,12 @@ def layout(t: dict[str, float], marks: list[tuple[float, str]], handoff_chunks: 
     user-visible stall before the first main-decode token."""
     queue, prefill = float(t.get("queue", 0.0)), float(t.get("prefill", 0.0))
     kv_at = queue + prefill
-    bars = [_bar("queue", 0.0, queue), _bar("prefill", queue, prefill), _bar("kv_local", kv_at, t.get("kv_local")),
-            _bar("kv_wan", kv_at, t.get("kv_wan"))]  # fmt: skip
+    bars = [
+        _bar("queue", 0.0, queue),
+        _bar("prefill", queue, prefill),
+        _bar("kv_local", kv_at, t.get("kv_local")),
+        _bar("kv_wan", kv_at, t.get("kv_wan")),
+    ]
     relay = [ms for ms, role in marks if role == "rld"]
     main = [ms for ms, role in marks if role == "md"]
     chunks, gap = [], None
@@ -66,8 +71,14 @@ def layout(t: dict[str, float], marks: list[tuple[float, str]], handoff_chunks: 
         bars.append(_bar("extend", first - extend, extend))
         if gap_ms > 0:
             gap = {"start_ms": first - gap_ms, "dur_ms": gap_ms}
-    return {"rows": list(ROWS), "bars": bars, "ticks": {"relay": relay, "main": main, "handoff": chunks},
-            "gap": gap, "ttft_ms": float(t.get("ttft", 0.0)), "end_ms": end_ms}  # fmt: skip
+    return {
+        "rows": list(ROWS),
+        "bars": bars,
+        "ticks": {"relay": relay, "main": main, "handoff": chunks},
+        "gap": gap,
+        "ttft_ms": float(t.get("ttft", 0.0)),
+        "end_ms": end_ms,
+    }
 
 
 def _bar(row: str, start_ms: float, dur_ms: float | None) -> dict[str, Any]:
@@ -77,12 +88,21 @@ def _bar(row: str, start_ms: float, dur_ms: float | None) -> dict[str, Any]:
 def request_row(flow, running: bool, now: float | None = None) -> dict[str, Any]:
     """One line of the requests table."""
     s, plan, d = flow.stats, flow.plan, flow.stats.decoder_stats
-    return {"id": flow.request_id, "created": flow.created, "pipeline": plan.pipeline if plan else "",
-            "handoff": plan.handoff if plan else "", "outcome": "running" if running else flow.outcome,
-            "ttft_ms": (s.first_token_at - s.arrived) * 1000 if s.first_token_at else None,
-            "e2e_ms": _end_ms(flow, running, now), "tokens_by_role": dict(s.tokens_by_role),
-            "wan_kv_bytes": d.wan_kv_bytes, "local_kv_bytes": d.local_kv_bytes, "handoff_chunks": d.handoff_chunks,
-            "handoff_gap_ms": s.handoff_gap_s * 1000, "migrations": s.migrations}  # fmt: skip
+    return {
+        "id": flow.request_id,
+        "created": flow.created,
+        "pipeline": plan.pipeline if plan else "",
+        "handoff": plan.handoff if plan else "",
+        "outcome": "running" if running else flow.outcome,
+        "ttft_ms": (s.first_token_at - s.arrived) * 1000 if s.first_token_at else None,
+        "e2e_ms": _end_ms(flow, running, now),
+        "tokens_by_role": dict(s.tokens_by_role),
+        "wan_kv_bytes": d.wan_kv_bytes,
+        "local_kv_bytes": d.local_kv_bytes,
+        "handoff_chunks": d.handoff_chunks,
+        "handoff_gap_ms": s.handoff_gap_s * 1000,
+        "migrations": s.migrations,
+    }
 
 
 def _end_ms(flow, running: bool, now: float | None) -> float:
@@ -100,12 +120,15 @@ def waterfall(flow, running: bool, now: float | None = None) -> dict[str, Any]:
     marks = [(at * 1000, role) for at, role in s.token_marks]
     plan = flow.plan
     instances = {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md} if plan else {}
-    return {"request": request_row(flow, running, now), "timings_ms": timings, "instances": instances,
-            **layout(timings, marks, d.handoff_chunks, s.handoff_gap_s * 1000, timings["e2e"])}  # fmt: skip
+    return {
+        "request": request_row(flow, running, now),
+        "timings_ms": timings,
+        "instances": instances,
+        **layout(timings, marks, d.handoff_chunks, s.handoff_gap_s * 1000, timings["e2e"]),
+    }
 
 
-def line_rates(lines: dict[str, LineState], prev: tuple[float, dict[str, int]] | None,
-               now: float) -> dict[str, dict]:  # fmt: skip
+def line_rates(lines: dict[str, LineState], prev: tuple[float, dict[str, int]] | None, now: float) -> dict[str, dict]:
     """Each direction's state and its bytes/s since the previous poll (None on the first, or
     when the counter went back: the line restarted)."""
     out = {}
@@ -185,14 +208,18 @@ def authorize(gw, request: Request) -> tuple[Key, str]:
     try:
         return gw.keys.authenticate(f"Bearer {given}" if given else None), given
     except APIError:  # a browser cannot send the header the usual message asks for
-        raise _not_an_api_request(401, "Incorrect or missing API key: open /dashboard?key=<key>, or send "
-                                  "`Authorization: Bearer <key>`", "invalid_api_key") from None  # fmt: skip
+        raise _not_an_api_request(
+            401,
+            "Incorrect or missing API key: open /dashboard?key=<key>, or send `Authorization: Bearer <key>`",
+            "invalid_api_key",
+        ) from None
 
 
 def _not_an_api_request(status: int, message: str, code: str | None = None) -> APIError:
     """An error for the page; `counted` keeps the dashboard's polls out of the API's request metrics."""
-    return APIError(status, message, type="not_found_error" if status == 404 else "invalid_request_error",
-                    code=code, counted=True)  # fmt: skip
+    return APIError(
+        status, message, type="not_found_error" if status == 404 else "invalid_request_error", code=code, counted=True
+    )
 
 
 def mount(app: FastAPI, gw) -> None:
@@ -202,8 +229,9 @@ def mount(app: FastAPI, gw) -> None:
     @app.get("/dashboard")
     async def page(request: Request) -> FileResponse:
         _, given = authorize(gw, request)
-        response = FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": CSP,
-                                                                "Cache-Control": "no-store"})  # fmt: skip
+        response = FileResponse(
+            STATIC / "index.html", headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store"}
+        )
         if given:  # not Secure: a closed site may serve plain http; HttpOnly keeps it from scripts
             response.set_cookie(COOKIE, given, httponly=True, samesite="strict", path="/dashboard")
         return response
@@ -217,8 +245,10 @@ def mount(app: FastAPI, gw) -> None:
     @app.get("/dashboard/api/state")
     async def state(request: Request) -> JSONResponse:
         key, _ = authorize(gw, request)
-        return JSONResponse({"fleet": await sampler.view(), "requests": recent_requests(gw, key),
-                             "model": gw.served_model}, headers={"Cache-Control": "no-store"})  # fmt: skip
+        return JSONResponse(
+            {"fleet": await sampler.view(), "requests": recent_requests(gw, key), "model": gw.served_model},
+            headers={"Cache-Control": "no-store"},
+        )
 
     @app.get("/dashboard/api/requests/{request_id}")
     async def one(request_id: str, request: Request) -> JSONResponse:

@@ -75,9 +75,18 @@ class RequestFlow:
     async def _submit(self, prompt_ids: list[int], sampling: Sampling, pipeline: str | None) -> None:
         self._sub = await self.gw.bus.subscribe(subjects.tokens(self.attempt_id), TokenChunk, self._queue.put_nowait)
         try:
-            self.plan = await self._plan(Submit(self.attempt_id, prompt_ids, sampling, pipeline, self.parsed.handoff,
-                                                sorted(self.avoid), self.gw.cache_salt(self.key),
-                                                self.parsed.kv_wire))  # fmt: skip
+            self.plan = await self._plan(
+                Submit(
+                    self.attempt_id,
+                    prompt_ids,
+                    sampling,
+                    pipeline,
+                    self.parsed.handoff,
+                    sorted(self.avoid),
+                    self.gw.cache_salt(self.key),
+                    self.parsed.kv_wire,
+                )
+            )
         except BaseException:
             await self._sub.unsubscribe()
             self._sub = None

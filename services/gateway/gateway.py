@@ -40,8 +40,10 @@ class Gateway:
         self.keys = KeyRing.from_settings(cfg.gateway.keys_file)
         self.started = int(time.time())
         if self.keys.open:
-            log.warning("gateway: no API keys configured (PDD_API_KEYS, PDD_ADMIN_KEYS, gateway.keys_file): "
-                        "serving OPEN, every client may force plans and see the whole pdd object")  # fmt: skip
+            log.warning(
+                "gateway: no API keys configured (PDD_API_KEYS, PDD_ADMIN_KEYS, gateway.keys_file): "
+                "serving OPEN, every client may force plans and see the whole pdd object"
+            )
         else:
             log.info("gateway: %d API key(s), %d admin", len(self.keys.keys), sum(k.admin for k in self.keys.keys))
 
@@ -67,8 +69,12 @@ class Gateway:
     # -- admission --------------------------------------------------------------------------
     def check_capacity(self) -> None:
         if len(self.inflight) >= self.cfg.max_queue:
-            raise APIError(429, f"{len(self.inflight)} requests in flight; try again shortly",
-                           type="rate_limit_error", code="overloaded")  # fmt: skip
+            raise APIError(
+                429,
+                f"{len(self.inflight)} requests in flight; try again shortly",
+                type="rate_limit_error",
+                code="overloaded",
+            )
 
     def admit(self, parsed: ParsedRequest, key: Key = OPEN, request_id: str = "") -> RequestFlow:
         self.check_capacity()
@@ -98,8 +104,13 @@ class Gateway:
         return pdd_for(flow.key, pdd, self.cfg.gateway.pdd_object)
 
     def model_card(self) -> dict:
-        return {"id": self.served_model, "object": "model", "created": self.started, "owned_by": "pdd",
-                "max_model_len": self.context_len}  # fmt: skip
+        return {
+            "id": self.served_model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "pdd",
+            "max_model_len": self.context_len,
+        }
 
     async def forget_request(self, request_id: str) -> None:
         try:
@@ -129,13 +140,18 @@ def _log_request(flow: RequestFlow) -> None:
     """One line per request when it ends, with the figures an operator greps for."""
     s, plan, d = flow.stats, flow.plan, flow.stats.decoder_stats
     fields = {
-        "request_id": flow.request_id, "pipeline": plan.pipeline if plan else "",
+        "request_id": flow.request_id,
+        "pipeline": plan.pipeline if plan else "",
         "instances": ",".join(i for i in (plan.prefill, plan.rld, plan.md) if i) if plan else "",
-        "prompt_tokens": len(flow.parsed.prompt_ids), "output_tokens": s.completion_tokens,
+        "prompt_tokens": len(flow.parsed.prompt_ids),
+        "output_tokens": s.completion_tokens,
         "ttft_ms": round((s.first_token_at - s.arrived) * 1000, 1) if s.first_token_at else None,
-        "e2e_ms": round((time.perf_counter() - s.arrived) * 1000, 1), "wan_kv_bytes": d.wan_kv_bytes,
-        "finish_reason": flow.finish_reason, "outcome": flow.outcome, "migrations": s.migrations,
+        "e2e_ms": round((time.perf_counter() - s.arrived) * 1000, 1),
+        "wan_kv_bytes": d.wan_kv_bytes,
+        "finish_reason": flow.finish_reason,
+        "outcome": flow.outcome,
+        "migrations": s.migrations,
         "key": flow.key.name,
         **({"error": repr(flow.error)} if flow.error else {}),  # in full: the client saw it without hosts
-    }  # fmt: skip
+    }
     log.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)

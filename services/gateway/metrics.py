@@ -18,8 +18,9 @@ class GatewayMetrics:
     def __init__(self, model_name: str) -> None:
         m = self.metrics = Metrics(model_name, "gateway")
         self.running = m.gauge("pdd:num_requests_running", "Requests admitted at the gateway and not finished")
-        self.success = m.counter("pdd:request_success", "Requests that finished, by finish reason",
-                                 ("finished_reason",))  # fmt: skip
+        self.success = m.counter(
+            "pdd:request_success", "Requests that finished, by finish reason", ("finished_reason",)
+        )
         self.outcomes = m.counter("pdd:requests", "Requests by outcome and HTTP status", ("outcome", "status"))
         self.rejected = m.counter("pdd:rejected_requests", "Requests answered 429, by reason", ("reason",))
         self.prompt_tokens = m.counter("pdd:prompt_tokens", "Prompt tokens of admitted requests")
@@ -29,12 +30,16 @@ class GatewayMetrics:
         self.e2e = m.histogram("pdd:e2e_request_latency_seconds", "Arrival to last token", labels=("pipeline",))
         self.queue = m.histogram("pdd:request_queue_time_seconds", "Arrival to the plan (scheduler's queue)")
         self.prefill = m.histogram("pdd:request_prefill_time_seconds", "Prefill accepted the task -> first token")
-        self.plans = m.counter("pdd:requests_by_pipeline", "Requests by pipeline and plan reason", ("pipeline", "reason"))
-        self.kv_bytes = m.histogram("pdd:request_kv_transfer_bytes", "KV bytes moved for a request, by path",
-                                    BYTES_BUCKETS, labels=("path",))  # fmt: skip
+        self.plans = m.counter(
+            "pdd:requests_by_pipeline", "Requests by pipeline and plan reason", ("pipeline", "reason")
+        )
+        self.kv_bytes = m.histogram(
+            "pdd:request_kv_transfer_bytes", "KV bytes moved for a request, by path", BYTES_BUCKETS, labels=("path",)
+        )
         self.handoffs = m.counter("pdd:handoffs", "Relay -> main-decode handoffs, by mode", ("mode",))
-        self.handoff_gap = m.histogram("pdd:handoff_gap_seconds", "Last relay token -> first main-decode token",
-                                       labels=("mode",))  # fmt: skip
+        self.handoff_gap = m.histogram(
+            "pdd:handoff_gap_seconds", "Last relay token -> first main-decode token", labels=("mode",)
+        )
         self.migrations = m.counter("pdd:migrations", "Requests moved after an instance they used failed")
 
     def reject(self, reason: str) -> None:

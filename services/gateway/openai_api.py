@@ -223,8 +223,11 @@ def _reject_unsupported(obj: Json) -> None:
     if obj.get("tool_choice") not in (None, "none"):
         raise invalid("'tool_choice' other than \"none\" is not supported", "tool_choice", "unsupported_parameter")
     if obj.get("tools") and obj.get("tool_choice") != "none":
-        raise invalid("'tools' are not supported (send tool_choice \"none\" to pass them to the template)", "tools",
-                      "unsupported_parameter")  # fmt: skip
+        raise invalid(
+            "'tools' are not supported (send tool_choice \"none\" to pass them to the template)",
+            "tools",
+            "unsupported_parameter",
+        )
     fmt = obj.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise invalid("'response_format' other than text is not supported", "response_format", "unsupported_parameter")
@@ -250,8 +253,9 @@ def _pdd(ext: Any) -> tuple[str | None, str | None, str | None]:
     pipeline = _choice(ext.get("pipeline"), PIPELINES, "pdd.pipeline")
     handoff = _choice(ext.get("handoff"), HANDOFFS, "pdd.handoff")
     if handoff is not None and pipeline is not None and not hands_off(pipeline):
-        raise invalid(f"'pdd.handoff' applies only to pipeline {Pipeline.P_RLD_MD.value}, not {pipeline!r}",
-                      "pdd.handoff")  # fmt: skip
+        raise invalid(
+            f"'pdd.handoff' applies only to pipeline {Pipeline.P_RLD_MD.value}, not {pipeline!r}", "pdd.handoff"
+        )
     return pipeline, handoff, kv_wire
 
 

@@ -21,17 +21,29 @@ def chunk(flow, model: str, text: str, finish: str | None, first: bool) -> Json:
     base = {"id": flow.request_id, "created": flow.created, "model": model}
     if flow.parsed.kind == "chat":
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {**base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
-    return {**base, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+        return {
+            **base,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+    return {
+        **base,
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
 
 
 def usage_chunk(flow, model: str) -> Json:
     """`stream_options.include_usage`: the usage in a last chunk of its own, with no choices."""
     kind = "chat.completion.chunk" if flow.parsed.kind == "chat" else "text_completion"
-    return {"id": flow.request_id, "created": flow.created, "model": model, "object": kind, "choices": [],
-            "usage": usage(flow)}  # fmt: skip
+    return {
+        "id": flow.request_id,
+        "created": flow.created,
+        "model": model,
+        "object": kind,
+        "choices": [],
+        "usage": usage(flow),
+    }
 
 
 def usage(flow) -> Json:
@@ -45,10 +57,16 @@ def whole(flow, model: str, text: str, finish: str | None, pdd: Json | None) -> 
         base["pdd"] = pdd
     if flow.parsed.kind == "chat":
         message = {"role": "assistant", "content": text}
-        return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
-    return {**base, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+        return {
+            **base,
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        }
+    return {
+        **base,
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
 
 
 def pdd_for(key: Key, pdd: Json, setting: str) -> Json | None:

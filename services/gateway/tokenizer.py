@@ -43,8 +43,9 @@ class TextTokenizer:
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self.special = {k: _token_text(config[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                        if config.get(k)}  # fmt: skip
+        self.special = {
+            k: _token_text(config[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if config.get(k)
+        }
         template_path = folder / "chat_template.jinja"
         source = template_path.read_text() if template_path.exists() else config.get("chat_template")
         self._template = _compile(source) if isinstance(source, str) else None
@@ -58,8 +59,9 @@ class TextTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                     documents=None, **self.special)  # fmt: skip
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special
+        )
 
 
 def _compile(source: str) -> jinja2.Template:

@@ -55,8 +55,9 @@ class Prefiller(InstanceService):
         self.requests: dict[str, PrefillState] = {}
         self.seen = RecentIds()  # request ids already accepted or aborted (idempotence)
         self._tls = None
-        self.kv_seconds = self.metrics.histogram("pdd:kv_transfer_seconds", "KV pushes, connect to ACK, by path",
-                                                 labels=("path",))  # fmt: skip
+        self.kv_seconds = self.metrics.histogram(
+            "pdd:kv_transfer_seconds", "KV pushes, connect to ACK, by path", labels=("path",)
+        )
         self.kv_bytes = self.metrics.counter("pdd:kv_transfer_bytes", "KV bytes pushed, by path", ("path",))
         self.kv_failures = self.metrics.counter("pdd:kv_transfer_failures", "KV push attempts that failed", ("path",))
 
@@ -86,8 +87,14 @@ class Prefiller(InstanceService):
             return full
         self.seen.add(rid)
         self.requests[rid] = PrefillState(task, time.monotonic())
-        seq = Sequence(rid, list(task.prompt_ids), to_params(task.sampling), hold_kv=True, max_new=1,
-                       namespace=namespace_of(self.cfg.model, task.cache_salt))  # fmt: skip
+        seq = Sequence(
+            rid,
+            list(task.prompt_ids),
+            to_params(task.sampling),
+            hold_kv=True,
+            max_new=1,
+            namespace=namespace_of(self.cfg.model, task.cache_salt),
+        )
         await self.worker.call(lambda e: e.add(seq))
         return Ack(rid)
 
@@ -155,15 +162,29 @@ class Prefiller(InstanceService):
                 sent = await send_kv(target.host, target.port, push, t.kv_stall_s, self._tls, target.instance_id)
                 self.kv_seconds.labels(path=path).observe(time.perf_counter() - t0)
                 self.kv_bytes.labels(path=path).inc(sent)
-                log.info("%s: %s: KV [%d, %d) to %s (%s): %d bytes in %.0f ms", self.inst.id, rid,
-                         payload.header.start, payload.header.end, target.instance_id, path, sent,
-                         (time.perf_counter() - t0) * 1000)  # fmt: skip
+                log.info(
+                    "%s: %s: KV [%d, %d) to %s (%s): %d bytes in %.0f ms",
+                    self.inst.id,
+                    rid,
+                    payload.header.start,
+                    payload.header.end,
+                    target.instance_id,
+                    path,
+                    sent,
+                    (time.perf_counter() - t0) * 1000,
+                )
                 return sent
             except KVTransferError as e:
                 self.kv_failures.labels(path=path).inc()
                 error = e
-                log.warning("%s: %s: KV push to %s failed (attempt %d): %s", self.inst.id, rid,
-                            target.instance_id, attempt + 1, e)  # fmt: skip
+                log.warning(
+                    "%s: %s: KV push to %s failed (attempt %d): %s",
+                    self.inst.id,
+                    rid,
+                    target.instance_id,
+                    attempt + 1,
+                    e,
+                )
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise KVTransferError(f"KV push to {target.instance_id} failed: {error}")
 
@@ -171,8 +192,9 @@ class Prefiller(InstanceService):
     async def _fail(self, rid: str, error: str, blame: str = "") -> None:
         log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
         self.requests.pop(rid, None)
-        chunk = TokenChunk(rid, 0, [], role=self.role, instance_id=self.inst.id, finish_reason="error", error=error,
-                           blame=blame)  # fmt: skip
+        chunk = TokenChunk(
+            rid, 0, [], role=self.role, instance_id=self.inst.id, finish_reason="error", error=error, blame=blame
+        )
         await self.bus.publish(subjects.tokens(rid), chunk)
         await self.bus.publish(subjects.ABORT, Abort(rid, reason=f"prefill failed: {error}"))
 
@@ -196,7 +218,13 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
     if not 1 <= len(task.targets) <= 2 or len({t.role for t in task.targets}) != len(task.targets):
         return "a task names one or two decoders of different roles"
     for t in task.targets:
-        if t.role not in ("rld", "md") or not 0 < t.port < 65536 or not t.host or not t.token or t.wire not in WIRE_FORMATS:
+        if (
+            t.role not in ("rld", "md")
+            or not 0 < t.port < 65536
+            or not t.host
+            or not t.token
+            or t.wire not in WIRE_FORMATS
+        ):
             return f"bad KV target {t.instance_id!r}"
         if not 0 <= t.start <= len(task.prompt_ids) or t.start % block_size:
             return f"KV target {t.instance_id!r}: start {t.start} is not a block boundary inside the prompt"

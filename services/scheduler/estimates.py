@@ -113,9 +113,14 @@ FIRST_DECODER = {p: first_decoder(p) for p in Pipeline}
 
 
 def estimate_ttft(
-    pipeline: str, prompt_len: int, prefill: InstanceView, decoder: InstanceView, priors: Priors, wan: Link,
+    pipeline: str,
+    prompt_len: int,
+    prefill: InstanceView,
+    decoder: InstanceView,
+    priors: Priors,
+    wan: Link,
     wan_backlog_bytes: float = 0.0,
-) -> TTFTEstimate:  # fmt: skip
+) -> TTFTEstimate:
     """TTFT of `pipeline` with these instances; `decoder` is the one that streams first (MD for
     p-md, RLD otherwise). `wan` is the live link estimate (see `BandwidthEstimator`);
     `wan_backlog_bytes` the KV already on it, which a transfer across it waits for."""
@@ -148,9 +153,13 @@ class BandwidthEstimator:
     """
 
     def __init__(
-        self, prior_mbps: float, delay_ms: float = 0.0, window: int = 16, max_age_s: float = 120.0,
+        self,
+        prior_mbps: float,
+        delay_ms: float = 0.0,
+        window: int = 16,
+        max_age_s: float = 120.0,
         min_bytes: int = 1 << 20,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if prior_mbps <= 0 or window < 1:
             raise ValueError(f"prior_mbps > 0 and window >= 1 required, got {prior_mbps}, {window}")
         self.prior_mbps = prior_mbps

@@ -23,13 +23,25 @@ def kv_bytes_per_token(cfg: ClusterConfig) -> int:
     return load_model_info(cfg.model).kv_bytes_per_token(cfg.of_role("md")[0].dtype)
 
 
-def policy_config(knobs: dict[str, Any], *, kv_bytes_per_token: int, rld_slots: int, wan_delay_ms: float,
-                  catchup_chunk: int, **priors: float) -> PolicyConfig:  # fmt: skip
+def policy_config(
+    knobs: dict[str, Any],
+    *,
+    kv_bytes_per_token: int,
+    rld_slots: int,
+    wan_delay_ms: float,
+    catchup_chunk: int,
+    **priors: float,
+) -> PolicyConfig:
     """The policy's config: the operator's knobs (the `scheduler:` section) plus what the fleet
     implies (KV size, relay slots, the line's delay, the catch-up chunk) and optional priors
     (`prefill_tok_s`, `decode_step_ms`, ...) that override the knobs' defaults."""
-    return PolicyConfig(**{**knobs, **priors}, kv_bytes_per_token=kv_bytes_per_token, rld_slots=max(rld_slots, 1),
-                        wan_delay_ms=wan_delay_ms, catchup_chunk=catchup_chunk)  # fmt: skip
+    return PolicyConfig(
+        **{**knobs, **priors},
+        kv_bytes_per_token=kv_bytes_per_token,
+        rld_slots=max(rld_slots, 1),
+        wan_delay_ms=wan_delay_ms,
+        catchup_chunk=catchup_chunk,
+    )
 
 
 def cluster_policy_config(cfg: ClusterConfig) -> PolicyConfig:
@@ -37,19 +49,36 @@ def cluster_policy_config(cfg: ClusterConfig) -> PolicyConfig:
     knobs = {k: v for k, v in dataclasses.asdict(cfg.scheduler).items() if k not in ("metrics_port", "kv_wire_in_dc")}
     model, md_dtype = load_model_info(cfg.model), cfg.of_role("md")[0].dtype
     knobs["wire_bytes_per_token"] = {w: model.kv_bytes_per_token(md_dtype, w) for w in WIRE_FORMATS}
-    return policy_config(knobs, kv_bytes_per_token=kv_bytes_per_token(cfg),
-                         rld_slots=sum(i.max_running for i in cfg.of_role("rld")), wan_delay_ms=cfg.wan.delay_ms,
-                         catchup_chunk=cfg.handoff.chunk_tokens)  # fmt: skip
+    return policy_config(
+        knobs,
+        kv_bytes_per_token=kv_bytes_per_token(cfg),
+        rld_slots=sum(i.max_running for i in cfg.of_role("rld")),
+        wan_delay_ms=cfg.wan.delay_ms,
+        catchup_chunk=cfg.handoff.chunk_tokens,
+    )
 
 
 def instance_view(i: InstanceInfo, hit_tokens: int, unseen: int) -> InstanceView:
     """The policy's view of one instance: its last heartbeat, its prefix hit, and `unseen`
     dispatches made after that heartbeat (counted as pending and held)."""
-    return InstanceView(i.id, i.role, i.dc, i.load, hit_tokens, running=i.running, waiting=i.waiting,
-                        pending=i.pending + unseen, held=i.held + unseen, capacity=i.capacity,
-                        free_blocks=i.free_blocks, total_blocks=i.total_blocks, block_size=i.block_size,
-                        queued_tokens=i.queued_tokens, step_ms=i.step_ms or None,
-                        prefill_tok_s=i.prefill_tok_s or None)  # fmt: skip
+    return InstanceView(
+        i.id,
+        i.role,
+        i.dc,
+        i.load,
+        hit_tokens,
+        running=i.running,
+        waiting=i.waiting,
+        pending=i.pending + unseen,
+        held=i.held + unseen,
+        capacity=i.capacity,
+        free_blocks=i.free_blocks,
+        total_blocks=i.total_blocks,
+        block_size=i.block_size,
+        queued_tokens=i.queued_tokens,
+        step_ms=i.step_ms or None,
+        prefill_tok_s=i.prefill_tok_s or None,
+    )
 
 
 class Dispatched:

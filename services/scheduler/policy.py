@@ -67,8 +67,16 @@ from dataclasses import dataclass, field
 from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
 from shared.pipelines import ROLES_OF, Handoff, Pipeline
 
-__all__ = ["Decision", "InstanceView", "NoCapacity", "PlanEstimates", "PlanRequest", "PolicyConfig", "Saturated",
-           "choose_plan"]  # fmt: skip
+__all__ = [
+    "Decision",
+    "InstanceView",
+    "NoCapacity",
+    "PlanEstimates",
+    "PlanRequest",
+    "PolicyConfig",
+    "Saturated",
+    "choose_plan",
+]
 
 QUEUE_WEIGHT = 0.1  # load per running or waiting request, as the registry's `load` counts it
 NO_ROOM_PENALTY = 1.0  # an instance that would have to evict or wait for blocks
@@ -128,8 +136,16 @@ class PolicyConfig:
             raise ValueError(f"default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
         if self.kv_wire not in ("native", "bf16", "fp8", "int8", "auto"):
             raise ValueError(f"kv_wire {self.kv_wire!r} must be native, bf16, fp8, int8 or auto")
-        positive = ("ttft_slo_ms", "kv_bytes_per_token", "prefill_tok_s", "wan_mbps", "local_mbps",
-                    "decode_step_ms", "rld_slots", "catchup_chunk")  # fmt: skip
+        positive = (
+            "ttft_slo_ms",
+            "kv_bytes_per_token",
+            "prefill_tok_s",
+            "wan_mbps",
+            "local_mbps",
+            "decode_step_ms",
+            "rld_slots",
+            "catchup_chunk",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -149,9 +165,14 @@ class PlanEstimates:
     wan_backlog_bytes: float = 0.0  # KV on the line ahead of this request's, as the estimates counted it
 
     def as_dict(self) -> dict:
-        return {"ttft_ms": dict(self.ttft_ms), "wan_mbps": self.wan_mbps, "uncached_tokens": self.uncached_tokens,
-                "backlog_tokens": self.backlog_tokens, "rld_busy": self.rld_busy,
-                "wan_backlog_bytes": self.wan_backlog_bytes}  # fmt: skip
+        return {
+            "ttft_ms": dict(self.ttft_ms),
+            "wan_mbps": self.wan_mbps,
+            "uncached_tokens": self.uncached_tokens,
+            "backlog_tokens": self.backlog_tokens,
+            "rld_busy": self.rld_busy,
+            "wan_backlog_bytes": self.wan_backlog_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -193,8 +214,9 @@ def cheapest(instances: list[InstanceView], role: str, req: PlanRequest, config:
     candidates = [i for i in instances if i.role == role and i.id not in req.avoid]
     if not candidates:
         failed = sorted(i.id for i in instances if i.role == role and i.id in req.avoid)
-        raise NoCapacity(f"no alive {role} instance" + (f" but {', '.join(failed)}, which failed this request"
-                                                        if failed else ""))  # fmt: skip
+        raise NoCapacity(
+            f"no alive {role} instance" + (f" but {', '.join(failed)}, which failed this request" if failed else "")
+        )
     with_room = [i for i in candidates if not is_full(i)]
     if not with_room:
         raise Saturated(f"every {role} instance is full ({', '.join(sorted(i.id for i in candidates))})")
@@ -218,9 +240,14 @@ def rld_busy(rld: InstanceView) -> int:
 
 
 def choose_pipeline(
-    req: PlanRequest, rld: InstanceView | None, md_alive: bool, ttft: dict[str, float], uncached: int,
-    config: PolicyConfig, backlog: int = 0,
-) -> tuple[str, str]:  # fmt: skip
+    req: PlanRequest,
+    rld: InstanceView | None,
+    md_alive: bool,
+    ttft: dict[str, float],
+    uncached: int,
+    config: PolicyConfig,
+    backlog: int = 0,
+) -> tuple[str, str]:
     """Rules 1-7 (above); `backlog` is `expected_backlog` on the relay (0 when there is none)."""
     if req.pipeline is not None:
         return req.pipeline, "forced"
@@ -273,8 +300,14 @@ def with_wire(config: PolicyConfig, wire: str) -> PolicyConfig:
     )
 
 
-def choose_wire(req: PlanRequest, prefill: InstanceView, md: InstanceView | None, config: PolicyConfig,
-                wan: Link, wan_backlog_bytes: float = 0.0) -> tuple[str, str]:  # fmt: skip
+def choose_wire(
+    req: PlanRequest,
+    prefill: InstanceView,
+    md: InstanceView | None,
+    config: PolicyConfig,
+    wan: Link,
+    wan_backlog_bytes: float = 0.0,
+) -> tuple[str, str]:
     if req.kv_wire is not None:
         return req.kv_wire, "forced"
     if config.kv_wire != "auto":
@@ -291,9 +324,12 @@ def choose_wire(req: PlanRequest, prefill: InstanceView, md: InstanceView | None
 
 # -- the plan -------------------------------------------------------------------------------
 def choose_plan(
-    req: PlanRequest, instances: list[InstanceView], config: PolicyConfig, wan_mbps: float | None = None,
+    req: PlanRequest,
+    instances: list[InstanceView],
+    config: PolicyConfig,
+    wan_mbps: float | None = None,
     wan_backlog_bytes: float = 0.0,
-) -> Decision:  # fmt: skip
+) -> Decision:
     wan = Link(wan_mbps or config.wan_mbps, config.wan_delay_ms)
     line = max(wan_backlog_bytes, 0.0) if config.line_backlog else 0.0
     prefill = cheapest(instances, "prefill", req, config)
@@ -305,8 +341,11 @@ def choose_plan(
             missing[role] = e
     wire, wire_reason = choose_wire(req, prefill, decoders.get("md"), config, wan, line)
     priors = with_wire(config, wire)
-    ttft = {p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan, line).total_ms
-            for p, role in ((Pipeline.P_MD, "md"), (Pipeline.P_RLD_MD, "rld")) if role in decoders}  # fmt: skip
+    ttft = {
+        p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan, line).total_ms
+        for p, role in ((Pipeline.P_MD, "md"), (Pipeline.P_RLD_MD, "rld"))
+        if role in decoders
+    }
     uncached = uncached_tokens(req, instances)
     rld = decoders.get("rld")
     md_alive = not (isinstance(missing.get("md"), NoCapacity) and not isinstance(missing.get("md"), Saturated))

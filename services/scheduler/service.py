@@ -134,8 +134,9 @@ class Scheduler:
             self.wan_backlog.set(self.backlog.total(time.monotonic()))
 
     async def on_status(self, _: Inspect) -> ClusterStatus:
-        return ClusterStatus(await self.registry.alive(), self.wan.mbps(time.monotonic()), dict(self.plan_counts),
-                             time.time())  # fmt: skip
+        return ClusterStatus(
+            await self.registry.alive(), self.wan.mbps(time.monotonic()), dict(self.plan_counts), time.time()
+        )
 
     async def on_submit(self, sub: Submit) -> Plan:
         if sub.request_id in self.plans:
@@ -158,8 +159,13 @@ class Scheduler:
         else:
             self.planned.labels(pipeline=plan.pipeline, reason=plan.reason).inc()
             self.plan_counts[plan.pipeline] += 1
-            log.info("%s: %s (%s) on %s", sub.request_id, plan.pipeline, plan.reason,
-                     ", ".join(i for i in (plan.prefill, plan.rld, plan.md) if i))  # fmt: skip
+            log.info(
+                "%s: %s (%s) on %s",
+                sub.request_id,
+                plan.pipeline,
+                plan.reason,
+                ", ".join(i for i in (plan.prefill, plan.rld, plan.md) if i),
+            )
         self._remember(plan)
         return plan
 
@@ -189,22 +195,40 @@ class Scheduler:
         views = [
             instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()
         ]
-        req = PlanRequest(sub.request_id, len(sub.prompt_ids), sub.sampling.max_tokens, sub.pipeline, sub.handoff,
-                          frozenset(sub.avoid), sub.kv_wire)  # fmt: skip
+        req = PlanRequest(
+            sub.request_id,
+            len(sub.prompt_ids),
+            sub.sampling.max_tokens,
+            sub.pipeline,
+            sub.handoff,
+            frozenset(sub.avoid),
+            sub.kv_wire,
+        )
         now = time.monotonic()
         d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(now), wan_backlog_bytes=self.backlog.total(now))
         plan = Plan(
-            sub.request_id, pipeline=d.pipeline, handoff=d.handoff, prefill=d.instances.get("prefill", ""),
-            rld=d.instances.get("rld", ""), md=d.instances.get("md", ""), md_cached_tokens=d.md_cached_tokens,
-            reason=d.reason, handoff_reason=d.handoff_reason, chunk_tokens=d.chunk_tokens,
-            estimates=d.estimates.as_dict(), kv_wire=d.kv_wire, kv_wire_reason=d.kv_wire_reason,
-        )  # fmt: skip
+            sub.request_id,
+            pipeline=d.pipeline,
+            handoff=d.handoff,
+            prefill=d.instances.get("prefill", ""),
+            rld=d.instances.get("rld", ""),
+            md=d.instances.get("md", ""),
+            md_cached_tokens=d.md_cached_tokens,
+            reason=d.reason,
+            handoff_reason=d.handoff_reason,
+            chunk_tokens=d.chunk_tokens,
+            estimates=d.estimates.as_dict(),
+            kv_wire=d.kv_wire,
+            kv_wire_reason=d.kv_wire_reason,
+        )
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         for iid in d.instances.values():  # before any await: a request planned meanwhile must see these
             self.dispatched.add(iid, time.time())
         prefill = alive[plan.prefill]
-        targets = [_target(prefill, inst, d.starts[inst.role], plan.kv_wire, self.cfg.scheduler.kv_wire_in_dc)
-                   for inst in decoders]  # fmt: skip
+        targets = [
+            _target(prefill, inst, d.starts[inst.role], plan.kv_wire, self.cfg.scheduler.kv_wire_in_dc)
+            for inst in decoders
+        ]
         on_line = sum(wan_kv_bytes(len(sub.prompt_ids) - t.start, t.wire, self.policy) for t in targets if t.wan)
         self.backlog.add(sub.request_id, on_line, now)  # before any await, as the dispatches above
         self.wan_backlog.set(self.backlog.total(now))
@@ -215,11 +239,13 @@ class Scheduler:
             raise
         return plan
 
-    async def _dispatch(self, sub: Submit, plan: Plan, prefill: InstanceInfo, decoders: list[InstanceInfo],
-                        targets: list[KVTarget]) -> None:  # fmt: skip
+    async def _dispatch(
+        self, sub: Submit, plan: Plan, prefill: InstanceInfo, decoders: list[InstanceInfo], targets: list[KVTarget]
+    ) -> None:
         await self._record(plan)  # before any stage holds it: a holder of an unrecorded request drops it
-        acks = await asyncio.gather(*(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)),
-                                    return_exceptions=True)  # fmt: skip
+        acks = await asyncio.gather(
+            *(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)), return_exceptions=True
+        )
         try:
             if failed := [e for e in acks if isinstance(e, BaseException)]:
                 raise failed[0]
@@ -231,8 +257,15 @@ class Scheduler:
             raise
 
     async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:
-        task = DecodeTask(sub.request_id, sub.prompt_ids, sub.sampling, plan, kv_start=target.start,
-                          kv_token=target.token, cache_salt=sub.cache_salt)  # fmt: skip
+        task = DecodeTask(
+            sub.request_id,
+            sub.prompt_ids,
+            sub.sampling,
+            plan,
+            kv_start=target.start,
+            kv_token=target.token,
+            cache_salt=sub.cache_salt,
+        )
         await self._expect_ack(subjects.decode_task(inst.id), task, inst.id)
 
     async def _prefix_hits(self, instance_ids: list[str], prompt_ids: list[int], salt: str) -> dict[str, int]:
@@ -272,5 +305,13 @@ def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: 
     in the other site), with a fresh token only that decoder expects for this request, and the
     wire format of that link."""
     wan = decoder.dc != prefill.dc
-    return KVTarget(decoder.id, decoder.role, decoder.kv_host, decoder.kv_port, start=start,
-                    token=secrets.token_hex(16), wan=wan, wire=wan_wire if wan else local_wire)  # fmt: skip
+    return KVTarget(
+        decoder.id,
+        decoder.role,
+        decoder.kv_host,
+        decoder.kv_port,
+        start=start,
+        token=secrets.token_hex(16),
+        wan=wan,
+        wire=wan_wire if wan else local_wire,
+    )

@@ -105,5 +105,12 @@ class Line:
         self.jitter_ms = self.jitter_ms if jitter_ms is None else float(jitter_ms)
 
     def state(self, now: float) -> LineState:
-        return LineState(round(self.mbps(now), 3), self.delay_ms, self.jitter_ms, self.gate.down,
-                         self.gate.shut and not self.gate.down, sum(self.bytes.values()), dict(self.bytes))  # fmt: skip
+        return LineState(
+            round(self.mbps(now), 3),
+            self.delay_ms,
+            self.jitter_ms,
+            self.gate.down,
+            self.gate.shut and not self.gate.down,
+            sum(self.bytes.values()),
+            dict(self.bytes),
+        )

@@ -138,14 +138,22 @@ class WanLink:
     def state(self, error: str = "") -> WanState:
         now = asyncio.get_running_loop().time()
         open_now = Counter(c.forward for c in self._conns)
-        return WanState(self.cfg.name, {d: line.state(now) for d, line in self.lines.items()}, dict(self.ports),
-                        dict(open_now), dict(self.accepted), error)  # fmt: skip
+        return WanState(
+            self.cfg.name,
+            {d: line.state(now) for d, line in self.lines.items()},
+            dict(self.ports),
+            dict(open_now),
+            dict(self.accepted),
+            error,
+        )
 
     def describe(self) -> str:
         """The settings in one line, for logs."""
         s = self.state()
-        return "; ".join(f"{d} {ls.bandwidth_mbps:g} Mbps, {ls.delay_ms:g} +- {ls.jitter_ms:g} ms"
-                         + (" DOWN" if ls.down else "") for d, ls in s.lines.items())  # fmt: skip
+        return "; ".join(
+            f"{d} {ls.bandwidth_mbps:g} Mbps, {ls.delay_ms:g} +- {ls.jitter_ms:g} ms" + (" DOWN" if ls.down else "")
+            for d, ls in s.lines.items()
+        )
 
     # -- connections -----------------------------------------------------------------------
     async def _serve(self, fwd: Forward, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -184,4 +192,6 @@ class WanLink:
 
 def forwards_of(cfg) -> list[Forward]:
     """The forwards a cluster config names (shared.config.ClusterConfig.wan_forwards)."""
-    return [Forward(name, dialer, upstream, cfg.wan.ports.get(name, 0)) for name, dialer, upstream in cfg.wan_forwards()]
+    return [
+        Forward(name, dialer, upstream, cfg.wan.ports.get(name, 0)) for name, dialer, upstream in cfg.wan_forwards()
+    ]

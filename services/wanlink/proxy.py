@@ -93,8 +93,10 @@ class Connection:
 
     def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, line: Line) -> list[asyncio.Task]:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUE_CHUNKS)
-        return [asyncio.create_task(self._read_side(src, queue, line)),
-                asyncio.create_task(self._write_side(dst, queue, line))]  # fmt: skip
+        return [
+            asyncio.create_task(self._read_side(src, queue, line)),
+            asyncio.create_task(self._write_side(dst, queue, line)),
+        ]
 
     async def _read_side(self, src: asyncio.StreamReader, queue: asyncio.Queue, line: Line) -> None:
         loop = asyncio.get_running_loop()

@@ -19,7 +19,10 @@ def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
     model = load_model(path, dtype=inst.dtype, device=cfg.device or inst.device)
     tokenizer = load_tokenizer(path)  # stop strings are checked on decoded text
     pool = KVPool.with_capacity(
-        kv_layout(model), tokens=inst.kv_tokens, block_size=cfg.block_size, dtype=parse_dtype(inst.dtype),
+        kv_layout(model),
+        tokens=inst.kv_tokens,
+        block_size=cfg.block_size,
+        dtype=parse_dtype(inst.dtype),
         device=next(model.parameters()).device,  # on a GPU: CUDA-graph decode steps (shared/runtime/runner.py)
     )
     eos = model.generation_config.eos_token_id

@@ -55,8 +55,9 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, decoder: FusedDecoder, pool: KVPool, capture: bool | None = None,
-                 max_batch: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, decoder: FusedDecoder, pool: KVPool, capture: bool | None = None, max_batch: int | None = None
+    ) -> None:
         self.decoder = decoder
         self.pool = pool
         self.device = pool.device

@@ -215,8 +215,9 @@ class Engine:
     def _history(self, seq: Sequence) -> History:
         p = seq.params
         banned = () if p.ignore_eos else self.eos_token_ids
-        return History(seq.token_ids[: seq.prompt_len], seq.token_ids[seq.prompt_len :],
-                       tuple({*banned, *p.stop_token_ids}))  # fmt: skip
+        return History(
+            seq.token_ids[: seq.prompt_len], seq.token_ids[seq.prompt_len :], tuple({*banned, *p.stop_token_ids})
+        )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -250,7 +251,9 @@ class Engine:
             return
         if self.cache is not None and seq.imported is None:
             full = seq.num_computed // self.pool.block_size
-            self.cache.insert(seq.token_ids[: seq.num_computed], seq.block_table[:full], seq.namespace or self.namespace)
+            self.cache.insert(
+                seq.token_ids[: seq.num_computed], seq.block_table[:full], seq.namespace or self.namespace
+            )
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
 

@@ -43,8 +43,9 @@ def encode_layer(k: torch.Tensor, v: torch.Tensor, wire: str) -> bytes:
     return q.view(torch.uint8).numpy().tobytes() + scale.numpy().tobytes()
 
 
-def decode_layer(data: bytes | bytearray | memoryview, tokens: int, kv_heads: int, head_dim: int, dtype: str,
-                 wire: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def decode_layer(
+    data: bytes | bytearray | memoryview, tokens: int, kv_heads: int, head_dim: int, dtype: str, wire: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's K and V from `wire` bytes: the native dtype, or float32 for the narrowed ones."""
     expected = layer_bytes(tokens, kv_heads, head_dim, dtype, wire)
     if len(data) != expected:

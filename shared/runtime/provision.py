@@ -14,7 +14,6 @@ a half-written folder that looks complete.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile

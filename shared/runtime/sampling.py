@@ -53,7 +53,9 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     return sample_batch(logits.unsqueeze(0), [params], [step])[0]
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                 histories: list[History | None] | None = None) -> list[int]:  # fmt: skip
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], steps: list[int], histories: list[History | None] | None = None
+) -> list[int]:
     """Sample one token per row. Greedy rows share one argmax; the other rows share each filter's
     tensor ops (temperature, top-k, softmax, top-p over all of them at once: a per-row top-p sort of
     a 49k vocabulary took about a millisecond each) and draw with their own generator. Rows with

@@ -49,6 +49,7 @@ class Sequence:
     # not: the engine computes up to `start`, then jumps to `end` (a prefix evicted mid-flight).
     imported: tuple[int, int] | None = None
     namespace: str = ""  # prefix-cache namespace (model and tenant salt); "" = the engine's
+
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
             self.prompt_len = len(self.token_ids)

@@ -53,9 +53,12 @@ class StepRates:
 
 class EngineWorker:
     def __init__(
-        self, engine: Engine, on_outputs: Callable[[list[TokenOutput]], Any], threads: int = 1,
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[TokenOutput]], Any],
+        threads: int = 1,
         observe: Callable[[Engine], dict[str, Any]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
         self.threads = threads

@@ -19,11 +19,10 @@ import httpx
 import pytest
 import torch
 
+from pdd.launcher import Cluster
 from shared import subjects
 from shared.bus import Bus
-from pdd.launcher import Cluster
 from shared.messages import Inspect, InstanceState, WanControl, WanState
-
 
 FLEET = [
     {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
@@ -43,9 +42,15 @@ def _keys_file() -> str:
 
     import yaml
 
-    entries = [{"name": n, "sha256": hashlib.sha256(k.encode()).hexdigest(),
-                "scope": "admin" if n.startswith("tenant") else "user", **({"max_concurrent": 2} if n == "flooder" else {})}
-               for n, k in KEYS.items()]  # fmt: skip
+    entries = [
+        {
+            "name": n,
+            "sha256": hashlib.sha256(k.encode()).hexdigest(),
+            "scope": "admin" if n.startswith("tenant") else "user",
+            **({"max_concurrent": 2} if n == "flooder" else {}),
+        }
+        for n, k in KEYS.items()
+    ]
     path = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False).name
     with open(path, "w") as f:
         yaml.safe_dump(entries, f)
@@ -55,22 +60,34 @@ def _keys_file() -> str:
 CLUSTERS = {
     # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
     # float32 everywhere: outputs must equal the model alone (transformers, float32) token for token
-    "cluster": {"port": 0, "handoff": {"chunk_tokens": 12, "final_tokens": 3}, "max_queue": 12, "instances": [
-                    {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384},
-                    {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 8192},
-                    {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 16384}],
-                "timeouts": {"kv_stall_s": 5, "kv_retries": 1, "request_s": 90}},
+    "cluster": {
+        "port": 0,
+        "handoff": {"chunk_tokens": 12, "final_tokens": 3},
+        "max_queue": 12,
+        "instances": [
+            {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384},
+            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 8192},
+            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 16384},
+        ],
+        "timeouts": {"kv_stall_s": 5, "kv_retries": 1, "request_s": 90},
+    },
     # two prefill and two main-decode instances (small md pools, so eviction happens; at most
     # 12 requests each, so a burst finds the stage full)
     "fleet": {"port": 0, "instances": FLEET, "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}},
     # the demo's heterogeneous fleet (prefill float32, relay and main-decode bfloat16) with API keys
     # on (services/gateway/auth.py): the front door's and mixed precision's tests
-    "keyed": {"port": 0, "gateway": {"keys_file": "<made at launch>"}, "max_queue": 128,
-              "handoff": {"chunk_tokens": 12, "final_tokens": 3},
-              "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
-                            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096, "dtype": "bfloat16"},
-                            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 8192, "dtype": "bfloat16"}]},
-}  # fmt: skip
+    "keyed": {
+        "port": 0,
+        "gateway": {"keys_file": "<made at launch>"},
+        "max_queue": 128,
+        "handoff": {"chunk_tokens": 12, "final_tokens": 3},
+        "instances": [
+            {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
+            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096, "dtype": "bfloat16"},
+            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 8192, "dtype": "bfloat16"},
+        ],
+    },
+}
 _launched: dict[str, Cluster] = {}
 
 
@@ -132,8 +149,7 @@ def reference(eos_ref, smol_ref, smol_tokenizer):
         key = (tuple(prompt_ids), max_tokens, ignore_eos)
         if key not in cache:
             model = smol_ref if ignore_eos else eos_ref
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=0)  # fmt: skip
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
             cache[key] = smol_tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
         return cache[key]
 
@@ -145,8 +161,9 @@ def model_id(cluster) -> str:
     return httpx.get(cluster.url + "/v1/models").json()["data"][0]["id"]
 
 
-def stream_completion(url: str, body: dict, timeout: float = 120, events: list[dict] | None = None,
-                      headers: dict | None = None) -> tuple[str, dict, list[dict]]:  # fmt: skip
+def stream_completion(
+    url: str, body: dict, timeout: float = 120, events: list[dict] | None = None, headers: dict | None = None
+) -> tuple[str, dict, list[dict]]:
     """POST a streamed completion; return (text, final chunk's pdd object, all events). The
     stream must end as a complete one does: a last chunk with finish_reason and the pdd object,
     then `[DONE]`. `events`, when given, fills as chunks arrive (another thread may watch it)."""
@@ -228,8 +245,9 @@ class Operator:
     def redis(self):
         import redis
 
-        return redis.Redis.from_url(self.cluster.cfg.redis_url, password=self.cluster.secrets.redis_password,
-                                    decode_responses=True)  # fmt: skip
+        return redis.Redis.from_url(
+            self.cluster.cfg.redis_url, password=self.cluster.secrets.redis_password, decode_responses=True
+        )
 
     def request_keys(self) -> list[str]:
         r = self.redis()
@@ -270,7 +288,9 @@ def mixed_reference(smol, smol_dir, smol_tokenizer):
 
     def decode(prompt: list[int], known: list[int], payload, n: int, ignore_eos: bool) -> list[int]:
         e = Engine.for_model(bf16, 512, eos_token_ids=eos)
-        seq = Sequence("d", [*prompt, *known], SamplingParams(max_tokens=n, ignore_eos=ignore_eos), prompt_len=len(prompt))
+        seq = Sequence(
+            "d", [*prompt, *known], SamplingParams(max_tokens=n, ignore_eos=ignore_eos), prompt_len=len(prompt)
+        )
         seq.block_table = e.allocate(e.pool.blocks_for(len(prompt) + n))
         import_kv(e.pool, seq.block_table, payload)
         seq.num_computed = len(prompt)
@@ -280,8 +300,9 @@ def mixed_reference(smol, smol_dir, smol_tokenizer):
             out += [o.token_id for o in e.step() if o.token_id is not None]
         return out
 
-    def text_for(prompt: list[int], n: int, ignore_eos: bool = False, handoff_after: int | None = None,
-                 ids: bool = False) -> str | list[int]:  # fmt: skip
+    def text_for(
+        prompt: list[int], n: int, ignore_eos: bool = False, handoff_after: int | None = None, ids: bool = False
+    ) -> str | list[int]:
         p = Engine.for_model(smol, 512)
         p.add(Sequence("p", list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1))
         first = next(o.token_id for o in p.step() if o.token_id is not None)

@@ -46,8 +46,11 @@ class Stream:
 
 def _holders(operator, request_id: str) -> dict[str, list[str]]:
     states = {i.id: operator.inspect(i.id) for i in operator.cluster.cfg.instances}
-    return {iid: [r for r in s.requests if r.startswith(request_id)] for iid, s in states.items()
-            if any(r.startswith(request_id) for r in s.requests)}  # fmt: skip
+    return {
+        iid: [r for r in s.requests if r.startswith(request_id)]
+        for iid, s in states.items()
+        if any(r.startswith(request_id) for r in s.requests)
+    }
 
 
 def _until(predicate, timeout: float, what: str):
@@ -72,8 +75,7 @@ def _assert_dropped(operator, request_id: str, left: float) -> None:
 
 
 def _body(model_id: str, prompt: str, n: int = 300, **pdd) -> dict:
-    return {"model": model_id, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "pdd": pdd}  # fmt: skip
+    return {"model": model_id, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "pdd": pdd}
 
 
 @pytest.fixture
@@ -89,8 +91,11 @@ def slow_wan(cluster, operator):
 
 def test_abort_while_queued_behind_another_prompt(cluster, model_id, operator):
     long_one: dict = {}
-    ahead = threading.Thread(target=lambda: long_one.update(completion(
-        cluster.url, _body(model_id, fresh_prompt(900, "ahead"), 1, pipeline="p-md"))))  # fmt: skip
+    ahead = threading.Thread(
+        target=lambda: long_one.update(
+            completion(cluster.url, _body(model_id, fresh_prompt(900, "ahead"), 1, pipeline="p-md"))
+        )
+    )
     ahead.start()
     _until(lambda: operator.inspect("prefill-0").requests, 30, "prefill to take the long prompt")
     s = Stream(cluster.url, _body(model_id, fresh_prompt(40, "queued")))
@@ -113,8 +118,9 @@ def test_abort_while_prefilling(cluster, model_id, operator):
     _assert_dropped(operator, s.request_id, s.disconnect())
 
 
-def test_abort_with_the_kv_on_the_wan_tears_the_transfer_down(cluster, model_id, operator, slow_wan, reference,
-                                                              smol_tokenizer):  # fmt: skip
+def test_abort_with_the_kv_on_the_wan_tears_the_transfer_down(
+    cluster, model_id, operator, slow_wan, reference, smol_tokenizer
+):
     slow_wan(3.0)  # ~10 MB of KV: half a minute on the wire
     before = operator.line_bytes("md-0")
     s = Stream(cluster.url, _body(model_id, fresh_prompt(200, "kv-in-flight"), pipeline="p-md"))
@@ -142,8 +148,7 @@ def test_abort_while_the_relay_streams(cluster, model_id, operator, slow_wan):
 
 def test_abort_in_the_middle_of_a_catch_up_handoff(cluster, model_id, operator, slow_wan):
     slow_wan(8.0)  # ~3 s on the wire: the relay builds a backlog of dozens of tokens, handed in chunks
-    s = Stream(cluster.url, _body(model_id, fresh_prompt(60, "handoff"), 400, pipeline="p-rld-md",
-                                  handoff="catchup"))  # fmt: skip
+    s = Stream(cluster.url, _body(model_id, fresh_prompt(60, "handoff"), 400, pipeline="p-rld-md", handoff="catchup"))
     handing = threading.Event()
 
     def watch() -> None:
@@ -177,8 +182,14 @@ def test_a_stream_that_fails_ends_with_an_error_event(fleet, fleet_operator):
     the fleet has) and the client forced p-md: the response has started (200, SSE), so the
     failure comes as an error event, then [DONE], and nothing is left anywhere."""
     operator = fleet_operator
-    body = {"prompt": fresh_prompt(20, "doomed"), "max_tokens": 2040, "temperature": 0, "ignore_eos": True,
-            "pdd": {"pipeline": "p-md"}, "stream": True}  # fmt: skip
+    body = {
+        "prompt": fresh_prompt(20, "doomed"),
+        "max_tokens": 2040,
+        "temperature": 0,
+        "ignore_eos": True,
+        "pdd": {"pipeline": "p-md"},
+        "stream": True,
+    }
     with httpx.stream("POST", fleet.url + "/v1/completions", timeout=120, json=body) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]

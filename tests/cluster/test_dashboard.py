@@ -24,9 +24,20 @@ import pytest
 from pdd.servers import die_with_parent
 from tests.cluster.conftest import fresh_prompt, stream_completion
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--hide-scrollbars",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--mute-audio",
-         "--window-size=1400,1000", "--remote-debugging-pipe"]  # fmt: skip
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--hide-scrollbars",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--mute-audio",
+    "--window-size=1400,1000",
+    "--remote-debugging-pipe",
+]
 
 
 def chromium_binary() -> str | None:
@@ -59,9 +70,14 @@ class Browser:
             die_with_parent()  # a killed test run leaves no browser behind
 
         self.log = open(workdir / "chromium.log", "wb")  # closed in close(): the browser writes to it until then
-        self.proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={workdir / 'chromium-profile'}", "about:blank"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, close_fds=False, preexec_fn=in_child,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [binary, *FLAGS, f"--user-data-dir={workdir / 'chromium-profile'}", "about:blank"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            close_fds=False,
+            preexec_fn=in_child,
+            start_new_session=True,
+        )
         for fd in high:
             os.close(fd)
         self.events: list[dict] = []
@@ -185,12 +201,21 @@ def test_a_relayed_catch_up_request_draws_its_waterfall(cluster, operator, model
     browser.open(cluster.url + "/dashboard")
     browser.wait_for("document.querySelector('[data-dc=B] [data-instance=\"md-0\"][data-state=up]') !== null")
     assert browser.evaluate("document.querySelector('[data-dc=A] [data-instance=\"rld-0\"]') !== null")
-    body = {"model": model_id, "prompt": fresh_prompt(40, "dashboard"), "max_tokens": 80, "temperature": 0,
-            "ignore_eos": True, "pdd": {"pipeline": "p-rld-md", "handoff": "catchup"}}  # fmt: skip
+    body = {
+        "model": model_id,
+        "prompt": fresh_prompt(40, "dashboard"),
+        "max_tokens": 80,
+        "temperature": 0,
+        "ignore_eos": True,
+        "pdd": {"pipeline": "p-rld-md", "handoff": "catchup"},
+    }
     events: list[dict] = []
     result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(
-        out=stream_completion(cluster.url + "/v1/completions", body, timeout=240, events=events)))  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: result.update(
+            out=stream_completion(cluster.url + "/v1/completions", body, timeout=240, events=events)
+        )
+    )
     try:  # as test_relay's _with_backlog: main-decode's KV crawls at 1 Mbps while the relay streams
         operator.wan(bandwidth_mbps=1.0)
         worker.start()
@@ -223,8 +248,10 @@ def test_a_relayed_catch_up_request_draws_its_waterfall(cluster, operator, model
     assert bars["kv_local"]["start"] == bars["kv_wan"]["start"] == pytest.approx(t["queue"] + t["prefill"])
     assert drawn["ttft"] == pytest.approx(t["ttft"], abs=1e-6) and drawn["end"] == pytest.approx(t["e2e"], abs=50)
     shot = browser.screenshot(tmp_path / "dashboard.png")
-    print(f"\nscreenshot {shot}\nwaterfall of {rid}: {drawn['figures']}\npdd timings_ms {t}, handoff_gap_ms "
-          f"{pdd['handoff_gap_ms']:.1f}, handoff_chunks {pdd['handoff_chunks']}, tokens {roles}")  # fmt: skip
+    print(
+        f"\nscreenshot {shot}\nwaterfall of {rid}: {drawn['figures']}\npdd timings_ms {t}, handoff_gap_ms "
+        f"{pdd['handoff_gap_ms']:.1f}, handoff_chunks {pdd['handoff_chunks']}, tokens {roles}"
+    )
     assert browser.errors() == []
 
 

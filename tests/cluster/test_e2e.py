@@ -61,8 +61,18 @@ def test_eight_concurrent_streams(cluster, model_id, reference, smol_tokenizer):
 def test_observability_contract(cluster, model_id):
     body = {"model": model_id, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
     pdd = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60).json()["pdd"]
-    assert set(pdd) >= {"request_id", "pipeline", "handoff", "instances", "tokens_by_role", "handoff_chunks",
-                        "wan_kv_bytes", "local_kv_bytes", "prefix_hit_tokens", "timings_ms"}  # fmt: skip
+    assert set(pdd) >= {
+        "request_id",
+        "pipeline",
+        "handoff",
+        "instances",
+        "tokens_by_role",
+        "handoff_chunks",
+        "wan_kv_bytes",
+        "local_kv_bytes",
+        "prefix_hit_tokens",
+        "timings_ms",
+    }
     assert set(pdd["instances"]) == {"prefill", "rld", "md"}
     assert set(pdd["tokens_by_role"]) == {"rld", "md"}
     assert set(pdd["prefix_hit_tokens"]) == {"prefill", "md"}
@@ -101,8 +111,10 @@ def test_slow_wan_delays_first_token_by_the_transfer(cluster, model_id, operator
         operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
     transfer_s = slow["wan_kv_bytes"] * 8 / 50e6
     added = (slow["timings_ms"]["ttft"] - fast["timings_ms"]["ttft"]) / 1000
-    print(f"\nWAN KV {slow['wan_kv_bytes'] / 1e6:.1f} MB: TTFT fast {fast['timings_ms']['ttft']:.0f} ms, "
-          f"at 50 Mbps {slow['timings_ms']['ttft']:.0f} ms (+{added:.2f} s; the link alone needs {transfer_s:.2f} s)")
+    print(
+        f"\nWAN KV {slow['wan_kv_bytes'] / 1e6:.1f} MB: TTFT fast {fast['timings_ms']['ttft']:.0f} ms, "
+        f"at 50 Mbps {slow['timings_ms']['ttft']:.0f} ms (+{added:.2f} s; the link alone needs {transfer_s:.2f} s)"
+    )
     assert [fast_text, slow_text] == expected
     assert added > 0.6 * transfer_s
     for pdd, line in ((fast, fast_line), (slow, slow_line)):  # every KV byte crossed the line, in TLS
@@ -110,8 +122,14 @@ def test_slow_wan_delays_first_token_by_the_transfer(cluster, model_id, operator
 
 
 def test_client_disconnect_frees_every_stage(cluster, model_id, operator):
-    body = {"model": model_id, "prompt": "Tell me a long story about a dragon.", "max_tokens": 400,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": model_id,
+        "prompt": "Tell me a long story about a dragon.",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():
@@ -194,23 +212,26 @@ def test_stop_strings_finish_reasons_and_chunk_shape(cluster, model_id, referenc
     whole = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120).json()
     assert whole["choices"][0]["text"] == full and whole["choices"][0]["finish_reason"] == "length"
     assert whole["usage"]["completion_tokens"] == 24
-    text, pdd, events = stream_completion(cluster.url + "/v1/completions",
-                                          {**body, "stream_options": {"include_usage": True}})  # fmt: skip
+    text, pdd, events = stream_completion(
+        cluster.url + "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+    )
     assert text == full and events[-2]["choices"][0]["finish_reason"] == "length" and "pdd" in events[-2]
     usage = events[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 24 and usage["id"] == events[0]["id"]
     assert all(e.get("usage") is None or e is usage for e in events)
 
 
-def test_no_live_instance_of_a_role_is_503_and_health_says_so(cluster, model_id, operator, reference,
-                                                             smol_tokenizer):  # fmt: skip
+def test_no_live_instance_of_a_role_is_503_and_health_says_so(cluster, model_id, operator, reference, smol_tokenizer):
     """The only prefill instance dies: once its heartbeat expires /health answers 503 naming the
     role, a request is refused with 503 at once and leaves nothing behind; back, it serves again."""
     body = {"model": model_id, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
     cluster.kill("prefill-0")
     try:
-        until(lambda: httpx.get(cluster.url + "/health").status_code == 503, 3 * cluster.cfg.heartbeat_ttl_s + 5,
-              "/health to notice that prefill-0 is gone")  # fmt: skip
+        until(
+            lambda: httpx.get(cluster.url + "/health").status_code == 503,
+            3 * cluster.cfg.heartbeat_ttl_s + 5,
+            "/health to notice that prefill-0 is gone",
+        )
         assert httpx.get(cluster.url + "/health").json() == {"status": "degraded", "missing_roles": ["prefill"]}
         t0 = time.perf_counter()
         r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)

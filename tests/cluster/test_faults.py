@@ -18,8 +18,14 @@ pytestmark = pytest.mark.slow
 
 
 def _body(model_id: str, prompt: str, n: int, pipeline: str) -> dict:
-    return {"model": model_id, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "pdd": {"pipeline": pipeline}}  # fmt: skip
+    return {
+        "model": model_id,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "pdd": {"pipeline": pipeline},
+    }
 
 
 def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 15.0) -> tuple[str, dict, int]:
@@ -30,8 +36,9 @@ def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 1
     before = operator.line_bytes("md-0")
     try:
         operator.wan(bandwidth_mbps=mbps)
-        worker = threading.Thread(target=lambda: result.update(
-            out=stream_completion(cluster.url + "/v1/completions", body, timeout=180)))  # fmt: skip
+        worker = threading.Thread(
+            target=lambda: result.update(out=stream_completion(cluster.url + "/v1/completions", body, timeout=180))
+        )
         worker.start()
         until(lambda: operator.line_bytes("md-0") - before >= 256 * 1024, 60, "md-0's KV on the line", every=0.02)
         operator.wan(forward="md-0", **fault)
@@ -55,8 +62,7 @@ def test_wan_drop_mid_transfer_is_retried(cluster, model_id, operator, reference
     assert all(s.requests == [] for s in operator.idle().values())
 
 
-def test_wan_stall_past_the_deadline_leaves_the_relay_serving(cluster, model_id, operator, reference,
-                                                              smol_tokenizer):  # fmt: skip
+def test_wan_stall_past_the_deadline_leaves_the_relay_serving(cluster, model_id, operator, reference, smol_tokenizer):
     """md-0's KV connection stops moving (the rest of the line works): after kv_stall_s and a
     retry the push is given up, the relay finishes the request, main-decode drops its copy."""
     prompt = fresh_prompt(60, "stall")
@@ -100,8 +106,10 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
     latencies = sorted(r[1] for r in rejected)
     p50 = latencies[len(latencies) // 2]
     fastest_admitted = min(seconds for _, seconds in results)
-    print(f"\n{capacity} admitted (the fastest took {fastest_admitted:.1f} s); {len(rejected)} more told 429 in "
-          f"p50 {p50 * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms, {sum(latencies):.2f} s in all")  # fmt: skip
+    print(
+        f"\n{capacity} admitted (the fastest took {fastest_admitted:.1f} s); {len(rejected)} more told 429 in "
+        f"p50 {p50 * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms, {sum(latencies):.2f} s in all"
+    )
     # at once: not held behind the admitted requests. All the refusals together take less time
     # than one admitted request (they were answered while those ran), and even the slowest is
     # answered within a second (a few ms is typical; the bound leaves room for a loaded 2-core host).

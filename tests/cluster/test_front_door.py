@@ -48,8 +48,9 @@ def test_keys_scopes_and_what_each_key_sees(keyed):
 
 def _ttft_ms(url: str, key: str, i: int) -> float:
     body = {"prompt": fresh_prompt(16, f"calm{i}"), "max_tokens": 4, "temperature": 0}
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=auth(key),
-                      timeout=120) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, headers=auth(key), timeout=120
+    ) as r:
         assert r.status_code == 200
         t0 = time.perf_counter()
         for line in r.iter_lines():
@@ -60,8 +61,13 @@ def _ttft_ms(url: str, key: str, i: int) -> float:
 
 def test_one_key_flooding_gets_429_while_another_key_is_served(keyed):
     quiet = [_ttft_ms(keyed.url, "calm", i) for i in range(5)]
-    flood_body = {"prompt": fresh_prompt(16, "flood"), "max_tokens": 160, "temperature": 0, "ignore_eos": True,
-                  "stream": True}  # the two admitted stay in flight while the rest arrive
+    flood_body = {
+        "prompt": fresh_prompt(16, "flood"),
+        "max_tokens": 160,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }  # the two admitted stay in flight while the rest arrive
 
     def flood(_: int) -> tuple[int, str | None]:
         r = httpx.post(keyed.url + "/v1/completions", json=flood_body, headers=auth("flooder"), timeout=120)
@@ -72,8 +78,10 @@ def test_one_key_flooding_gets_429_while_another_key_is_served(keyed):
         during = [_ttft_ms(keyed.url, "calm", 100 + i) for i in range(5)]
         results = [f.result() for f in flooding]
     limited = [r for r in results if r[0] == 429]
-    print(f"\nflood of 100 streams on a key limited to 2: {len(limited)} told 429; the other key's TTFT P50 "
-          f"{statistics.median(quiet):.0f} ms quiet, {statistics.median(during):.0f} ms during the flood")
+    print(
+        f"\nflood of 100 streams on a key limited to 2: {len(limited)} told 429; the other key's TTFT P50 "
+        f"{statistics.median(quiet):.0f} ms quiet, {statistics.median(during):.0f} ms during the flood"
+    )
     assert len(limited) >= 98 and all(r[1] for r in limited)  # Retry-After on each
     assert all(code in (200, 429) for code, _ in results)
 
@@ -91,7 +99,8 @@ def test_tenants_do_not_share_cached_kv(keyed):
 
 def test_the_streams_of_an_admitted_key_finish_exactly(keyed, mixed_reference, smol_tokenizer):
     prompt = "Water boils at"
-    text, pdd, _ = stream_completion(keyed.url + "/v1/completions",
-                                     {"prompt": prompt, "max_tokens": 8, "temperature": 0}, headers=auth("calm"))  # fmt: skip
+    text, pdd, _ = stream_completion(
+        keyed.url + "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0}, headers=auth("calm")
+    )
     assert pdd["tokens_by_role"]["rld"] == 0  # a short prompt goes p-md: one decoder, bfloat16
     assert text == mixed_reference(smol_tokenizer(prompt)["input_ids"], 8) and "instances" not in pdd

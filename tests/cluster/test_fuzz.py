@@ -28,8 +28,13 @@ LAYOUT = {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 
 
 def _header(**kv) -> bytes:
-    head = {"request_id": "fuzz", "sender": "prefill-0", "token": "guess", "wan": True,
-            "kv": {"start": 0, "end": 16, **LAYOUT, **kv}}  # fmt: skip
+    head = {
+        "request_id": "fuzz",
+        "sender": "prefill-0",
+        "token": "guess",
+        "wan": True,
+        "kv": {"start": 0, "end": 16, **LAYOUT, **kv},
+    }
     return packed(Frame.HEADER, head)
 
 
@@ -38,12 +43,14 @@ CASES = {
     "header of 10^6 layers": _header(num_layers=10**6),
     "token range past the prompt": _header(end=10**9),
     "negative start": _header(start=-16),
-    "first token 10^9 (done frame)": _header() + frame(Frame.LAYER, b"\0" * 64) + packed(Frame.DONE, {"first_token": 10**9}),
+    "first token 10^9 (done frame)": _header()
+    + frame(Frame.LAYER, b"\0" * 64)
+    + packed(Frame.DONE, {"first_token": 10**9}),
     "valid header, wrong transfer token": _header(),
     "truncated frame": struct.pack(">IB", 1000, Frame.HEADER) + b"\x81",
     "random bytes": os.urandom(4096),
     "garbage msgpack header": frame(Frame.HEADER, b"\xc1\xc1\xc1"),
-}  # fmt: skip
+}
 
 
 def _refused_within(port: int, ctx: ssl.SSLContext, payload: bytes) -> float:
@@ -64,10 +71,20 @@ def _garbage_on_every_subject(cluster) -> int:
     async def run() -> int:
         bus = await Bus.connect(cluster.nats_url("B"), "fuzzer", "operator", cluster.secrets)
         sent = 0
-        for subject in (subjects.decode_task("md-0"), subjects.decode_drop("md-0"), subjects.handoff_chunk("md-0"),
-                        subjects.ABORT, subjects.inspect("md-0")):  # fmt: skip
-            for body in (b"\xc1", os.urandom(200), msgpack.packb([1, 2, 3]), msgpack.packb({"request_id": 5}),
-                         msgpack.packb({"request_id": "x", "prompt_ids": [10**9], "sampling": {}, "plan": {}})):  # fmt: skip
+        for subject in (
+            subjects.decode_task("md-0"),
+            subjects.decode_drop("md-0"),
+            subjects.handoff_chunk("md-0"),
+            subjects.ABORT,
+            subjects.inspect("md-0"),
+        ):
+            for body in (
+                b"\xc1",
+                os.urandom(200),
+                msgpack.packb([1, 2, 3]),
+                msgpack.packb({"request_id": 5}),
+                msgpack.packb({"request_id": "x", "prompt_ids": [10**9], "sampling": {}, "plan": {}}),
+            ):
                 await bus.nc.publish(subject, body)
                 sent += 1
         await bus.nc.flush()
@@ -85,24 +102,33 @@ def test_a_fuzzed_main_decode_refuses_everything_and_keeps_serving(cluster, oper
     body = {"max_tokens": 48, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # warm-up: the engine's buffers for 8 at once settle
         for round_ in range(3):  # (the first requests of a process grow its heap by ~100 MiB, then it plateaus)
-            list(pool.map(lambda i, r=round_: stream_completion(cluster.url + "/v1/completions",
-                                                                {**body, "prompt": fresh_prompt(20, f"warm{r}{i}")}),
-                          range(8)))  # fmt: skip
-    for name, payload in CASES.items():  # and the listener's
+            list(
+                pool.map(
+                    lambda i, r=round_: stream_completion(
+                        cluster.url + "/v1/completions", {**body, "prompt": fresh_prompt(20, f"warm{r}{i}")}
+                    ),
+                    range(8),
+                )
+            )
+    for payload in CASES.values():  # and the listener's
         _refused_within(port, ctx, payload)
     rss_before = md.memory_info().rss
     prompts = [fresh_prompt(20, f"fuzzed{i}") for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        running = [pool.submit(stream_completion, cluster.url + "/v1/completions", {**body, "prompt": p}) for p in prompts]
+        running = [
+            pool.submit(stream_completion, cluster.url + "/v1/completions", {**body, "prompt": p}) for p in prompts
+        ]
         times = {}
-        for rounds in range(5):
+        for _ in range(5):
             for name, payload in CASES.items():
                 times[name] = max(times.get(name, 0.0), _refused_within(port, ctx, payload))
             _garbage_on_every_subject(cluster)
         outputs = [f.result()[0] for f in running]
     grown = (md.memory_info().rss - rss_before) / 2**20
-    print(f"\nslowest refusal {max(times.values()):.3f} s; md-0 RSS grew {grown:.1f} MiB; " + ", ".join(
-        f"{k}: {v * 1000:.0f} ms" for k, v in times.items()))  # fmt: skip
+    print(
+        f"\nslowest refusal {max(times.values()):.3f} s; md-0 RSS grew {grown:.1f} MiB; "
+        + ", ".join(f"{k}: {v * 1000:.0f} ms" for k, v in times.items())
+    )
     assert all(t < 1.0 for t in times.values()), times
     assert grown < 10
     for prompt, text in zip(prompts, outputs):

@@ -40,8 +40,7 @@ def _holder(fleet, operator: Operator, role: str) -> str | None:
 
 
 @pytest.mark.parametrize("pipeline, victim", [("p-md", "md"), ("p-rld-md", "rld"), ("p-md", "prefill")])
-def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, reference, smol_tokenizer,
-                                                    pipeline, victim):  # fmt: skip
+def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, reference, smol_tokenizer, pipeline, victim):
     words = 400 if victim == "prefill" else 40  # a long prompt keeps prefill busy for seconds
     prompt = fresh_prompt(words, f"kill-{victim}")
     n = 48
@@ -51,25 +50,38 @@ def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, refer
     events: list[dict] = []  # the stream's chunks as they arrive
     if victim == "rld":  # keep main-decode's copy on the wire so the relay still holds the request
         fleet_operator.wan(bandwidth_mbps=4.0)
-    worker = threading.Thread(target=lambda: result.update(
-        out=stream_completion(fleet.url + "/v1/completions", body, timeout=240, events=events)))  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: result.update(
+            out=stream_completion(fleet.url + "/v1/completions", body, timeout=240, events=events)
+        )
+    )
     worker.start()
     target = None
     try:
         target = until(lambda: _holder(fleet, fleet_operator, victim), 60, f"a {victim} instance to hold it")
         if victim == "prefill":  # mid-prefill: some of the prompt's chunks computed (1500 tokens, 512 a step)
             prompt_len = len(smol_tokenizer(prompt)["input_ids"])
-            until(lambda: 0 < fleet_operator.inspect(target).extra["queued_tokens"] < prompt_len, 60,
-                  f"{target} to be part-way through the prompt", every=0.01)  # fmt: skip
+            until(
+                lambda: 0 < fleet_operator.inspect(target).extra["queued_tokens"] < prompt_len,
+                60,
+                f"{target} to be part-way through the prompt",
+                every=0.01,
+            )
         else:  # a few tokens into decoding on the victim
-            until(lambda: sum(bool(e["choices"] and e["choices"][0]["text"]) for e in events) >= 4, 60,
-                  f"tokens from {target}", every=0.01)  # fmt: skip
+            until(
+                lambda: sum(bool(e["choices"] and e["choices"][0]["text"]) for e in events) >= 4,
+                60,
+                f"tokens from {target}",
+                every=0.01,
+            )
             assert worker.is_alive() and _holder(fleet, fleet_operator, victim) == target, "it ended before the kill"
         fleet.kill(target)
         worker.join(240)
         text, pdd, events = result["out"]
-        print(f"\nkilled {target} ({pipeline}): migrations {pdd['migrations']}, tokens {pdd['tokens_by_role']}, "
-              f"now on {pdd['instances']}")  # fmt: skip
+        print(
+            f"\nkilled {target} ({pipeline}): migrations {pdd['migrations']}, tokens {pdd['tokens_by_role']}, "
+            f"now on {pdd['instances']}"
+        )
         assert text == reference(smol_tokenizer(prompt)["input_ids"], n, ignore_eos=True)
         assert pdd["migrations"] == 1 and target not in pdd["instances"].values()
         assert not r.exists(f"pdd:instance:{target}")  # its heartbeat expired

@@ -15,9 +15,14 @@ ADMIN = {"Authorization": f"Bearer {KEYS['tenant-a']}"}
 FP32_KV_PER_TOKEN = 46_080  # prefill's KV crosses in its own precision unless a narrower wire is chosen
 
 
-def run(keyed, prompt: str, n: int, pipeline: str, handoff: str | None = None, kv_wire: str | None = None
-        ) -> tuple[str, dict]:  # fmt: skip
-    pdd = {"pipeline": pipeline, **({"handoff": handoff} if handoff else {}), **({"kv_wire": kv_wire} if kv_wire else {})}
+def run(
+    keyed, prompt: str, n: int, pipeline: str, handoff: str | None = None, kv_wire: str | None = None
+) -> tuple[str, dict]:
+    pdd = {
+        "pipeline": pipeline,
+        **({"handoff": handoff} if handoff else {}),
+        **({"kv_wire": kv_wire} if kv_wire else {}),
+    }
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "pdd": pdd}
     text, obj, _ = stream_completion(keyed.url + "/v1/completions", body, headers=ADMIN)
     return text, obj
@@ -43,9 +48,11 @@ def test_catch_up_in_bfloat16_keeps_the_relays_tokens_and_hands_over(keyed, mixe
     relay = pdd["tokens_by_role"]["rld"]
     assert relay >= 1 and sum(pdd["tokens_by_role"].values()) == 48
     assert text.startswith(smol_tokenizer.decode(ref[: max(relay - 1, 0)], skip_special_tokens=True))
-    print(f"\ncatch-up in bfloat16: relay {relay} tokens, {pdd['handoff_chunks']} chunks; "
-          f"{'equal to' if text == smol_tokenizer.decode(ref, skip_special_tokens=True) else 'parted from'} "
-          "the one-step reference after the handoff")
+    print(
+        f"\ncatch-up in bfloat16: relay {relay} tokens, {pdd['handoff_chunks']} chunks; "
+        f"{'equal to' if text == smol_tokenizer.decode(ref, skip_special_tokens=True) else 'parted from'} "
+        "the one-step reference after the handoff"
+    )
 
 
 def test_the_decode_side_cache_and_incremental_kv_work_across_precisions(keyed):

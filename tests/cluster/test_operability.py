@@ -32,16 +32,18 @@ def test_sdk_chat_and_completions_streamed_and_whole(client, model_id, reference
     whole = client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
     expected = reference(smol_tokenizer(prompt)["input_ids"], 8)
     assert whole.choices[0].text == expected and whole.usage.completion_tokens >= 1
-    stream = client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})  # fmt: skip
+    stream = client.completions.create(
+        model=model_id, prompt=prompt, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
     messages = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]
     chat = client.chat.completions.create(model=model_id, messages=messages, max_tokens=6, temperature=0)
-    streamed = client.chat.completions.create(model=model_id, messages=messages, max_tokens=6, temperature=0,
-                                              stream=True)  # fmt: skip
+    streamed = client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=6, temperature=0, stream=True
+    )
     parts = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in parts) == chat.choices[0].message.content
     assert parts[0].object == "chat.completion.chunk" and parts[-1].choices[0].finish_reason in ("stop", "length")
@@ -51,20 +53,26 @@ def test_sdk_models_and_unsupported_parameters(client, model_id):
     assert client.models.retrieve(model_id).id == model_id and client.models.list().data[0].created > 0
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
-    for kwargs, param in (({"logit_bias": {"5": 1}}, "logit_bias"), ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-                          ({"response_format": {"type": "json_object"}}, "response_format"),
-                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):  # fmt: skip
+    for kwargs, param in (
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                           **kwargs)  # fmt: skip
+            client.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": "x"}], max_tokens=2, **kwargs
+            )
         assert e.value.body["param"] == param, (kwargs, e.value.body)
 
 
 def test_a_client_that_times_out_leaves_every_stage_idle(cluster, model_id, operator):
     impatient = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model=model_id, prompt=fresh_prompt(300, "impatient"), max_tokens=200,
-                                     temperature=0)  # fmt: skip
+        impatient.completions.create(
+            model=model_id, prompt=fresh_prompt(300, "impatient"), max_tokens=200, temperature=0
+        )
     gone = time.monotonic()
     states = operator.idle(timeout=2.0)
     assert all(s.requests == [] for s in states.values()), {i: s.requests for i, s in states.items()}
@@ -73,8 +81,14 @@ def test_a_client_that_times_out_leaves_every_stage_idle(cluster, model_id, oper
 
 def _metrics(url: str) -> dict[str, dict]:
     text = httpx.get(url, timeout=10).text
-    return {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples if s.name.endswith(("_total", "_bucket",
-            "_count", "_sum")) or s.name == f.name} for f in text_string_to_metric_families(text)}  # fmt: skip
+    return {
+        f.name: {
+            tuple(sorted(s.labels.items())): s.value
+            for s in f.samples
+            if s.name.endswith(("_total", "_bucket", "_count", "_sum")) or s.name == f.name
+        }
+        for f in text_string_to_metric_families(text)
+    }
 
 
 def test_every_process_serves_prometheus_metrics(cluster, model_id):
@@ -82,8 +96,17 @@ def test_every_process_serves_prometheus_metrics(cluster, model_id):
     urls |= {i.id: f"http://127.0.0.1:{i.metrics_port}" for i in cluster.cfg.instances}
     before = _metrics(urls["gateway"]).get("pdd:request_success", {})
     stop = (("finished_reason", "stop"), ("instance", "gateway"), ("model_name", model_id))
-    out = httpx.post(cluster.url + "/v1/completions", json={"prompt": "Count: one, two, three,", "max_tokens": 24,
-                     "temperature": 0, "stop": [" four"], "ignore_eos": True}, timeout=60).json()  # fmt: skip
+    out = httpx.post(
+        cluster.url + "/v1/completions",
+        json={
+            "prompt": "Count: one, two, three,",
+            "max_tokens": 24,
+            "temperature": 0,
+            "stop": [" four"],
+            "ignore_eos": True,
+        },
+        timeout=60,
+    ).json()
     assert out["choices"][0]["finish_reason"] == "stop"
     families = {name: _metrics(url) for name, url in urls.items()}
     assert families["gateway"]["pdd:request_success"][stop] == before.get(stop, 0) + 1
@@ -98,9 +121,12 @@ def test_every_process_serves_prometheus_metrics(cluster, model_id):
 
 
 def test_a_request_id_is_found_in_every_services_log(cluster, model_id):
-    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": fresh_prompt(10, "grep"), "max_tokens": 4,
-                   "temperature": 0, "pdd": {"pipeline": "p-rld-md"}}, headers={"X-Request-Id": "trace-me-42"},
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        json={"prompt": fresh_prompt(10, "grep"), "max_tokens": 4, "temperature": 0, "pdd": {"pipeline": "p-rld-md"}},
+        headers={"X-Request-Id": "trace-me-42"},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-me-42" and r.json()["id"] == "trace-me-42"
 
     def logged(name: str) -> bool:
@@ -127,8 +153,14 @@ def test_pdd_status_shows_both_sites_and_the_line(cluster, tmp_path):
         write_state(cluster.url, cluster.cfg.port, cluster.config_path)
     finally:
         del os.environ["PDD_STATE_DIR"]
-    out = subprocess.run([sys.executable, "-m", "pdd.cli", "status", "--json"], env=env, capture_output=True, text=True,
-                         timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "pdd.cli", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert json.loads(out.stdout)["datacenters"]["B"][0]["id"] == "md-0"
 
 

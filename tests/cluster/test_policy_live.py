@@ -13,8 +13,9 @@ pytestmark = pytest.mark.slow
 
 def test_mixed_workload_takes_the_expected_pipelines(cluster, model_id, reference, smol_tokenizer):
     system = fresh_prompt(60, "session")
-    first = completion(cluster.url, {"model": model_id, "prompt": system + "\nQ1: hello?", "max_tokens": 8,
-                                     "temperature": 0})  # fmt: skip
+    first = completion(
+        cluster.url, {"model": model_id, "prompt": system + "\nQ1: hello?", "max_tokens": 8, "temperature": 0}
+    )
     cases = {
         # a later turn of the conversation: nearly all cached, MD meets the TTFT SLO by itself
         "high-hit": (system + "\nQ1: hello?" + first["choices"][0]["text"] + "\nQ2: and then?", 12, "p-md"),
@@ -26,8 +27,10 @@ def test_mixed_workload_takes_the_expected_pipelines(cluster, model_id, referenc
     for name, (prompt, n, pipeline) in cases.items():
         out = completion(cluster.url, {"model": model_id, "prompt": prompt, "max_tokens": n, "temperature": 0})
         pdd = out["pdd"]
-        print(f"\n{name}: {out['usage']['prompt_tokens']} prompt tokens -> {pdd['pipeline']} ({pdd['plan_reason']}), "
-              f"estimated TTFT {pdd['plan_estimates'].get('ttft_ms')}")  # fmt: skip
+        print(
+            f"\n{name}: {out['usage']['prompt_tokens']} prompt tokens -> {pdd['pipeline']} ({pdd['plan_reason']}), "
+            f"estimated TTFT {pdd['plan_estimates'].get('ttft_ms')}"
+        )
         assert pdd["pipeline"] == pipeline, (name, pdd["plan_reason"], pdd["plan_estimates"])
         assert out["choices"][0]["text"] == reference(smol_tokenizer(prompt)["input_ids"], n), name
         if pipeline == "p-rld":

@@ -55,8 +55,10 @@ def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_t
         text = out["choices"][0]["message"]["content"]
         assert text == reference_chat(eos_ref, smol_tokenizer, reference, messages, 16), turn
         wan, hit_md, hit_p = pdd["wan_kv_bytes"], pdd["prefix_hit_tokens"]["md"], pdd["prefix_hit_tokens"]["prefill"]
-        print(f"\nturn {turn}: prompt {usage['prompt_tokens']} tokens, prefill hit {hit_p}, md hit {hit_md}, "
-              f"WAN {wan / 1e6:.2f} MB via {pdd['instances']}")  # fmt: skip
+        print(
+            f"\nturn {turn}: prompt {usage['prompt_tokens']} tokens, prefill hit {hit_p}, md hit {hit_md}, "
+            f"WAN {wan / 1e6:.2f} MB via {pdd['instances']}"
+        )
         assert wan < line <= wan + tls_overhead(wan)  # the KV crossed the line, in TLS, and nothing else
         assert wan - FRAMING <= (usage["prompt_tokens"] - hit_md) * KV_BYTES_PER_TOKEN <= wan
         if turn > 0:
@@ -79,8 +81,9 @@ def test_shared_system_prompt_is_stored_once(pcluster, pop):
     md = a["pdd"]["instances"]["md"]
     pop.idle()
     before = _md_state(pop, md).extra["cached_blocks"]
-    b = chat(pcluster, [system, {"role": "user", "content": "A different second question?"}], 8,
-             pdd={"pipeline": "p-md"})  # fmt: skip
+    b = chat(
+        pcluster, [system, {"role": "user", "content": "A different second question?"}], 8, pdd={"pipeline": "p-md"}
+    )
     assert b["pdd"]["instances"]["md"] == md and b["pdd"]["prefix_hit_tokens"]["md"] >= 100
     pop.idle()
     after = _md_state(pop, md).extra["cached_blocks"]
@@ -105,12 +108,13 @@ def test_many_conversations_under_a_small_pool(pcluster, pop, eos_ref, smol_toke
 
 
 def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tokenizer, reference):
-    conv = [{"role": "system", "content": fresh_prompt(150, "evict")},
-            {"role": "user", "content": "Say something."}]  # fmt: skip
+    conv = [{"role": "system", "content": fresh_prompt(150, "evict")}, {"role": "user", "content": "Say something."}]
     first = chat(pcluster, conv, 8, pdd={"pipeline": "p-md"})
     md = first["pdd"]["instances"]["md"]
-    conv += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-             {"role": "user", "content": "And now something else, please."}]  # fmt: skip
+    conv += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And now something else, please."},
+    ]
     result = {}
     try:
         pop.wan(bandwidth_mbps=2.0)  # the ~20 new tokens take ~4 s to cross

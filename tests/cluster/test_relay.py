@@ -82,8 +82,10 @@ def test_relay_hides_a_slow_wan(cluster, model_id, operator, reference, smol_tok
                 text, runs[pipeline, speed] = _slow_wan_run(cluster, operator, body, mbps=20)
             assert text == reference(smol_tokenizer(prompt)["input_ids"], 64)
     ttft = {k: v["timings_ms"]["ttft"] for k, v in runs.items()}
-    print("\nTTFT ms (WAN 1000 Mbps -> 20 Mbps): " + ", ".join(f"{p} {ttft[p, 'fast']:.0f} -> {ttft[p, 'slow']:.0f}"
-                                                           for p in ("p-md", "p-rld-md")))  # fmt: skip
+    print(
+        "\nTTFT ms (WAN 1000 Mbps -> 20 Mbps): "
+        + ", ".join(f"{p} {ttft[p, 'fast']:.0f} -> {ttft[p, 'slow']:.0f}" for p in ("p-md", "p-rld-md"))
+    )
     transfer_s = runs["p-md", "slow"]["wan_kv_bytes"] * 8 / 20e6
     assert ttft["p-md", "slow"] - ttft["p-md", "fast"] > 600 * transfer_s
     assert ttft["p-rld-md", "slow"] < ttft["p-rld-md", "fast"] + 0.3 * transfer_s * 1000
@@ -97,8 +99,11 @@ def _with_backlog(cluster, operator, body: dict, backlog: int) -> tuple[str, dic
     same on a fast and a slow machine (the old test raced the relay against a fixed WAN)."""
     events: list[dict] = []
     result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(
-        out=stream_completion(cluster.url + "/v1/completions", body, timeout=240, events=events)))  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: result.update(
+            out=stream_completion(cluster.url + "/v1/completions", body, timeout=240, events=events)
+        )
+    )
     try:
         operator.wan(bandwidth_mbps=1.0)  # ~45 s for this KV: it cannot land before we open
         worker.start()
@@ -130,16 +135,23 @@ def test_catch_up_hands_over_in_chunks_one_shot_at_once(cluster, model_id, opera
         else:  # at least 30 // 12 chunks of catch-up, then the final one
             assert pdd["handoff_chunks"] >= 3, pdd
         gaps[handoff] = (pdd["handoff_gap_ms"], pdd["handoff_chunks"], roles["rld"])
-    print("\nhandoff stall after a backlog of 30: " + ", ".join(f"{h} {g:.0f} ms ({c} chunks, relay {r} tokens)"
-                                                             for h, (g, c, r) in gaps.items()))  # fmt: skip
+    print(
+        "\nhandoff stall after a backlog of 30: "
+        + ", ".join(f"{h} {g:.0f} ms ({c} chunks, relay {r} tokens)" for h, (g, c, r) in gaps.items())
+    )
 
 
-def test_mixed_concurrent_pipelines_complete_and_free_every_block(cluster, model_id, operator, reference,
-                                                                  smol_tokenizer):  # fmt: skip
+def test_mixed_concurrent_pipelines_complete_and_free_every_block(
+    cluster, model_id, operator, reference, smol_tokenizer
+):
     jobs = [(p, h, f"Fact number {i}: the sun") for i, (p, h) in enumerate(PLANS * 2)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(
-            lambda j: stream_completion(cluster.url + "/v1/completions", _body(model_id, j[2], 20, j[0], j[1])), jobs))
+        results = list(
+            pool.map(
+                lambda j: stream_completion(cluster.url + "/v1/completions", _body(model_id, j[2], 20, j[0], j[1])),
+                jobs,
+            )
+        )
     for (pipeline, handoff, prompt), (text, _, _) in zip(jobs, results):
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 20), (pipeline, handoff)
     for state in operator.idle(timeout=2.0).values():

@@ -35,8 +35,16 @@ MD_CAPACITY = {i["id"]: i["max_running"] + i["max_waiting"] for i in FLEET if i[
 def _stream(url: str, body: dict, leave_after: int | None = None) -> dict:
     """One streamed completion; `leave_after` chunks then disconnect (None = read to the end).
     `done`: the stream ended with `[DONE]`; `final`: its last chunk (finish_reason, pdd object)."""
-    out = {"status": 0, "text": "", "pdd": {}, "error": "", "left": False, "retry_after": None, "done": False,
-           "final": {}}  # fmt: skip
+    out = {
+        "status": 0,
+        "text": "",
+        "pdd": {},
+        "error": "",
+        "left": False,
+        "retry_after": None,
+        "done": False,
+        "final": {},
+    }
     t0 = time.monotonic()
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=180) as r:
         out["status"], out["retry_after"] = r.status_code, r.headers.get("retry-after")
@@ -103,8 +111,10 @@ def test_a_full_stage_answers_429_at_once_and_holds_no_more(fleet, fleet_operato
     ok = [(p, r) for p, r in zip(prompts, results) if r["status"] == 200]
     rejected = [r for r in results if r["status"] == 429]
     quick = sorted(r["latency_s"] for r in rejected)
-    print(f"\n{n} at once onto main-decode capacity {MD_CAPACITY}: {len(ok)} admitted, {len(rejected)} told 429 "
-          f"(p50 {quick[len(quick) // 2] * 1000:.0f} ms); peak held {peak}")  # fmt: skip
+    print(
+        f"\n{n} at once onto main-decode capacity {MD_CAPACITY}: {len(ok)} admitted, {len(rejected)} told 429 "
+        f"(p50 {quick[len(quick) // 2] * 1000:.0f} ms); peak held {peak}"
+    )
     assert len(ok) + len(rejected) == n and rejected and ok
     assert all(peak[iid] <= cap for iid, cap in MD_CAPACITY.items())
     # "at once": a refusal does not wait for capacity; the typical one comes back before the
@@ -131,12 +141,24 @@ def _soak_request(i: int, rng: random.Random) -> dict:
         prompt = f"{SYSTEM}\nSession {session}. " + " ".join(f"Turn {t} asks something." for t in range(i % 5))
     else:
         prompt = fresh_prompt(rng.randrange(20, 80), f"soak{i}")
-    pdd = {"conversation": {}, "fresh": {"pipeline": rng.choice(["p-md", "p-rld-md"])},
-           "relay": {"pipeline": "p-rld-md", "handoff": rng.choice(["oneshot", "catchup"])},
-           "anomalous": {"pipeline": "p-rld"}}[kind]  # fmt: skip
+    pdd = {
+        "conversation": {},
+        "fresh": {"pipeline": rng.choice(["p-md", "p-rld-md"])},
+        "relay": {"pipeline": "p-rld-md", "handoff": rng.choice(["oneshot", "catchup"])},
+        "anomalous": {"pipeline": "p-rld"},
+    }[kind]
     leave = rng.randrange(0, 6) if rng.random() < 0.2 else None
-    return {"kind": kind, "leave": leave, "body": {"prompt": prompt, "max_tokens": rng.randrange(4, 20),
-                                                   "temperature": 0, "ignore_eos": True, "pdd": pdd}}  # fmt: skip
+    return {
+        "kind": kind,
+        "leave": leave,
+        "body": {
+            "prompt": prompt,
+            "max_tokens": rng.randrange(4, 20),
+            "temperature": 0,
+            "ignore_eos": True,
+            "pdd": pdd,
+        },
+    }
 
 
 def _when_done(futures: list[concurrent.futures.Future], n: int) -> None:

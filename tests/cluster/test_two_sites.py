@@ -64,14 +64,27 @@ def test_nothing_crosses_the_line_in_the_clear(cluster, operator, model_id):
     capture = cluster.cfg.wan.capture_dir
     operator.wan(capture=True)
     try:
-        out = completion(cluster.url, {"model": model_id, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                       "pdd": {"pipeline": "p-rld-md", "handoff": "catchup"}})  # fmt: skip
+        out = completion(
+            cluster.url,
+            {
+                "model": model_id,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "pdd": {"pipeline": "p-rld-md", "handoff": "catchup"},
+            },
+        )
     finally:
         operator.wan(capture=False)
     carried = b"".join(p.read_bytes() for p in Path(capture).glob("*.bin"))
     ids = cluster_tokenizer(cluster).encode(prompt)
     assert len(carried) > out["pdd"]["wan_kv_bytes"] > 0  # the KV (and the control traffic) did cross
-    for secret in (marker.encode(), out["id"].encode(), msgpack.packb(ids[:6])[1:], " ".join(map(str, ids[:6])).encode()):
+    for secret in (
+        marker.encode(),
+        out["id"].encode(),
+        msgpack.packb(ids[:6])[1:],
+        " ".join(map(str, ids[:6])).encode(),
+    ):
         assert secret not in carried, secret
 
 
@@ -175,8 +188,10 @@ def test_with_the_line_down_site_a_serves_alone_and_main_decode_returns(cluster,
     during = [r for r in results if down_at + ttl + 2 < r["sent"] < up_at - 1]
     assert during and all(r["pdd"]["instances"]["md"] == "" for r in during), [r["pdd"]["plan_reason"] for r in during]
     back = _until_md_serves(cluster, up_at + 2 * ttl + 5)
-    print(f"\n{len(results)} requests, none failed; {len(during)} served in A alone; "
-          f"main-decode back {back - up_at:.1f} s after the line")
+    print(
+        f"\n{len(results)} requests, none failed; {len(during)} served in A alone; "
+        f"main-decode back {back - up_at:.1f} s after the line"
+    )
     assert back - up_at <= 2 * ttl + 2  # within two heartbeat TTLs (and a heartbeat's reach)
     assert all(s.requests == [] for s in operator.idle(timeout=10).values())
 

@@ -33,11 +33,14 @@ from tests.helpers import greedy
 BLOCK = 16
 CONFIG = {
     "model": "tiny",
-    "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "rld-0", "role": "rld", "dc": "A"},
-                  {"id": "md-0", "role": "md", "dc": "B", "max_running": 4, "max_waiting": 2}],
+    "instances": [
+        {"id": "prefill-0", "role": "prefill", "dc": "A"},
+        {"id": "rld-0", "role": "rld", "dc": "A"},
+        {"id": "md-0", "role": "md", "dc": "B", "max_running": 4, "max_waiting": 2},
+    ],
     "handoff": {"chunk_tokens": 4, "final_tokens": 2, "ack_timeout_s": 30},
     "timeouts": {"request_s": 60},
-}  # fmt: skip
+}
 
 
 def engine(model: torch.nn.Module, num_blocks: int = 64) -> Engine:
@@ -81,11 +84,27 @@ class DecoderPair:
         return sorted(t.get_coro().__qualname__ for t in self.service(role)._tasks if not t.done())
 
     # -- what the scheduler and prefill do -------------------------------------------------
-    async def dispatch(self, rid: str, prompt: list[int], n: int, pipeline: str, handoff: str = "none",
-                       roles: tuple[str, ...] = (), **sampling) -> list[Ack]:  # fmt: skip
-        plan = Plan(rid, pipeline=pipeline, handoff=handoff, prefill="prefill-0",
-                    rld="rld-0" if "rld" in pipeline else "", md="md-0" if pipeline.endswith("md") else "")  # fmt: skip
-        task = DecodeTask(rid, prompt, Sampling(max_tokens=n, ignore_eos=True, **sampling), plan, kv_token=f"token-{rid}")
+    async def dispatch(
+        self,
+        rid: str,
+        prompt: list[int],
+        n: int,
+        pipeline: str,
+        handoff: str = "none",
+        roles: tuple[str, ...] = (),
+        **sampling,
+    ) -> list[Ack]:
+        plan = Plan(
+            rid,
+            pipeline=pipeline,
+            handoff=handoff,
+            prefill="prefill-0",
+            rld="rld-0" if "rld" in pipeline else "",
+            md="md-0" if pipeline.endswith("md") else "",
+        )
+        task = DecodeTask(
+            rid, prompt, Sampling(max_tokens=n, ignore_eos=True, **sampling), plan, kv_token=f"token-{rid}"
+        )
         self.sampling[rid] = task.sampling
         self.chunks[rid] = []
         await self.bus.subscribe(subjects.tokens(rid), TokenChunk, self.chunks[rid].append)
@@ -106,8 +125,16 @@ class DecoderPair:
         layers = [layer_to_bytes(k, v, wire) for k, v in payload.layers]
         done = {"first_token": first, "stats": {"prefill_ms": 1.0}}
         header = {**dataclasses.asdict(payload.header), "wire": wire}
-        return Transfer(rid, "prefill-0", header, token=f"token-{rid}", layers=layers,
-                        done=done, wire_bytes=sum(map(len, layers)), via_wan=via_wan)  # fmt: skip
+        return Transfer(
+            rid,
+            "prefill-0",
+            header,
+            token=f"token-{rid}",
+            layers=layers,
+            done=done,
+            wire_bytes=sum(map(len, layers)),
+            via_wan=via_wan,
+        )
 
     async def land(self, role: str, rid: str, prompt: list[int], transfer: Transfer | None = None) -> str:
         """What the KV listener does with a transfer: vet its header, then hand it over."""

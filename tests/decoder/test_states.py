@@ -17,9 +17,9 @@ from shared import subjects
 from shared.decode_state import Phase
 from shared.messages import Abort, Ack, FinishOnRelay, HandoffChunk, KVReady
 from shared.pipelines import Pipeline
-from tests.decoder.harness import DecoderPair, idle
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
+from tests.decoder.harness import DecoderPair, idle
 from tests.helpers import random_prompts, reference_generate, run_to_completion
 
 N = 24
@@ -256,16 +256,19 @@ async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):
 
 
 # -- transfers that are not what the scheduler planned -------------------------------------------------
-@pytest.mark.parametrize("forge, why", [
-    (lambda t: setattr(t, "token", "guessed"), "wrong transfer token"),
-    (lambda t: t.kv.update(start=16), "differs from its task"),  # a range the plan did not send
-    (lambda t: t.kv.update(end=999), "differs from its task"),
-    (lambda t: t.kv.update(num_layers=10**6), "differs from its task"),
-    (lambda t: t.kv.update(dtype="int4"), "differs from its task"),
-    (lambda t: t.done.update(first_token=10**9), "not in the vocabulary"),
-    (lambda t: t.done.update(first_token="x"), "not in the vocabulary"),
-    (lambda t: t.done.update(stats={"wan_kv_bytes": "many"}), "bad stats"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "forge, why",
+    [
+        (lambda t: setattr(t, "token", "guessed"), "wrong transfer token"),
+        (lambda t: t.kv.update(start=16), "differs from its task"),  # a range the plan did not send
+        (lambda t: t.kv.update(end=999), "differs from its task"),
+        (lambda t: t.kv.update(num_layers=10**6), "differs from its task"),
+        (lambda t: t.kv.update(dtype="int4"), "differs from its task"),
+        (lambda t: t.done.update(first_token=10**9), "not in the vocabulary"),
+        (lambda t: t.done.update(first_token="x"), "not in the vocabulary"),
+        (lambda t: t.done.update(stats={"wan_kv_bytes": "many"}), "bad stats"),
+    ],
+)
 async def test_a_forged_transfer_is_refused_and_leaves_the_request_pending(pair, prompt, tiny_ref, forge, why):
     await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
     t = pair.transfer("r1", prompt, via_wan=True)

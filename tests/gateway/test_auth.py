@@ -75,10 +75,23 @@ def test_env_keys_authenticate_as_user_or_admin():
 
 @pytest.mark.parametrize(
     "header",
-    [None, "", "Bearer", "Bearer ", "Bearer    ", USER, f"Basic {USER}", f"Token {USER}", f"Bearer{USER}",
-     "Bearer sk-unknown", f"Bearer {USER}x", f"Bearer {USER[:-1]}", f"Bearer {digest(USER)}",
-     f"Bearer {USER},{ADMIN}"],
-)  # fmt: skip
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Bearer    ",
+        USER,
+        f"Basic {USER}",
+        f"Token {USER}",
+        f"Bearer{USER}",
+        "Bearer sk-unknown",
+        f"Bearer {USER}x",
+        f"Bearer {USER[:-1]}",
+        f"Bearer {digest(USER)}",
+        f"Bearer {USER},{ADMIN}",
+    ],
+)
 def test_a_missing_malformed_or_unknown_key_is_401_in_openais_shape(header):
     e = refused(lambda: ring(PDD_API_KEYS=USER, PDD_ADMIN_KEYS=ADMIN).authenticate(header))
     assert e.status == 401 and e.retry_after is None
@@ -130,16 +143,26 @@ def test_plain_keys_are_never_stored(tmp_path):
 
 def test_a_keys_file_gives_hashed_keys_their_scope_limits_and_salt(tmp_path):
     entries = [
-        {"name": "alice", "sha256": digest(USER).upper(), "max_concurrent": 2, "tokens_per_minute": 1000,
-         "cache_salt": "team-a"},
+        {
+            "name": "alice",
+            "sha256": digest(USER).upper(),
+            "max_concurrent": 2,
+            "tokens_per_minute": 1000,
+            "cache_salt": "team-a",
+        },
         {"name": "ops", "sha256": digest(ADMIN), "scope": "admin"},
         {"name": "bob", "sha256": digest(USER2), "scope": "user", "cache_salt": "team-a"},
-    ]  # fmt: skip
+    ]
     r = KeyRing.from_settings(keys_file(tmp_path, entries), {"PDD_API_KEYS": "sk-env"})
     assert [k.name for k in r.keys] == ["key-0", "alice", "ops", "bob"]  # env keys and the file's together
     alice = r.authenticate(f"Bearer {USER}")  # an upper-case digest in the file still matches
     assert (alice.name, alice.admin, alice.max_concurrent, alice.tokens_per_minute, alice.cache_salt) == (
-        "alice", False, 2, 1000, "team-a")  # fmt: skip
+        "alice",
+        False,
+        2,
+        1000,
+        "team-a",
+    )
     ops = r.authenticate(f"Bearer {ADMIN}")
     assert (ops.name, ops.admin, ops.max_concurrent, ops.tokens_per_minute, ops.cache_salt) == ("ops", True, 0, 0, "")
     assert r.authenticate(f"Bearer {USER2}").admin is False
@@ -176,7 +199,8 @@ def test_a_bad_keys_file_is_a_clear_error_naming_the_file_and_no_key(tmp_path, e
 def test_an_empty_keys_file_adds_no_key(tmp_path):
     assert KeyRing.from_settings(keys_file(tmp_path, ""), {}).open  # (and the gateway warns it serves open)
     assert [k.name for k in KeyRing.from_settings(keys_file(tmp_path, []), {"PDD_ADMIN_KEYS": ADMIN}).keys] == [
-        "admin-0"]  # fmt: skip
+        "admin-0"
+    ]
 
 
 # --- per-key limits ------------------------------------------------------------------------
@@ -252,8 +276,17 @@ def fake_gateway(keys: KeyRing, need_key: bool = True) -> SimpleNamespace:
     """What the routes use of a Gateway; `admit` takes the key's slot and stops there (no cluster)."""
     cfg = load_config(None)
     cfg = dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, metrics_need_key=need_key))
-    gw = SimpleNamespace(cfg=cfg, keys=keys, metrics=GatewayMetrics("smol"), inflight={}, recent=deque(),
-                         served_model="smol", context_len=2048, vocab_size=1000, admitted=[])  # fmt: skip
+    gw = SimpleNamespace(
+        cfg=cfg,
+        keys=keys,
+        metrics=GatewayMetrics("smol"),
+        inflight={},
+        recent=deque(),
+        served_model="smol",
+        context_len=2048,
+        vocab_size=1000,
+        admitted=[],
+    )
 
     async def missing_roles() -> list[str]:
         return []
@@ -281,10 +314,16 @@ def bearer(key: str) -> dict[str, str]:
 def test_the_routes_answer_401_in_openais_shape_and_keep_health_open():
     gw = fake_gateway(ring(PDD_API_KEYS=USER, PDD_ADMIN_KEYS=ADMIN))
     c = client(gw)
-    for response in (c.get("/v1/models"), c.get("/v1/models", headers=bearer("sk-wrong")),
-                     c.post("/v1/completions", json={"prompt": "hi"}),
-                     c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
-                            headers={"Authorization": USER})):  # fmt: skip
+    for response in (
+        c.get("/v1/models"),
+        c.get("/v1/models", headers=bearer("sk-wrong")),
+        c.post("/v1/completions", json={"prompt": "hi"}),
+        c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": USER},
+        ),
+    ):
         assert response.status_code == 401
         error = response.json()["error"]
         assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
@@ -312,14 +351,19 @@ def test_only_admin_keys_may_force_a_plan():
     for body in (forced, {"prompt": "hi", "pdd": {"handoff": "oneshot"}}):
         r = c.post("/v1/completions", json=body, headers=bearer(USER))
         assert r.status_code == 403
-        assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "permission_error",
-                                     "param": "pdd", "code": "admin_only"}  # fmt: skip
+        assert r.json()["error"] == {
+            "message": r.json()["error"]["message"],
+            "type": "permission_error",
+            "param": "pdd",
+            "code": "admin_only",
+        }
     chat = {"messages": [{"role": "user", "content": "hi"}], "pdd": {"pipeline": "p-md"}}
     assert c.post("/v1/chat/completions", json=chat, headers=bearer(USER)).status_code == 403
     assert gw.admitted == []  # refused before admission: no slot, no tokens
     assert c.post("/v1/completions", json=forced, headers=bearer(ADMIN)).json()["error"]["code"] == "test_admitted"
     assert c.post("/v1/completions", json={"prompt": "hi"}, headers=bearer(USER)).json()["error"]["code"] == (
-        "test_admitted")  # fmt: skip
+        "test_admitted"
+    )
     assert gw.admitted == [("admin-0", "p-md"), ("key-0", None)]
 
 

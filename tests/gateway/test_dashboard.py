@@ -32,15 +32,23 @@ MAIN = [0.70, 0.75]
 def make_flow(rid: str, key=OPEN, reason: str | None = "length", marks=None) -> RequestFlow:
     """A p-rld-md catch-up request: 4 relay tokens, a 350 ms handoff gap, 2 main-decode tokens."""
     f = RequestFlow(SimpleNamespace(), ParsedRequest("completion", "smol", [1, 2, 3], Sampling()), key, rid)
-    f.plan = Plan(rid, pipeline="p-rld-md", handoff="catchup", prefill="prefill-0", rld="rld-0", md="md-0",
-                  queue_ms=5.0)  # fmt: skip
+    f.plan = Plan(
+        rid, pipeline="p-rld-md", handoff="catchup", prefill="prefill-0", rld="rld-0", md="md-0", queue_ms=5.0
+    )
     t0 = f.stats.arrived
     for at, role in marks if marks is not None else [(t, "rld") for t in RELAY] + [(t, "md") for t in MAIN]:
         f.stats.tokens_by_role[role] += 1
         f._record_tokens(1, role, now=t0 + at)
     f.stats.handoff_gap_s = MAIN[0] - RELAY[-1]
-    f.stats.decoder_stats = RequestStats(prefill_ms=120.0, kv_local_ms=30.0, kv_wan_ms=400.0, extend_ms=25.0,
-                                         handoff_chunks=3, wan_kv_bytes=5000, local_kv_bytes=7000)  # fmt: skip
+    f.stats.decoder_stats = RequestStats(
+        prefill_ms=120.0,
+        kv_local_ms=30.0,
+        kv_wan_ms=400.0,
+        extend_ms=25.0,
+        handoff_chunks=3,
+        wan_kv_bytes=5000,
+        local_kv_bytes=7000,
+    )
     f.finish_reason, f.finished = reason, reason is not None
     return f
 
@@ -56,8 +64,17 @@ class FakeBus:
         if subject == subjects.STATUS:
             if self.scheduler_down:
                 raise BusTimeout("no reply")
-            info = InstanceInfo("md-0", "md", "B", running=2, waiting=1, free_blocks=10, total_blocks=16,
-                                cached_blocks=2, updated_at=99.0)  # fmt: skip
+            info = InstanceInfo(
+                "md-0",
+                "md",
+                "B",
+                running=2,
+                waiting=1,
+                free_blocks=10,
+                total_blocks=16,
+                cached_blocks=2,
+                updated_at=99.0,
+            )
             return ClusterStatus([info], wan_estimate_mbps=180.0, plans={"p-rld-md": 3}, now=100.0)
         lines = {d: LineState(200.0, 20.0, 5.0, bytes=b) for d, b in self.line_bytes.items()}
         return WanState("a-b", lines=lines)
@@ -66,8 +83,14 @@ class FakeBus:
 def fake_gateway(env: dict[str, str] | None = None, need_key: bool = True) -> SimpleNamespace:
     cfg = load_config(None)
     cfg = dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, metrics_need_key=need_key))
-    return SimpleNamespace(cfg=cfg, bus=FakeBus(), keys=KeyRing.from_settings("", env or {}), inflight={},
-                           recent=deque(maxlen=100), served_model="smol")  # fmt: skip
+    return SimpleNamespace(
+        cfg=cfg,
+        bus=FakeBus(),
+        keys=KeyRing.from_settings("", env or {}),
+        inflight={},
+        recent=deque(maxlen=100),
+        served_model="smol",
+    )
 
 
 def make_app(gw) -> TestClient:
@@ -205,14 +228,34 @@ def test_the_static_files_reach_nothing_but_the_gateway():
 
 def bench_record(rid: str, ttft_s: float, relay: int = 3, main: int = 2) -> dict:
     """A requests.jsonl record as `pdd bench` writes it: client chunk times and the pdd object."""
-    times = [1.0 + ttft_s + 0.05 * i for i in range(relay)] + [1.0 + ttft_s + 0.05 * relay + 0.2 + 0.05 * i
-                                                               for i in range(main)]  # fmt: skip
-    pdd = {"pipeline": "p-rld-md", "handoff": "catchup", "tokens_by_role": {"rld": relay, "md": main},
-           "handoff_chunks": 2, "handoff_gap_ms": 250.0,
-           "timings_ms": {"queue": 4.0, "prefill": ttft_s * 900, "kv_local": 10.0, "kv_wan": 300.0, "extend": 30.0,
-                          "ttft": ttft_s * 1000, "e2e": (times[-1] - 1.0) * 1000}}  # fmt: skip
-    return {"request_id": rid, "mode": "pdd", "sent_s": 1.0, "token_times_s": times, "ok": True, "pdd": pdd,
-            "output_tokens": relay + main}  # fmt: skip
+    times = [1.0 + ttft_s + 0.05 * i for i in range(relay)] + [
+        1.0 + ttft_s + 0.05 * relay + 0.2 + 0.05 * i for i in range(main)
+    ]
+    pdd = {
+        "pipeline": "p-rld-md",
+        "handoff": "catchup",
+        "tokens_by_role": {"rld": relay, "md": main},
+        "handoff_chunks": 2,
+        "handoff_gap_ms": 250.0,
+        "timings_ms": {
+            "queue": 4.0,
+            "prefill": ttft_s * 900,
+            "kv_local": 10.0,
+            "kv_wan": 300.0,
+            "extend": 30.0,
+            "ttft": ttft_s * 1000,
+            "e2e": (times[-1] - 1.0) * 1000,
+        },
+    }
+    return {
+        "request_id": rid,
+        "mode": "pdd",
+        "sent_s": 1.0,
+        "token_times_s": times,
+        "ok": True,
+        "pdd": pdd,
+        "output_tokens": relay + main,
+    }
 
 
 def test_the_bench_draws_the_same_waterfall_for_its_slowest_and_median_request(tmp_path):

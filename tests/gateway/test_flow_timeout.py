@@ -35,8 +35,9 @@ def flow() -> RequestFlow:
         return {"md-0"}  # its holder is alive: only the timeout can end it
 
     gw = SimpleNamespace(cfg=cfg, tokenizer=Vocab(), alive_ids=alive_ids)
-    parsed = ParsedRequest(kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=50),
-                           stream=True)  # fmt: skip
+    parsed = ParsedRequest(
+        kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=50), stream=True
+    )
     f = RequestFlow(gw, parsed, OPEN, "cmpl-timeout")
     f.plan, f.holders = Plan("cmpl-timeout", prefill="prefill-0", md="md-0"), {"md-0"}
     return f

@@ -21,7 +21,9 @@ def samples(text: bytes) -> dict[tuple[str, frozenset], float]:
     for family in text_string_to_metric_families(text.decode()):
         for s in family.samples:
             assert s.labels.get("model_name") == "smol" and s.labels.get("instance"), s
-            out[(s.name, frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "instance")))] = s.value
+            out[(s.name, frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "instance")))] = (
+                s.value
+            )
     return out
 
 
@@ -83,8 +85,15 @@ def test_rejections_by_reason():
 
 
 def test_an_engines_figures_are_read_at_scrape_time():
-    figures = {"running": 3, "waiting": 1, "free_blocks": 50, "cached_blocks": 30, "total_blocks": 100,
-               "prefix_queried": 1000, "prefix_hit": 900}  # fmt: skip
+    figures = {
+        "running": 3,
+        "waiting": 1,
+        "free_blocks": 50,
+        "cached_blocks": 30,
+        "total_blocks": 100,
+        "prefix_queried": 1000,
+        "prefix_hit": 900,
+    }
     m = Metrics("smol", "md-0")
     m.engine_figures(lambda: figures)
     text = m.render()

@@ -98,27 +98,65 @@ def test_prompt_forms(prompt, ids):
 
 
 def test_nulls_mean_defaults():
-    req = completion({"prompt": "x", "model": None, "max_tokens": None, "temperature": None, "stop": None,
-                      "seed": None, "stream": None, "pdd": None, "logprobs": None, "echo": False})  # fmt: skip
+    req = completion(
+        {
+            "prompt": "x",
+            "model": None,
+            "max_tokens": None,
+            "temperature": None,
+            "stop": None,
+            "seed": None,
+            "stream": None,
+            "pdd": None,
+            "logprobs": None,
+            "echo": False,
+        }
+    )
     assert req.model == MODEL and req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0
 
 
 def test_fields_that_change_nothing_of_the_output_are_ignored():
-    req = completion({"prompt": "x", "user": "u", "metadata": {"a": "b"}, "tools": [{"type": "function"}],
-                      "tool_choice": "none", "response_format": {"type": "text"}})  # fmt: skip
+    req = completion(
+        {
+            "prompt": "x",
+            "user": "u",
+            "metadata": {"a": "b"},
+            "tools": [{"type": "function"}],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+        }
+    )
     assert req.prompt_ids == chars("x")
 
 
 def test_parameters_that_change_the_output_are_parsed_or_refused():
-    s = completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
-                    "min_tokens": 3, "stop_token_ids": [7, 9]}).sampling  # fmt: skip
+    s = completion(
+        {
+            "prompt": "x",
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.3,
+            "min_tokens": 3,
+            "stop_token_ids": [7, 9],
+        }
+    ).sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens, s.stop_token_ids) == (
-        0.5, -1.0, 1.3, 3, [7, 9])  # fmt: skip
-    for body, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-                        ({"response_format": {"type": "json_object"}}, "response_format"),
-                        ({"logit_bias": {"1": 2}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
-                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
-                        ({"stop_token_ids": ["a"]}, "stop_token_ids")):  # fmt: skip
+        0.5,
+        -1.0,
+        1.3,
+        3,
+        [7, 9],
+    )
+    for body, param in (
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ):
         assert error_of(completion, {"prompt": "x", **body}).param == param, body
 
 
@@ -280,10 +318,23 @@ def test_pdd_handoff_alone_is_a_hint_for_the_policy():
 
 @pytest.mark.parametrize(
     "body",
-    [{}, {"prompt": None}, {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": [[]]},
-     {"prompt": 5}, {"prompt": {"text": "x"}}, {"prompt": [1, "a"]}, {"prompt": [1, True]},
-     {"prompt": [1.0]}, {"prompt": ["a", "b"]}, {"prompt": [[1], [2]]}, {"prompt": [-1, 2]}],
-)  # fmt: skip
+    [
+        {},
+        {"prompt": None},
+        {"prompt": ""},
+        {"prompt": []},
+        {"prompt": [""]},
+        {"prompt": [[]]},
+        {"prompt": 5},
+        {"prompt": {"text": "x"}},
+        {"prompt": [1, "a"]},
+        {"prompt": [1, True]},
+        {"prompt": [1.0]},
+        {"prompt": ["a", "b"]},
+        {"prompt": [[1], [2]]},
+        {"prompt": [-1, 2]},
+    ],
+)
 def test_bad_prompt_is_400(body):
     e = error_of(completion, body)
     assert (e.status, e.param) == (400, "prompt")

@@ -10,9 +10,13 @@ from services.gateway.tokenizer import TemplateError, TextTokenizer
 TEXTS = ["The capital of France is", "def f(x):\n    return x  # ünïcødé ✓ 中文", "  leading spaces\t\ttabs\n\n", ""]
 CHATS = [
     [{"role": "user", "content": "What is 2+2?"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye ✓"}],
-]  # fmt: skip
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye ✓"},
+    ],
+]
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,9 @@ def test_each_penalty_on_the_logits():
 
 def test_only_penalised_rows_change():
     logits = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
-    picks = sample_batch(logits, [SamplingParams(), SamplingParams(presence_penalty=2.0)], [0, 1],
-                         [None, History([0], [1])])  # fmt: skip
+    picks = sample_batch(
+        logits, [SamplingParams(), SamplingParams(presence_penalty=2.0)], [0, 1], [None, History([0], [1])]
+    )
     assert picks == [1, 0] and logits.tolist() == [[0.0, 1.0], [0.0, 1.0]]  # the caller's logits untouched
 
 

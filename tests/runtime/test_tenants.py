@@ -4,8 +4,8 @@ probed with a guessed prompt (its hashes are keyed with the cluster's secret).""
 from __future__ import annotations
 
 from shared.prefix_hash import block_hashes, namespace_of
-from shared.runtime.sequence import Sequence
 from shared.runtime.radix_cache import RadixCache
+from shared.runtime.sequence import Sequence
 from tests.helpers import greedy, make_engine, random_prompts, run_to_completion
 
 

@@ -61,12 +61,17 @@ def test_wan_bytes_are_the_chosen_wires():
 # -- the scheduler service keeping it -------------------------------------------------------
 CONFIG = {
     "model": "tiny",
-    "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "rld-0", "role": "rld", "dc": "A"},
-                  {"id": "md-0", "role": "md", "dc": "B"}],
+    "instances": [
+        {"id": "prefill-0", "role": "prefill", "dc": "A"},
+        {"id": "rld-0", "role": "rld", "dc": "A"},
+        {"id": "md-0", "role": "md", "dc": "B"},
+    ],
     "timeouts": {"request_s": 60, "control_s": 1},
-}  # fmt: skip
-INSTANCES = [InstanceInfo(i, i.split("-")[0], "B" if i.startswith("md") else "A", kv_host="127.0.0.1", kv_port=1)
-             for i in ("prefill-0", "rld-0", "md-0")]  # fmt: skip
+}
+INSTANCES = [
+    InstanceInfo(i, i.split("-")[0], "B" if i.startswith("md") else "A", kv_host="127.0.0.1", kv_port=1)
+    for i in ("prefill-0", "rld-0", "md-0")
+]
 
 
 class Registry:
@@ -94,8 +99,11 @@ class Cluster:
     async def start(self) -> Cluster:
         await self.scheduler.serve()
         for inst in INSTANCES:
-            subject, kind = ((subjects.prefill_task(inst.id), PrefillTask) if inst.role == "prefill"
-                             else (subjects.decode_task(inst.id), DecodeTask))  # fmt: skip
+            subject, kind = (
+                (subjects.prefill_task(inst.id), PrefillTask)
+                if inst.role == "prefill"
+                else (subjects.decode_task(inst.id), DecodeTask)
+            )
             await self.bus.serve(subject, kind, self._acker(inst.id))
         return self
 

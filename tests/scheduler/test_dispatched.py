@@ -26,8 +26,9 @@ def test_the_policy_sees_what_the_heartbeat_measured():
     from services.scheduler.inputs import instance_view as _view
     from shared.messages import InstanceInfo
 
-    info = InstanceInfo("prefill-0", "prefill", "A", queued_tokens=900, step_ms=0.0, prefill_tok_s=640.0, held=3,
-                        capacity=96, pending=1)  # fmt: skip
+    info = InstanceInfo(
+        "prefill-0", "prefill", "A", queued_tokens=900, step_ms=0.0, prefill_tok_s=640.0, held=3, capacity=96, pending=1
+    )
     v = _view(info, hit_tokens=32, unseen=2)
     assert (v.queued_tokens, v.prefill_tok_s, v.step_ms) == (900, 640.0, None)  # 0 = not measured: the prior
     assert (v.held, v.pending, v.capacity, v.hit_tokens) == (5, 3, 96, 32)

@@ -15,8 +15,10 @@ AUTO = PolicyConfig()
 def fleet(**hits) -> list[InstanceView]:
     loads = {"prefill-0": 0.2, "prefill-1": 0.1, "rld-0": 0.0, "md-0": 0.3, "md-1": 0.1}
     roles = {"prefill-0": "prefill", "prefill-1": "prefill", "rld-0": "rld", "md-0": "md", "md-1": "md"}
-    return [InstanceView(i, roles[i], "B" if roles[i] == "md" else "A", loads[i], hits.get(i.replace("-", "_"), 0))
-            for i in loads]  # fmt: skip
+    return [
+        InstanceView(i, roles[i], "B" if roles[i] == "md" else "A", loads[i], hits.get(i.replace("-", "_"), 0))
+        for i in loads
+    ]
 
 
 def test_pinned_default_is_relay_then_main_on_the_least_loaded_instances():
@@ -55,15 +57,20 @@ def test_richer_figures_warm_beats_slightly_busier_and_busy_loses():
 
 
 def test_richer_figures_override_the_single_load_figure():
-    views = plain_fleet("prefill-0", "rld-0", "md-0", "md-1", md_0={"load": 0.0, "running": 8},
-                        md_1={"load": 0.5})  # fmt: skip
+    views = plain_fleet("prefill-0", "rld-0", "md-0", "md-1", md_0={"load": 0.0, "running": 8}, md_1={"load": 0.5})
     assert choose_plan(PlanRequest("r", 100, 10), views, AUTO).instances["md"] == "md-1"
 
 
 def test_an_instance_without_room_for_the_request_loses():
     # md-0 is idle but its pool cannot hold 1000 prompt + 500 output tokens (94 blocks of 16)
-    views = plain_fleet("prefill-0", "rld-0", "md-0", "md-1", md_0={"total_blocks": 1000, "free_blocks": 50},
-                        md_1={"total_blocks": 1000, "free_blocks": 500, "running": 5})  # fmt: skip
+    views = plain_fleet(
+        "prefill-0",
+        "rld-0",
+        "md-0",
+        "md-1",
+        md_0={"total_blocks": 1000, "free_blocks": 50},
+        md_1={"total_blocks": 1000, "free_blocks": 500, "running": 5},
+    )
     assert choose_plan(PlanRequest("r", 1000, 500), views, AUTO).instances["md"] == "md-1"
 
 
@@ -136,6 +143,9 @@ def test_config_validation_names_the_bad_value():
 def test_service_call_shapes_still_work():
     """The scheduler builds these positionally today; the new fields must come after."""
     cfg = PolicyConfig("p-rld-md", "oneshot", 1.0)
-    d = choose_plan(PlanRequest("r", 10, 5, None, None), [InstanceView("p", "prefill", "A", 0.1, 0), view("rld-0"),
-                                                           view("md-0")], cfg)  # fmt: skip
+    d = choose_plan(
+        PlanRequest("r", 10, 5, None, None),
+        [InstanceView("p", "prefill", "A", 0.1, 0), view("rld-0"), view("md-0")],
+        cfg,
+    )
     assert d.pipeline == "p-rld-md" and d.instances["prefill"] == "p"

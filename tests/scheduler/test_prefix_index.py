@@ -33,7 +33,12 @@ async def test_a_gap_in_the_chain_stops_the_count(registry):
     await holds(registry, "tail", ["b1", "b2", "b3"])  # no block 0: no prefix at all
     await holds(registry, "head", ["b0", "b1"])
     assert await registry.prefix_blocks(["gap", "all", "tail", "head", "unknown"], HASHES) == {
-        "gap": 1, "all": 4, "tail": 0, "head": 2, "unknown": 0}  # fmt: skip
+        "gap": 1,
+        "all": 4,
+        "tail": 0,
+        "head": 2,
+        "unknown": 0,
+    }
 
 
 async def test_the_count_follows_removals(registry):

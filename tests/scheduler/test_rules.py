@@ -49,7 +49,9 @@ def test_a_tighter_slo_relays_more():
 def test_no_main_decoder_alive_leaves_datacenter_a_serving_alone():
     views = fleet("prefill-0", "rld-0")
     assert (choose_plan(request(1500), views, CFG).reason, choose_plan(request(3000, 100), views, CFG).reason) == (
-        "no-md-alive", "anomalous")  # fmt: skip
+        "no-md-alive",
+        "anomalous",
+    )
     with pytest.raises(NoCapacity, match="md"):
         choose_plan(request(1500), fleet("prefill-0"), CFG)
 
@@ -158,8 +160,9 @@ def test_relay_finishes_replaces_only_the_slo_miss_relay_answer():
     forced = choose_plan(request(2000, 1, pipeline="p-rld-md"), views, CFG, wan_mbps=100.0)
     pinned = choose_plan(request(2000, 1), views, dataclasses.replace(CFG, default_pipeline="p-rld-md"), wan_mbps=100.0)
     assert [(d.pipeline, d.reason) for d in (forced, pinned)] == [("p-rld-md", "forced"), ("p-rld-md", "default")]
-    no_relay = choose_plan(request(2000, 1), fleet("prefill-0", "md-0", prefill_0={"hit_tokens": 1984}), CFG,
-                           wan_mbps=100.0)  # fmt: skip
+    no_relay = choose_plan(
+        request(2000, 1), fleet("prefill-0", "md-0", prefill_0={"hit_tokens": 1984}), CFG, wan_mbps=100.0
+    )
     assert (no_relay.pipeline, no_relay.reason) == ("p-md", "no-relay-alive")
 
 
@@ -208,7 +211,11 @@ def test_auto_wire_narrows_for_the_lines_backlog_too():
     idle = choose_plan(request(2000), warm_prefill_cold_md(), auto)
     busy = choose_plan(request(2000), warm_prefill_cold_md(), auto, wan_backlog_bytes=20e6)
     assert (idle.kv_wire, busy.kv_wire, busy.kv_wire_reason, busy.pipeline) == (
-        "native", "bf16", "narrowed-for-slo", "p-md")  # fmt: skip
+        "native",
+        "bf16",
+        "narrowed-for-slo",
+        "p-md",
+    )
 
 
 # -- oscillation guard (relay admission control) --------------------------------------------
@@ -245,8 +252,15 @@ def test_the_least_busy_relay_is_the_one_the_guard_checks():
 
 # -- bounded queues -------------------------------------------------------------------------
 def test_a_full_instance_is_skipped_for_one_with_room():
-    views = fleet("prefill-0", "prefill-1", "rld-0", "md-0", "md-1", md_0={"hit_tokens": 1400, "held": 8,
-                  "capacity": 8}, md_1={"held": 7, "capacity": 8})  # fmt: skip
+    views = fleet(
+        "prefill-0",
+        "prefill-1",
+        "rld-0",
+        "md-0",
+        "md-1",
+        md_0={"hit_tokens": 1400, "held": 8, "capacity": 8},
+        md_1={"held": 7, "capacity": 8},
+    )
     d = choose_plan(request(1500), views, dataclasses.replace(CFG, default_pipeline="p-md"))
     assert d.instances["md"] == "md-1"  # the warm one has no room left
 

@@ -99,8 +99,9 @@ def refusals(caplog):
 
 
 def header(request_id: str = "req-1", token: str = TOKEN, **kv) -> bytes:
-    return packed(Frame.HEADER, {"request_id": request_id, "sender": "prefill-0", "token": token, "wan": True,
-                                 "kv": {**KV, **kv}})  # fmt: skip
+    return packed(
+        Frame.HEADER, {"request_id": request_id, "sender": "prefill-0", "token": token, "wan": True, "kv": {**KV, **kv}}
+    )
 
 
 def layers(n: int = KV["num_layers"], size: int = LAYER) -> list[bytes]:
@@ -165,8 +166,9 @@ async def test_a_header_length_past_max_header_is_refused_before_its_body_is_rea
     peer = await Peer.dial(r.rx.port)
     sent = await peer.send(struct.pack(">IB", size + 1, Frame.HEADER))  # the prefix, and no body at all
     assert await peer.cut() - sent < 2.0  # at once, not after waiting for a body (or a stall)
-    assert refusals() == [f"KV transfer from 127.0.0.1 refused: HEADER frame of {size} bytes; at most {MAX_HEADER} "
-                          "allowed"]  # fmt: skip
+    assert refusals() == [
+        f"KV transfer from 127.0.0.1 refused: HEADER frame of {size} bytes; at most {MAX_HEADER} allowed"
+    ]
     assert r.vetted == [] and r.handled == [] and r.rx.refused == 1
     peer.close()
 
@@ -183,10 +185,12 @@ async def test_a_header_of_exactly_max_header_is_read(rig):
 
 @pytest.mark.parametrize(
     ("rid", "token", "why"),
-    [("req-1", "guessed", "of req-1 from 127.0.0.1 refused: wrong transfer token for req-1"),
-     ("req-1", "", "of req-1 from 127.0.0.1 refused: wrong transfer token for req-1"),
-     ("req-99", TOKEN, "of req-99 from 127.0.0.1 refused: no decode task for 'req-99' here")],
-)  # fmt: skip
+    [
+        ("req-1", "guessed", "of req-1 from 127.0.0.1 refused: wrong transfer token for req-1"),
+        ("req-1", "", "of req-1 from 127.0.0.1 refused: wrong transfer token for req-1"),
+        ("req-99", TOKEN, "of req-99 from 127.0.0.1 refused: no decode task for 'req-99' here"),
+    ],
+)
 async def test_a_header_the_vet_refuses_is_cut_before_any_kv_is_read(rig, refusals, rid, token, why):
     r = await rig(stall_s=5.0)
     peer = await Peer.dial(r.rx.port)
@@ -209,8 +213,9 @@ async def test_a_layer_frame_of_any_other_than_its_planned_size_is_refused_on_it
     good = b"".join(frame(Frame.LAYER, d) for d in layers(which))
     sent = await peer.send(header() + good + struct.pack(">IB", size + 1, Frame.LAYER))  # and no body
     assert await peer.cut() - sent < 2.0
-    assert refusals() == [f"KV transfer of req-1 from 127.0.0.1 refused: LAYER frame of {size} bytes; exactly "
-                          f"{LAYER} allowed"]  # fmt: skip
+    assert refusals() == [
+        f"KV transfer of req-1 from 127.0.0.1 refused: LAYER frame of {size} bytes; exactly {LAYER} allowed"
+    ]
     assert r.handled == [] and r.rx.refused == 1
     peer.close()
 
@@ -230,17 +235,21 @@ MALFORMED = {
     "an unknown frame type": (struct.pack(">IB", 5, 9) + b"\0" * 4, "expected a HEADER frame, got type 9"),
     "a header that is not msgpack": (frame(Frame.HEADER, b"\xc1\xc1"), "HEADER is not msgpack"),
     "a header that is not a map": (packed(Frame.HEADER, [1, 2, 3]), "HEADER is not a map"),
-    "a request id that is no string": (packed(Frame.HEADER, {"request_id": 5, "kv": KV}),
-                                       "HEADER lacks request_id, sender, token or kv"),
-    "a header without kv": (packed(Frame.HEADER, {"request_id": "req-1", "token": TOKEN}),
-                            "HEADER lacks request_id, sender, token or kv"),
+    "a request id that is no string": (
+        packed(Frame.HEADER, {"request_id": 5, "kv": KV}),
+        "HEADER lacks request_id, sender, token or kv",
+    ),
+    "a header without kv": (
+        packed(Frame.HEADER, {"request_id": "req-1", "token": TOKEN}),
+        "HEADER lacks request_id, sender, token or kv",
+    ),
     "an unknown dtype": (header(dtype="float99"), "bad KV header"),
     "a negative token range": (header(start=16), "bad KV header"),
     "a token range of 2^40": (header(end=2**40), "bad KV header"),
     "a DONE that is not msgpack": (header() + LAYERS + frame(Frame.DONE, b"\xc1"), "DONE is not msgpack"),
     "a DONE past MAX_CONTROL": (header() + LAYERS + packed(Frame.DONE, {"x": "y" * MAX_CONTROL}), "DONE frame of"),
     "a fourth layer": (header() + LAYERS + frame(Frame.LAYER, layers(1)[0]), "expected a DONE frame, got type 3"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", MALFORMED)
@@ -260,8 +269,15 @@ async def test_a_header_without_num_layers_is_refused_like_any_bad_header_when_n
     """A receiver without a vet (benchmarks/handoff_micro.py) still refuses, logs and counts it."""
     r = await rig(stall_s=5.0)
     r.rx.vet = None
-    without = packed(Frame.HEADER, {"request_id": "req-1", "sender": "prefill-0", "token": TOKEN,
-                                    "kv": {k: v for k, v in KV.items() if k != "num_layers"}})  # fmt: skip
+    without = packed(
+        Frame.HEADER,
+        {
+            "request_id": "req-1",
+            "sender": "prefill-0",
+            "token": TOKEN,
+            "kv": {k: v for k, v in KV.items() if k != "num_layers"},
+        },
+    )
     for head in (without, header(num_layers=None), header(num_layers="three")):
         peer = await Peer.dial(r.rx.port)
         sent = await peer.send(head)
@@ -367,9 +383,7 @@ async def test_a_slow_sender_that_keeps_making_progress_is_not_a_stall(rig, refu
     peer.close()
 
 
-@pytest.mark.parametrize(
-    "stop", ["before the header", "mid header", "after the header", "mid layer", "before DONE"]
-)  # fmt: skip
+@pytest.mark.parametrize("stop", ["before the header", "mid header", "after the header", "mid layer", "before DONE"])
 async def test_a_sender_that_stops_sending_fails_on_the_receiver_after_stall_s(rig, refusals, stop):
     stall_s = 0.3
     r = await rig(stall_s=stall_s)
@@ -435,8 +449,9 @@ async def test_cancel_cuts_a_transfer_that_is_arriving(rig, refusals):
 
 @pytest.fixture(scope="module")
 def secrets(tmp_path_factory) -> Secrets:
-    cfg = config_from_dict({"instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"},
-                                          {"id": "md-0", "role": "md", "dc": "B"}]})  # fmt: skip
+    cfg = config_from_dict(
+        {"instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "md-0", "role": "md", "dc": "B"}]}
+    )
     return Secrets(make_secrets(cfg, tmp_path_factory.mktemp("kv") / "secrets"))
 
 
@@ -445,11 +460,18 @@ async def test_over_mutual_tls_a_prefill_peer_is_served_and_any_other_refused(ri
     await send_kv("127.0.0.1", r.rx.port, push(), 5.0, tls=secrets.kv_client_context("prefill-0"), server_name="md-0")
     assert [t.layers for t in r.handled] == [layers()]
     with pytest.raises(KVTransferError):  # a decoder's certificate from the same CA: not a prefill instance
-        await send_kv("127.0.0.1", r.rx.port, push("req-2"), 5.0, tls=secrets.kv_client_context("md-0"),
-                      server_name="md-0")  # fmt: skip
+        await send_kv(
+            "127.0.0.1", r.rx.port, push("req-2"), 5.0, tls=secrets.kv_client_context("md-0"), server_name="md-0"
+        )
     assert refusals() == ["KV transfer from 127.0.0.1 refused: the peer's certificate is not a prefill instance's"]
     with pytest.raises(KVTransferError):  # the right certificate, the wrong token
-        await send_kv("127.0.0.1", r.rx.port, push("req-3", "guessed"), 5.0,
-                      tls=secrets.kv_client_context("prefill-0"), server_name="md-0")  # fmt: skip
+        await send_kv(
+            "127.0.0.1",
+            r.rx.port,
+            push("req-3", "guessed"),
+            5.0,
+            tls=secrets.kv_client_context("prefill-0"),
+            server_name="md-0",
+        )
     assert "of req-3 from 127.0.0.1 refused: wrong transfer token" in refusals()[-1]
     assert len(r.handled) == 1 and r.rx.refused == 2 and r.vetted == ["req-1", "req-3"]

@@ -180,8 +180,10 @@ async def trio(make_link) -> AsyncIterator[Callable[..., Awaitable[Trio]]]:
 
 def cluster(**extra: Any) -> dict[str, Any]:
     """A cluster config (as YAML data): prefill-0 in A, md-0 in B."""
-    return {"instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "md-0", "role": "md", "dc": "B"}],
-            **extra}  # fmt: skip
+    return {
+        "instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "md-0", "role": "md", "dc": "B"}],
+        **extra,
+    }
 
 
 @pytest.fixture(scope="session")

@@ -120,8 +120,18 @@ async def test_the_process_runs_a_cluster_configs_forwards(secrets, nats_a, tmp_
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
     with open(tmp_path / "wanlink.log", "wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.wanlink", "--config", str(tmp_path / "cluster.yaml"), "--ready-file",
-            str(ready), cwd=REPO, env=env, stdout=log, stderr=log)  # fmt: skip
+            sys.executable,
+            "-m",
+            "services.wanlink",
+            "--config",
+            str(tmp_path / "cluster.yaml"),
+            "--ready-file",
+            str(ready),
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
     try:
         await until(lambda: ready.exists() or proc.returncode is not None, 30, "the ready file")
         assert proc.returncode is None, (tmp_path / "wanlink.log").read_text()
@@ -132,8 +142,9 @@ async def test_the_process_runs_a_cluster_configs_forwards(secrets, nats_a, tmp_
         # B's NATS server joining A's leaf port through the line: a TLS handshake with B's certificate
         ctx = ssl.create_default_context(cafile=str(secrets.ca))
         ctx.load_cert_chain(*map(str, secrets.cert("nats", "B")))
-        _, leaf = await asyncio.wait_for(asyncio.open_connection(
-            "127.0.0.1", ports["nats-B"], ssl=ctx, server_hostname="127.0.0.1"), 10)  # fmt: skip
+        _, leaf = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", ports["nats-B"], ssl=ctx, server_hostname="127.0.0.1"), 10
+        )
         operator = await Bus.connect(url, "operator-test", role="operator", secrets=secrets)
         state = await operator.request(subjects.wan_control("proc"), WanControl(), WanState, 5.0)
         await operator.close()

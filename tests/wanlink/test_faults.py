@@ -79,8 +79,9 @@ async def test_down_holds_its_target_until_up(trio, target, held):
     close_all(conns)
 
 
-@pytest.mark.parametrize("target, dropped", [({}, {"ab", "ab2", "ba"}), ({"forward": "ab"}, {"ab"})],
-                         ids=["all", "one-forward"])  # fmt: skip
+@pytest.mark.parametrize(
+    "target, dropped", [({}, {"ab", "ab2", "ba"}), ({"forward": "ab"}, {"ab"})], ids=["all", "one-forward"]
+)
 async def test_drop_resets_its_connections_and_spares_the_rest(trio, target, dropped):
     t = await trio(echo=True)
     conns = await open_all(t)
@@ -111,8 +112,10 @@ async def test_a_forward_reaches_only_its_upstream(make_link):
     link = await make_link({"mine": ("A", mine.port)})
     assert link.control(WanControl()).forwards == {"mine": link.ports["mine"]}
     # whatever the dialer asks for, in any protocol, is only bytes for the forward's own upstream
-    ask = (f"CONNECT 127.0.0.1:{other.port} HTTP/1.1\r\nHost: 127.0.0.1:{other.port}\r\n\r\n".encode()
-           + b'\x00\x00\x00\x20\x01{"host": "127.0.0.1", "port": %d}' % other.port)  # fmt: skip
+    ask = (
+        f"CONNECT 127.0.0.1:{other.port} HTTP/1.1\r\nHost: 127.0.0.1:{other.port}\r\n\r\n".encode()
+        + b'\x00\x00\x00\x20\x01{"host": "127.0.0.1", "port": %d}' % other.port
+    )
     _, writer = await dial(link, "mine")
     writer.write(ask)
     writer.write_eof()

@@ -164,9 +164,14 @@ def test_control_ok():
 
 @pytest.mark.parametrize(
     "kwargs, word",
-    [({"swing": "sine"}, "swing"), ({"swing": "schedule"}, "schedule"), ({"bandwidth_mbps": 0}, "bandwidth"),
-     ({"delay_ms": -1}, "delay_ms"), ({"swing": "random_walk", "walk_min_mbps": 10, "walk_max_mbps": 5}, "walk_min")],
-)  # fmt: skip
+    [
+        ({"swing": "sine"}, "swing"),
+        ({"swing": "schedule"}, "schedule"),
+        ({"bandwidth_mbps": 0}, "bandwidth"),
+        ({"delay_ms": -1}, "delay_ms"),
+        ({"swing": "random_walk", "walk_min_mbps": 10, "walk_max_mbps": 5}, "walk_min"),
+    ],
+)
 def test_bad_config_is_refused(kwargs, word):
     with pytest.raises(ValueError, match=word):
         check_config(WanConfig(**kwargs))

@@ -39,8 +39,9 @@ async def test_a_mutual_tls_kv_push_crosses_intact_and_opaque(make_link, secrets
     link = await make_link({"md-0": ("A", tap.port)}, bandwidth_mbps=200.0, delay_ms=5.0, capture_dir=str(tmp_path))
     assert not link.control(WanControl(capture=True)).error  # the line's own record of what crosses
     sent_push = push()
-    sent = await send_kv("127.0.0.1", link.ports["md-0"], sent_push, 10.0, tls=secrets.kv_client_context("prefill-0"),
-                         server_name="md-0")  # fmt: skip
+    sent = await send_kv(
+        "127.0.0.1", link.ports["md-0"], sent_push, 10.0, tls=secrets.kv_client_context("prefill-0"), server_name="md-0"
+    )
     [transfer] = got
     assert (transfer.request_id, transfer.sender, transfer.token) == ("req-1", "prefill-0", "token-1")
     assert transfer.layers == sent_push.layers and transfer.done == sent_push.done
@@ -63,11 +64,13 @@ async def test_a_tls_receiver_refuses_what_is_not_its_prefill_peer(make_link, se
     with pytest.raises(KVTransferError):  # plaintext through the line
         await send_kv("127.0.0.1", link.ports["md-0"], push(), 5.0)
     with pytest.raises(KVTransferError):  # a decoder's certificate, not a prefill instance's
-        await send_kv("127.0.0.1", link.ports["md-0"], push(), 5.0, tls=secrets.kv_client_context("md-0"),
-                      server_name="md-0")  # fmt: skip
+        await send_kv(
+            "127.0.0.1", link.ports["md-0"], push(), 5.0, tls=secrets.kv_client_context("md-0"), server_name="md-0"
+        )
     with pytest.raises(KVTransferError, match="cannot connect"):  # the line reaches md-0, not the decoder asked for
-        await send_kv("127.0.0.1", link.ports["md-0"], push(), 5.0, tls=secrets.kv_client_context("prefill-0"),
-                      server_name="md-9")  # fmt: skip
+        await send_kv(
+            "127.0.0.1", link.ports["md-0"], push(), 5.0, tls=secrets.kv_client_context("prefill-0"), server_name="md-9"
+        )
     assert got == [] and rx.refused == 1  # the decoder's certificate got through TLS, then was refused
     assert link.control(WanControl()).accepted == {"md-0": 3}
     await rx.stop()
