@@ -146,8 +146,8 @@ class SchedulerConfig:
     catchup_threshold: int = 64  # expected relay backlog (tokens) above which catch-up is used
     rld_pressure: float = 0.75  # relay busy share above which handoff is as early as possible
     guard: bool = True  # oscillation guard: a saturated relay takes no more low-hit requests
-    relay_finishes: bool = True  # p-rld when the relay will have streamed the whole answer before MD's KV lands
-    line_backlog: bool = True  # p-md's TTFT estimate counts the KV already dispatched on the line
+    relay_finishes: bool = False  # p-rld when the relay will have streamed the whole answer before MD's KV lands
+    line_backlog: bool = False  # p-md's TTFT estimate counts the KV already dispatched on the line
     metrics_port: int = 0  # the scheduler's Prometheus /metrics (0 = none)
     kv_wire: str = "native"  # KV over the WAN: native | bf16 | fp8 | int8 | auto (narrow as the SLO needs)
     kv_wire_in_dc: str = "native"  # KV to relays in the same datacenter

@@ -51,8 +51,14 @@ def with_line(cfg: SimConfig, gbps: float) -> SimConfig:
 
 
 def with_rules(cfg: SimConfig, **knobs: bool) -> SimConfig:
-    """`cfg` with the scheduler's `relay_finishes` / `line_backlog` knobs set (both on by default)."""
+    """`cfg` with the scheduler's `relay_finishes` / `line_backlog` knobs set (both off by default:
+    on the live agentic bench relay-finishes starves main-decode's cache, docs/sim/README.md)."""
     return dataclasses.replace(cfg, scheduler={**cfg.scheduler, **knobs})
+
+
+def rules_on(cfg: SimConfig) -> SimConfig:
+    """PDD as this page's headline runs it at fleet scale: both rules on."""
+    return with_rules(cfg, relay_finishes=True, line_backlog=True)
 
 
 def rules_off(cfg: SimConfig) -> SimConfig:
@@ -102,7 +108,7 @@ def headline(out: Path, trace: str) -> dict:
     for wname, (reqs, info) in workloads(trace).items():
         result[wname] = {"workload": {**info, "reuse": reuse(reqs)}}
         for pair, path in PAIRS.items():
-            cfg = load_sim_config(path)
+            cfg = rules_on(load_sim_config(path))
             sized, naive = size(cfg, "pdd", reqs), size(cfg, "pd-wan", reqs)
             line = with_line(cfg, sized["line_gbps"])
             rows = {m: figures(line, m, reqs, f"{wname} {pair} {m}")[0] for m in MODES}
@@ -134,7 +140,7 @@ def sensitivity(out: Path, head: dict) -> dict:
     reqs, _ = agents(AGENT_REQUESTS, 0, AGENT_RATE)
     result: dict = {"line": {}, "price": {}, "hit": {}}
     for pair, path in PAIRS.items():
-        cfg = load_sim_config(path)
+        cfg = rules_on(load_sim_config(path))
         base = head["agents"][pair]
         sized, local = base["line"]["line_gbps"], base["modes"]["pd-local"]
         rows = []
@@ -151,7 +157,7 @@ def sensitivity(out: Path, head: dict) -> dict:
                 }
             )
         result["line"][pair] = rows
-        result["price"][pair] = {w: _price_curve(head[w][pair], load_sim_config(path)) for w in head if pair in head[w]}
+        result["price"][pair] = {w: _price_curve(head[w][pair], rules_on(load_sim_config(path))) for w in head if pair in head[w]}
         result["hit"][pair] = _hit_sweep(with_line(cfg, sized), pair)
     _plot_sensitivity(out, result)
     return result
@@ -278,10 +284,10 @@ def relay(out: Path, trace: str, fleet: SimConfig, head: dict) -> dict:
         row, runs = figures(cfg, "pdd", moon, label)
         result[label] = {**row, "anatomy": anatomy(runs)}
     sized = head["mooncake x2"]["H100 + H200"]["line"]["line_gbps"]
-    for label, cfg in (("", with_line(fleet, sized)), (", rules off", rules_off(with_line(fleet, sized)))):
+    for label, cfg in (("", rules_on(with_line(fleet, sized))), (", rules off", rules_off(with_line(fleet, sized)))):
         row, runs = figures(cfg, "pdd", moon, f"mooncake on its line{label}")
         result[f"mooncake x2 on its line{label}"] = {**row, "anatomy": anatomy(runs)}
-    cfg = load_sim_config(PAIRS["H100 + H200"])
+    cfg = rules_on(load_sim_config(PAIRS["H100 + H200"]))
     long = hitmix(
         LONG["requests"],
         0,

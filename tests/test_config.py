@@ -42,7 +42,7 @@ def test_the_demo_fleet_is_heterogeneous():
     demo = load_config(None)
     assert {i.role: i.dtype for i in demo.instances} == {"prefill": "float32", "rld": "bfloat16", "md": "bfloat16"}
     s = demo.scheduler
-    assert (s.kv_wire, s.relay_finishes, s.line_backlog) == ("native", True, True)
+    assert (s.kv_wire, s.relay_finishes, s.line_backlog) == ("native", False, False)
 
 
 @pytest.mark.model

@@ -125,8 +125,8 @@ class PolicyConfig:
     rld_pressure: float = 0.75  # share of rld_slots busy above which handoff is as early as possible
     guard: bool = True  # oscillation guard: RLD admission control
     kv_wire: str = "native"  # KV over the WAN: native | bf16 | fp8 | int8 | auto (see above)
-    relay_finishes: bool = True  # rule 6: a relay backlog covering the answer budget runs p-rld
-    line_backlog: bool = True  # a transfer to MD is estimated behind `wan_backlog_bytes`
+    relay_finishes: bool = False  # rule 6: a relay backlog covering the answer budget runs p-rld
+    line_backlog: bool = False  # a transfer to MD is estimated behind `wan_backlog_bytes`
     wire_bytes_per_token: dict[str, int] = field(default_factory=dict)  # format -> WAN bytes per token
 
     def __post_init__(self) -> None:

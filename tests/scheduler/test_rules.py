@@ -11,6 +11,7 @@ from services.scheduler.policy import NoCapacity, PolicyConfig, Saturated, choos
 from tests.scheduler.factories import fleet, request
 
 CFG = PolicyConfig()  # auto: SLO 1000 ms, 300 tok/s prefill, 1 Gbps WAN prior, 32 relay slots
+RULES = dataclasses.replace(CFG, relay_finishes=True, line_backlog=True)  # both off by default
 
 
 def warm_prefill_cold_md(**rld) -> list:
@@ -142,37 +143,37 @@ def test_the_relay_finishes_alone_exactly_when_its_backlog_covers_the_answer():
     """MD lags the relay by ~7.3 s at 100 Mbps: 98 relay steps. An answer of at most 98 tokens is
     over before MD could take it: p-rld, and no KV crosses for MD to drop. 99 tokens: p-rld-md."""
     views = warm_prefill_cold_md()
-    b = choose_plan(request(2000, 10_000), views, CFG, wan_mbps=100.0).estimates.backlog_tokens
+    b = choose_plan(request(2000, 10_000), views, RULES, wan_mbps=100.0).estimates.backlog_tokens
     assert b == 98
     for max_tokens in (1, b - 1, b):
-        d = choose_plan(request(2000, max_tokens), views, CFG, wan_mbps=100.0)
+        d = choose_plan(request(2000, max_tokens), views, RULES, wan_mbps=100.0)
         assert (d.pipeline, d.reason, d.handoff, d.handoff_reason) == ("p-rld", "relay-finishes", "none", "")
         assert d.instances == {"prefill": "prefill-0", "rld": "rld-0"} and "md" not in d.starts
         assert (d.estimates.backlog_tokens, d.kv_wire, d.kv_wire_reason) == (max_tokens, "native", "")
-    d = choose_plan(request(2000, b + 1), views, CFG, wan_mbps=100.0)
+    d = choose_plan(request(2000, b + 1), views, RULES, wan_mbps=100.0)
     assert (d.pipeline, d.reason, d.estimates.backlog_tokens) == ("p-rld-md", "slo-miss-relay", b)
 
 
 def test_relay_finishes_replaces_only_the_slo_miss_relay_answer():
     views = warm_prefill_cold_md()
-    fast = choose_plan(request(2000, 1), views, CFG)  # MD meets the SLO: its KV is worth sending
+    fast = choose_plan(request(2000, 1), views, RULES)  # MD meets the SLO: its KV is worth sending
     assert (fast.pipeline, fast.reason, fast.estimates.backlog_tokens) == ("p-md", "slo-met-md", 0)
-    forced = choose_plan(request(2000, 1, pipeline="p-rld-md"), views, CFG, wan_mbps=100.0)
-    pinned = choose_plan(request(2000, 1), views, dataclasses.replace(CFG, default_pipeline="p-rld-md"), wan_mbps=100.0)
+    forced = choose_plan(request(2000, 1, pipeline="p-rld-md"), views, RULES, wan_mbps=100.0)
+    pinned = choose_plan(request(2000, 1), views, dataclasses.replace(RULES, default_pipeline="p-rld-md"), wan_mbps=100.0)
     assert [(d.pipeline, d.reason) for d in (forced, pinned)] == [("p-rld-md", "forced"), ("p-rld-md", "default")]
     no_relay = choose_plan(
-        request(2000, 1), fleet("prefill-0", "md-0", prefill_0={"hit_tokens": 1984}), CFG, wan_mbps=100.0
+        request(2000, 1), fleet("prefill-0", "md-0", prefill_0={"hit_tokens": 1984}), RULES, wan_mbps=100.0
     )
     assert (no_relay.pipeline, no_relay.reason) == ("p-md", "no-relay-alive")
 
 
 def test_the_guard_still_comes_first():
-    d = choose_plan(request(2000, 1), warm_prefill_cold_md(running=32), CFG, wan_mbps=100.0)
+    d = choose_plan(request(2000, 1), warm_prefill_cold_md(running=32), RULES, wan_mbps=100.0)
     assert (d.pipeline, d.reason) == ("p-md", "rld-saturated")
 
 
 def test_without_relay_finishes_the_relay_streams_while_mds_kv_crosses_anyway():
-    off = dataclasses.replace(CFG, relay_finishes=False)
+    off = dataclasses.replace(RULES, relay_finishes=False)
     d = choose_plan(request(2000, 1), warm_prefill_cold_md(), off, wan_mbps=100.0)
     assert (d.pipeline, d.reason, d.estimates.backlog_tokens) == ("p-rld-md", "slo-miss-relay", 1)
 
@@ -182,32 +183,32 @@ def test_the_lines_backlog_delays_md_and_flips_the_plan():
     """2000 tokens * 46,080 B at 1 Gbps: 737 ms on an idle line, 876 ms in all, under the 1 s SLO;
     20 MB already dispatched and not landed add 160 ms: over it."""
     views = warm_prefill_cold_md()
-    idle = choose_plan(request(2000), views, CFG)
-    busy = choose_plan(request(2000), views, CFG, wan_backlog_bytes=20e6)
+    idle = choose_plan(request(2000), views, RULES)
+    busy = choose_plan(request(2000), views, RULES, wan_backlog_bytes=20e6)
     assert (idle.pipeline, idle.reason) == ("p-md", "slo-met-md")
     assert (busy.pipeline, busy.reason) == ("p-rld-md", "slo-miss-relay")
     assert busy.estimates.ttft_ms["p-md"] - idle.estimates.ttft_ms["p-md"] == pytest.approx(20e6 / 125_000)
     assert busy.estimates.ttft_ms["p-rld-md"] == idle.estimates.ttft_ms["p-rld-md"]  # the relay is in-DC
     assert (idle.estimates.wan_backlog_bytes, busy.estimates.wan_backlog_bytes) == (0.0, 20e6)
-    short = choose_plan(request(2000, 10), views, CFG, wan_backlog_bytes=20e6)  # over before MD's KV lands
+    short = choose_plan(request(2000, 10), views, RULES, wan_backlog_bytes=20e6)  # over before MD's KV lands
     assert (short.pipeline, short.reason) == ("p-rld", "relay-finishes")
 
 
 def test_without_line_backlog_the_line_looks_idle():
-    off = dataclasses.replace(CFG, line_backlog=False)
+    off = dataclasses.replace(RULES, line_backlog=False)
     d = choose_plan(request(2000), warm_prefill_cold_md(), off, wan_backlog_bytes=20e6)
     assert (d.pipeline, d.reason, d.estimates.wan_backlog_bytes) == ("p-md", "slo-met-md", 0.0)
-    assert d.estimates.ttft_ms == choose_plan(request(2000), warm_prefill_cold_md(), CFG).estimates.ttft_ms
+    assert d.estimates.ttft_ms == choose_plan(request(2000), warm_prefill_cold_md(), RULES).estimates.ttft_ms
 
 
 def test_a_decoder_that_lacks_nothing_sends_no_kv_and_waits_for_none():
     views = fleet(prefill_0={"hit_tokens": 2000}, md_0={"hit_tokens": 2000})
-    idle, busy = (choose_plan(request(2000), views, CFG, wan_backlog_bytes=b) for b in (0.0, 1e9))
+    idle, busy = (choose_plan(request(2000), views, RULES, wan_backlog_bytes=b) for b in (0.0, 1e9))
     assert busy.estimates.ttft_ms == idle.estimates.ttft_ms and busy.reason == "slo-met-md"
 
 
 def test_auto_wire_narrows_for_the_lines_backlog_too():
-    auto = dataclasses.replace(CFG, kv_wire="auto", wire_bytes_per_token=WIRES)
+    auto = dataclasses.replace(RULES, kv_wire="auto", wire_bytes_per_token=WIRES)
     idle = choose_plan(request(2000), warm_prefill_cold_md(), auto)
     busy = choose_plan(request(2000), warm_prefill_cold_md(), auto, wan_backlog_bytes=20e6)
     assert (idle.kv_wire, busy.kv_wire, busy.kv_wire_reason, busy.pipeline) == (

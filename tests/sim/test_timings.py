@@ -106,7 +106,7 @@ def test_relay_finishes_keeps_the_kv_that_main_decode_would_drop_off_the_line():
     # p-md's estimated TTFT: prefill 100 ms + 100,000 B at 1000 B/ms + 5 ms + a 10 ms step = 215 ms;
     # p-rld-md's: 100 + 0.1 + 10 = 110.1 ms. The relay's lead, ~105 ms, is 11 steps: an answer of 3
     # tokens is over before MD could take it (p-rld, no WAN bytes, the same token times); 20 is not.
-    cfg = make_config(scheduler={"ttft_slo_ms": 1.0})  # the scheduler's rule, on by default
+    cfg = make_config(scheduler={"ttft_slo_ms": 1.0, "relay_finishes": True})  # off by default
     [short], _ = simulate(cfg, "pdd", [make_request(output=3)])
     assert (short.pipeline, short.reason, short.estimates["backlog_tokens"]) == ("p-rld", "relay-finishes", 3)
     assert short.wan_bytes == 0 and short.token_times == pytest.approx([100.1, 110.1, 120.1])
@@ -126,8 +126,8 @@ def test_line_backlog_counts_the_kv_already_on_its_way():
     assert [(r.pipeline, r.estimates["ttft_ms"]["p-md"]) for r in ruled] == [("p-md", 215.0), ("p-rld-md", 415.0)]
     assert [r.estimates["wan_backlog_bytes"] for r in ruled] == [0, 100_000]
     assert cluster.pipeline.backlog.total(cluster.loop.now) == 0 and not cluster.pipeline.backlog  # all landed
-    # both rules, as the scheduler runs by default: b's 3 tokens are over long before MD's KV lands
-    both, _ = simulate(make_config(scheduler={"ttft_slo_ms": 400.0}), "pdd", reqs)
+    # both rules on: b's 3 tokens are over long before MD's KV lands
+    both, _ = simulate(make_config(scheduler={**off, "line_backlog": True, "relay_finishes": True}), "pdd", reqs)
     assert [(r.pipeline, r.reason) for r in both] == [("p-md", "slo-met-md"), ("p-rld", "relay-finishes")]
 
 
