@@ -157,7 +157,9 @@ def sensitivity(out: Path, head: dict) -> dict:
                 }
             )
         result["line"][pair] = rows
-        result["price"][pair] = {w: _price_curve(head[w][pair], rules_on(load_sim_config(path))) for w in head if pair in head[w]}
+        result["price"][pair] = {
+            w: _price_curve(head[w][pair], rules_on(load_sim_config(path))) for w in head if pair in head[w]
+        }
         result["hit"][pair] = _hit_sweep(with_line(cfg, sized), pair)
     _plot_sensitivity(out, result)
     return result

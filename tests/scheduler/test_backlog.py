@@ -91,7 +91,9 @@ class Cluster:
 
     def __init__(self, **policy) -> None:
         self.nats = InMemoryNats()
-        self.scheduler = Scheduler(config_from_dict(CONFIG), PolicyConfig(wire_bytes_per_token=WIRES, **{"line_backlog": True, **policy}))
+        self.scheduler = Scheduler(
+            config_from_dict(CONFIG), PolicyConfig(wire_bytes_per_token=WIRES, **{"line_backlog": True, **policy})
+        )
         self.scheduler.bus, self.scheduler.registry = self.nats.client("scheduler"), Registry()
         self.bus = self.nats.client("gateway and decoders")
         self.refuse: set[str] = set()

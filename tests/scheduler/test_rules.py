@@ -159,7 +159,9 @@ def test_relay_finishes_replaces_only_the_slo_miss_relay_answer():
     fast = choose_plan(request(2000, 1), views, RULES)  # MD meets the SLO: its KV is worth sending
     assert (fast.pipeline, fast.reason, fast.estimates.backlog_tokens) == ("p-md", "slo-met-md", 0)
     forced = choose_plan(request(2000, 1, pipeline="p-rld-md"), views, RULES, wan_mbps=100.0)
-    pinned = choose_plan(request(2000, 1), views, dataclasses.replace(RULES, default_pipeline="p-rld-md"), wan_mbps=100.0)
+    pinned = choose_plan(
+        request(2000, 1), views, dataclasses.replace(RULES, default_pipeline="p-rld-md"), wan_mbps=100.0
+    )
     assert [(d.pipeline, d.reason) for d in (forced, pinned)] == [("p-rld-md", "forced"), ("p-rld-md", "default")]
     no_relay = choose_plan(
         request(2000, 1), fleet("prefill-0", "md-0", prefill_0={"hit_tokens": 1984}), RULES, wan_mbps=100.0
