@@ -87,8 +87,12 @@ def run_mode(name: str, base: dict[str, Any] | None, workload, args: argparse.Na
     print(f"pdd bench: {name}: starting a cluster", file=sys.stderr)
     with Cluster(cfg, log=lambda m: None) as cluster:
         target = _target(cluster.url, args)
-        probe = BusyProbe(cluster.nats_url(), cluster.secrets)
+        probe = BusyProbe(
+            cluster.nats_url(), cluster.secrets, cluster.cfg.wan.name if cluster.cfg.wan.enabled else None
+        )
         records, duration, busy = asyncio.run(measure(target, workload, name, probe))
+    if probe.line_bytes is not None:
+        cfg["line_bytes"] = probe.line_bytes  # what the line carried during the replay (benchmarks/busy.py)
     return records, duration, cfg, busy
 
 
@@ -170,6 +174,8 @@ def main(args: argparse.Namespace) -> int:
         settings["duration_s"][name] = duration
         settings["wan"][name] = cfg["wan"]
         settings["md_in_other_dc"][name] = mode(name).wan
+        if "line_bytes" in cfg:
+            settings.setdefault("line_bytes", {})[name] = cfg.pop("line_bytes")
         threads |= {i["id"]: i.get("threads", 1) for i in cfg["instances"]}
         if measured is not None:
             busy[name] = measured

@@ -12,6 +12,11 @@ per instance, the wall time being that of the two heartbeats the figures came fr
 at a step boundary, so the interval and the busy time it holds agree). An instance missing from
 either view, or restarted in between, is left out. With no status to read (a server that is not
 PDD, or one whose NATS we cannot reach) there is no busy figure at all: None, never zeros.
+
+With the emulated line's name, the probe also reads the line's own counters at both ends
+(`WanState` on its control subject): the bytes each forward carried each way during the replay
+(`line_bytes`). That is what crossed the WAN, whoever asked for it: KV pushes to decoders in the
+other site (TLS framing included, aborted and cache-warming pushes too) and the NATS link.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from urllib.parse import urlsplit
 
 from shared import subjects
 from shared.bus import Bus
-from shared.messages import ClusterStatus, Inspect
+from shared.messages import ClusterStatus, Inspect, WanControl, WanState
 from shared.security import Secrets
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
@@ -41,6 +46,32 @@ async def cluster_status(nats_url: str, secrets: Secrets | None, timeout: float 
     finally:
         if bus is not None:
             await bus.close()
+
+
+async def line_state(nats_url: str, secrets: Secrets | None, line: str, timeout: float = 5.0) -> WanState | None:
+    """The emulated line's counters, or None (with a note on stderr)."""
+    bus = None
+    try:
+        bus = await asyncio.wait_for(Bus.connect(nats_url, "bench", "operator", secrets), timeout)
+        state = await bus.request(subjects.wan_control(line), WanControl(), WanState, timeout)
+        return None if state.error else state
+    except Exception as e:
+        print(f"pdd bench: no line counters from {line} ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    finally:
+        if bus is not None:
+            await bus.close()
+
+
+def line_bytes(before: WanState | None, after: WanState | None) -> dict[str, dict[str, int]] | None:
+    """{direction: {forward: bytes carried between the two readings}}; None without both."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for direction, line in after.lines.items():
+        start = before.lines[direction].bytes_by_forward if direction in before.lines else {}
+        out[direction] = {f: n - start.get(f, 0) for f, n in sorted(line.bytes_by_forward.items())}
+    return out
 
 
 def busy_fractions(before: ClusterStatus | None, after: ClusterStatus | None) -> dict[str, dict[str, Any]] | None:
@@ -70,16 +101,23 @@ def busy_fractions(before: ClusterStatus | None, after: ClusterStatus | None) ->
 
 
 class BusyProbe:
-    """Reads the registry view at `start()` and `stop()`; `stop()` returns `busy_fractions`."""
+    """Reads the registry view (and the line's counters, given its name) at `start()` and
+    `stop()`; `stop()` returns `busy_fractions` and leaves the line's in `line_bytes`."""
 
-    def __init__(self, nats_url: str, secrets: Secrets | None) -> None:
-        self.nats_url, self.secrets = nats_url, secrets
+    def __init__(self, nats_url: str, secrets: Secrets | None, line: str | None = None) -> None:
+        self.nats_url, self.secrets, self.line = nats_url, secrets, line
         self.before: ClusterStatus | None = None
+        self.line_before: WanState | None = None
+        self.line_bytes: dict[str, dict[str, int]] | None = None
 
     async def start(self) -> None:
         self.before = await cluster_status(self.nats_url, self.secrets)
+        if self.line:
+            self.line_before = await line_state(self.nats_url, self.secrets, self.line)
 
     async def stop(self) -> dict[str, dict[str, Any]] | None:
+        if self.line:
+            self.line_bytes = line_bytes(self.line_before, await line_state(self.nats_url, self.secrets, self.line))
         if self.before is None:
             return None
         return busy_fractions(self.before, await cluster_status(self.nats_url, self.secrets))

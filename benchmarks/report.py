@@ -155,6 +155,12 @@ def _part(summary: dict[str, Any], key: str, sub: str) -> Any:
     return None if summary.get(key) is None else summary[key][sub]
 
 
+def _nats_bytes(line: dict[str, dict[str, int]] | None) -> int | None:
+    if line is None:
+        return None
+    return sum(n for forwards in line.values() for f, n in forwards.items() if f.startswith("nats-"))
+
+
 def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
     names = list(modes)
     rows: list[list[Any]] = [
@@ -162,6 +168,9 @@ def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
         for key in ("requests", "completed", "failed", "goodput_rps", "output_tok_s", "cost", "bcr")
     ]
     rows += [["WAN KV bytes", *(s["wan_kv_bytes"] for s in modes.values())]]
+    if any(s.get("line_bytes") for s in modes.values()):
+        rows += [["WAN KV bytes in pdd objects", *(s.get("wan_kv_bytes_attributed") for s in modes.values())]]
+        rows += [["NATS link bytes (both ways)", *(_nats_bytes(s.get("line_bytes")) for s in modes.values())]]
     rows += [[f"{role.upper()} tokens", *(_part(s, "tokens_by_role", role) for s in modes.values())] for role in ROLES]
     rows += [["RLD share of output tokens", *(rld_share(s) for s in modes.values())]]
     rows += [[f"prefix hit rate {side}", *(_part(s, "hit_rate", side) for s in modes.values())] for side in SIDES]
@@ -172,7 +181,9 @@ def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
         "",
         (
             "goodput_rps: requests meeting every SLO per second; cost: duration_h x (chips + WAN line) "
-            "per hour; bcr: goodput_rps / hourly hardware cost."
+            "per hour; bcr: goodput_rps / hourly hardware cost. WAN KV bytes: what the line carried A -> B "
+            "to decoders in B during the replay, by its own counters (the `pdd` objects' sum beside it "
+            "leaves out pushes no response reports: aborted, or warming main-decode's cache)."
         ),
         "",
     ]

@@ -163,6 +163,11 @@ def summarize_mode(
     `pdd` object; cost and bcr are None for a mode absent from settings.instances (a server we
     did not start). request_goodput counts against settings.goodput (vLLM's `--goodput`).
     busy: {instance id: {"role", "dc", "busy_s", "wall_s", "busy_fraction"}} or None.
+    With the line's own counters (settings.line_bytes[mode], benchmarks/busy.py), wan_kv_bytes is
+    what the line carried A -> B on its KV forwards during the replay (every push to the other
+    site, including those nobody's `pdd` object reports: aborted ones, and cache-warming ones
+    after the relay finished); the `pdd` objects' sum stays as wan_kv_bytes_attributed, and
+    line_bytes has every forward each way (the NATS link's too).
     """
     mine = [r for r in records if r.get("mode") == mode]
     done = [r for r in mine if r.get("ok")]
@@ -173,6 +178,11 @@ def summarize_mode(
     pdd_known = not done or any(r.get("pdd") for r in done)
     goodput = _ratio(sum(meets_slo(x, settings.get("slo", {})) for x in lats), duration)
     prompt = sum(int(r.get("prompt_tokens", 0)) for r in done)
+    pdd = _pdd_figures(done, prompt, pdd_known)
+    line = settings.get("line_bytes", {}).get(mode)
+    if line is not None:
+        pdd["wan_kv_bytes_attributed"] = pdd["wan_kv_bytes"]
+        pdd["wan_kv_bytes"] = sum(n for f, n in line.get("a-b", {}).items() if not f.startswith("nats-"))
     return {
         **vllm_figures(lats, done, duration, settings.get("goodput")),
         "requests": len(mine),
@@ -181,7 +191,8 @@ def summarize_mode(
         **_latency_summary(lats),
         "goodput_rps": goodput,
         "output_tok_s": _ratio(sum(int(r.get("output_tokens", 0)) for r in done), duration),
-        **_pdd_figures(done, prompt, pdd_known),
+        **pdd,
+        "line_bytes": line,
         "cost": duration / 3600 * rate if fleet_known else None,
         "bcr": _ratio(goodput, rate) if fleet_known else None,
         "busy": busy,

@@ -122,6 +122,9 @@ class HandoffConfig:
     chunk_tokens: int = 64
     final_tokens: int = 8
     ack_timeout_s: float = 30.0  # a chunk's extend on a busy CPU can take seconds
+    # a request that finishes on the relay before its handoff still sends its prompt KV to
+    # main-decode's cache (the next turn of a session hits it there); false: the push is cancelled
+    warm_md_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.final_tokens < 0:

@@ -49,6 +49,7 @@ class DecodeRequest:
     alone: bool = False  # relay: main-decode will never get it (FinishOnRelay came)
     caught_up: asyncio.Event = field(default_factory=asyncio.Event)  # md: the shadow computed all it was given
     extend_started: float = 0.0  # md: when the final handoff chunk arrived
+    cache_only: bool = False  # md: finished on the relay; its KV lands into the prefix cache, then it ends
 
     @property
     def id(self) -> str:

@@ -232,6 +232,10 @@ class DecoderService(InstanceService):
                     self.emit(TokenOutput(req.id, None, 0, FinishReason.ERROR, req.error))
                     continue
                 self._admitted(req, seq)
+                if req.cache_only:  # finished on the relay: freeing the sequence caches its prompt blocks
+                    self.end(req.id, End.ABORTED)
+                    await self.abort_engine(req.id)
+                    continue
                 if not seq.shadow:
                     self.emit(TokenOutput(req.id, first, 0, done))
                 if req.id in self.requests:
@@ -298,6 +302,10 @@ class DecoderService(InstanceService):
 
     # -- 5. abort, drop and deadlines -------------------------------------------------------
     async def on_abort(self, msg: Abort) -> None:
+        req = self.requests.get(msg.request_id)
+        if msg.keep_kv and req is not None and self.role == "md" and req.phase in (Phase.PENDING, Phase.PARKED):
+            req.cache_only = True  # its KV lands into the prefix cache, then it ends (`_admit_parked`)
+            return
         self.aborted.add(msg.request_id)
         self.receiver.cancel(msg.request_id)  # its KV may be mid-way across the WAN: stop carrying it
         if self.end(msg.request_id, End.ABORTED) is not None:

@@ -14,7 +14,9 @@ main-decode's copy of the prompt KV crosses the WAN; main-decode holds it as a *
 One-shot is the final chunk alone. If a chunk cannot be delivered (md died or dropped its
 copy) the relay keeps the request and finishes it: the user's stream never breaks. When
 main-decode will never get the request (its KV push failed, or never came), `FinishOnRelay`
-tells the relay so; a request that ends on the relay tells md (an abort) to drop its copy.
+tells the relay so; a request that ends on the relay tells md (an abort) it is over: md lets
+the KV on its way land into its prefix cache (`handoff.warm_md_cache`: the session's next turn
+hits it there, as under p-md) and drops the rest.
 
 `RelaySide` and `MainSide` plug into `DecoderService` (shared/decoder.py) at five points:
 `serve()` (their subjects), `shadows(task)`, `admitted(req, done)`, `emitting(req, out)` and
@@ -76,7 +78,8 @@ class RelaySide:
 
     def emitting(self, req: DecodeRequest, out: TokenOutput) -> None:
         if out.finish_reason is not None and req.task.plan.md and not req.alone:  # ends here, before the handoff
-            self.d.spawn(self.d.bus.publish(subjects.ABORT, Abort(req.id, reason="finished on relay")))
+            keep = self.d.cfg.handoff.warm_md_cache  # md's KV still lands, into its cache only
+            self.d.spawn(self.d.bus.publish(subjects.ABORT, Abort(req.id, reason="finished on relay", keep_kv=keep)))
 
     def kv_never_came(self, req: DecodeRequest) -> bool:
         return False

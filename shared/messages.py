@@ -213,6 +213,9 @@ class Ack(Message):
 class Abort(Message):
     request_id: str
     reason: str = "client disconnected"
+    # the request is over (it finished on the relay), but main-decode's copy of its prompt KV may
+    # still land, into main-decode's prefix cache only: the session's next turn will hit it
+    keep_kv: bool = False
 
 
 # -- what a request measured ----------------------------------------------------------------

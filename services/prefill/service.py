@@ -205,7 +205,7 @@ class Prefiller(InstanceService):
             return
         me = asyncio.current_task()
         for t in list(state.tasks):
-            if t is not me:
+            if t is not me and not msg.keep_kv:  # finished on the relay: md's push may still land
                 t.cancel()
         await self.worker.call(lambda e: e.abort(msg.request_id))
 

@@ -127,7 +127,8 @@ class Scheduler:
         self._settle(sample.request_id)
 
     async def on_abort(self, msg: Abort) -> None:
-        self._settle(msg.request_id)  # an aborted request's KV stops crossing (the decoder cancels it)
+        if not msg.keep_kv:  # finished on the relay: md's KV still crosses, settled when it lands
+            self._settle(msg.request_id)  # an aborted request's KV stops crossing (the decoder cancels it)
 
     def _settle(self, request_id: str) -> None:
         if request_id and self.backlog.settle(request_id):

@@ -37,6 +37,7 @@ MODE_KEYS = {
     "cost",
     "bcr",
     "busy",
+    "line_bytes",
     *VLLM_KEYS,
 }
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -288,3 +289,23 @@ def test_write_report_survives_modes_without_data(tmp_path: Path) -> None:
     assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
     report = (tmp_path / "report.md").read_text()
     assert "TTFT P50 vs pd-wan" in report and "MISS" in report  # zero baselines: n/a ratios, never a crash
+
+
+def test_the_lines_own_counters_are_the_wan_bytes_when_measured():
+    """What crossed, not what responses reported: a push that warmed main-decode's cache after
+    the relay finished shows on the line but in no `pdd` object."""
+    from benchmarks.busy import line_bytes
+    from shared.messages import LineState, WanState
+
+    def state(kv: int, nats: int) -> WanState:
+        ab = LineState(200.0, 20.0, 5.0, bytes_by_forward={"md-0": kv, "nats-B": nats})
+        return WanState("a-b", lines={"a-b": ab, "b-a": LineState(200.0, 20.0, 5.0, bytes_by_forward={"nats-B": nats})})
+
+    carried = line_bytes(state(1_000, 50), state(9_000, 80))
+    assert carried == {"a-b": {"md-0": 8_000, "nats-B": 30}, "b-a": {"nats-B": 30}}
+    rec = {"mode": "pdd", "ok": True, "prompt_tokens": 10, "output_tokens": 2, "pdd": {"wan_kv_bytes": 3_000}}
+    settings = {"line_bytes": {"pdd": carried}}
+    s = summarize_mode([rec], settings, "pdd")
+    assert (s["wan_kv_bytes"], s["wan_kv_bytes_attributed"], s["line_bytes"]) == (8_000, 3_000, carried)
+    assert summarize_mode([rec], {}, "pdd")["wan_kv_bytes"] == 3_000  # no counters: the responses' sum
+    assert line_bytes(None, state(1, 1)) is None

@@ -211,6 +211,52 @@ async def test_shadow_whose_kv_never_comes_hands_the_request_to_the_relay(pair, 
     pair.assert_gone("r1")
 
 
+async def test_a_request_the_relay_finished_still_warms_main_decodes_cache(pair, prompt, tiny_ref):
+    """The relay streams the whole answer before md's KV lands (a cold session on a slow line).
+    md's copy is over for the user, but its prompt KV still lands, into md's prefix cache only:
+    the session's next turn finds it there instead of sending it across again."""
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+    assert await pair.land("rld", "r1", prompt) == ""
+    await pair.drive(lambda: pair.finished("r1"), roles=("rld",))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    [abort] = pair.nats.sent(subjects.ABORT)
+    assert abort.keep_kv and pair.md.requests["r1"].cache_only and pair.md.requests["r1"].phase == Phase.PENDING
+    md = pair.engines["md"]
+    assert md.cache.match(prompt, "tiny") == []
+    assert await pair.land("md", "r1", prompt) == ""  # the push still lands
+    await pair.settle()
+    full = len(prompt) // pair.cfg.block_size
+    assert len(md.cache.match(prompt, "tiny")) == full  # every full prompt block, cached
+    assert [c.role for c in pair.chunks["r1"]].count("md") == 0  # and nothing streamed from md
+    pair.assert_gone("r1")
+
+
+async def test_without_warming_the_finished_requests_kv_is_refused(tiny, prompt, tiny_ref):
+    pair = await DecoderPair(tiny, handoff={"chunk_tokens": 4, "final_tokens": 2, "warm_md_cache": False}).start()
+    try:
+        await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+        await pair.land("rld", "r1", prompt)
+        await pair.drive(lambda: pair.finished("r1"), roles=("rld",))
+        [abort] = pair.nats.sent(subjects.ABORT)
+        await pair.settle()
+        assert not abort.keep_kv and "r1" not in pair.md.requests
+        assert "no decode task" in await pair.land("md", "r1", prompt)
+        assert pair.engines["md"].cache.match(prompt, "tiny") == []
+        pair.assert_gone("r1")
+    finally:
+        await pair.stop()
+
+
+async def test_a_client_abort_after_the_relay_finished_still_drops_mds_copy(pair, prompt):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
+    await pair.land("rld", "r1", prompt)
+    await pair.drive(lambda: pair.finished("r1"), roles=("rld",))
+    await pair.bus.publish(subjects.ABORT, Abort("r1"))  # e.g. the gateway, for a client that went
+    await pair.settle()
+    assert "r1" not in pair.md.requests
+    pair.assert_gone("r1")
+
+
 async def test_finish_on_relay_after_a_failed_wan_push(pair, prompt, tiny_ref):
     await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
     await pair.land("rld", "r1", prompt)
