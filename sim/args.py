@@ -24,7 +24,19 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=int, default=1, help="trace: replay it this many times back to back")
     p.add_argument("--max-plot-requests", type=int, default=5000)
     p.add_argument("--no-tokenizer", action="store_true", help="agentic: estimate token counts (chars/3)")
-    p.add_argument("--real", default="docs/bench-agentic", help="validate: the real `pdd bench` run's folder")
+    p.add_argument(
+        "--real",
+        action="append",
+        default=None,
+        help="validate: a real `pdd bench` run's folder; give it once per run to compare with their mean "
+        "(default: docs/bench-agentic)",
+    )
+    p.add_argument(
+        "--as-config",
+        action="store_true",
+        help="validate: simulate every run with --config's knobs as they are, not with those whose real "
+        "default changed set as the run's code had them (sim/real.py)",
+    )
     p.add_argument("--only", default="", help="experiments: a subset, e.g. oscillation,bathtub")
     p.add_argument(
         "--calibrate",

@@ -7,7 +7,8 @@ are fitted here on a *calibration* run, which must not be the run the simulator 
 validated against (docs/sim/README.md names which run does what):
 1. Read the calibration run (its summary figures suffice; per-request records sharpen the
    output lengths when present).
-2. Simulate every mode of it for each point of GRID (cores and interleaving stay as the config
+2. Simulate every mode of it (the knobs whose real default changed set as the run's code had
+   them, sim/real.py `as_recorded`) for each point of GRID (cores and interleaving stay as the config
    says: they are facts about the machine and the engine, not fitted).
 3. Score a point by the mean squared log error of TTFT P50 / P90 / P99 and TPOT P50 over the
    run's modes; print the best points and write calibration.json to `--out`.
@@ -26,7 +27,7 @@ import sys
 from pathlib import Path
 
 from sim.config import SimConfig, load_sim_config
-from sim.real import load_real, simulate_real
+from sim.real import as_recorded, load_real, simulate_real
 
 GRID = {
     "request_overhead_ms": (0.0, 25.0, 50.0, 75.0, 100.0, 150.0),
@@ -49,6 +50,9 @@ def with_host(cfg: SimConfig, **values: float) -> SimConfig:
 def main(args: argparse.Namespace) -> int:
     real, records = load_real(Path(args.real))
     cfg = load_sim_config(args.config)
+    if not getattr(args, "as_config", False):  # the knobs whose real default changed, as the run had them
+        cfg, knobs, how = as_recorded(cfg, real)
+        print(f"pdd sim validate --calibrate: {args.real}: {knobs} ({how})", file=sys.stderr)
     points = []
     for values in itertools.product(*GRID.values()):
         point = dict(zip(GRID, values, strict=True))

@@ -86,6 +86,7 @@ class SimCluster:
             int(cfg.handoff["chunk_tokens"]),
             int(cfg.handoff["final_tokens"]),
             self._finished,
+            warm_md_cache=cfg.warm_md_cache,
         )
         self.runs: dict[str, RequestRun] = {}
         self._waiters: dict[str, list[str]] = defaultdict(list)

@@ -5,7 +5,10 @@
     roles: {rld: {kv_tokens: 16384}}      # per-role overrides of the chip profile
     wan: {bandwidth_mbps, delay_ms, jitter_ms, swing, low, period_s, step, seed}
     local: {mbps, delay_ms}               # in-DC KV path
-    handoff: {chunk_tokens, final_tokens}
+    handoff: {chunk_tokens, final_tokens, warm_md_cache}
+                                          # warm_md_cache (default true, as shared/config.py's): a request
+                                          # the relay finishes still lands MD's KV, into its DRC only;
+                                          # false: that KV is cancelled on the line (sim/pipeline.py)
     scheduler: {...}                      # PolicyConfig knobs (relay_finishes, line_backlog, ...);
                                           # each mode pins its own pipeline
     fleets: {default: {prefill, rld, md}, <mode>: {...}}
@@ -38,6 +41,8 @@ from sim.link import BandwidthSchedule
 from sim.profiles import ChipProfile, load_profiles
 from sim.views import ViewSpec
 
+HANDOFF_KEYS = {"chunk_tokens", "final_tokens", "warm_md_cache"}
+
 
 @dataclass(frozen=True)
 class Group:
@@ -54,7 +59,9 @@ class SimConfig:
     chips: dict[str, str]
     wan: dict[str, Any]
     local: dict[str, Any] = field(default_factory=lambda: {"mbps": 10_000.0, "delay_ms": 0.05})
-    handoff: dict[str, int] = field(default_factory=lambda: {"chunk_tokens": 64, "final_tokens": 8})
+    handoff: dict[str, Any] = field(
+        default_factory=lambda: {"chunk_tokens": 64, "final_tokens": 8, "warm_md_cache": True}
+    )
     scheduler: dict[str, Any] = field(default_factory=dict)
     fleets: dict[str, dict[str, int]] = field(default_factory=dict)
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -85,6 +92,18 @@ class SimConfig:
             Group("md", m.md_dc, self.chip(m.md_dc, "md"), counts["md"], prefix_cache=m.drc and self.drc),
         ]
         return [g for g in groups if g.count > 0]
+
+    @property
+    def warm_md_cache(self) -> bool:
+        """handoff.warm_md_cache (default true, as the real HandoffConfig's)."""
+        return bool(self.handoff.get("warm_md_cache", True))
+
+    def check_handoff(self) -> None:
+        unknown = sorted(set(self.handoff) - HANDOFF_KEYS)
+        if unknown:
+            raise ValueError(f"{self.path}: unknown handoff key(s) {unknown} (known: {sorted(HANDOFF_KEYS)})")
+        if not isinstance(self.handoff.get("warm_md_cache", True), bool):
+            raise ValueError(f"{self.path}: handoff.warm_md_cache must be true or false")
 
     def host_spec(self) -> HostSpec:
         return HostSpec.from_dict(self.host)
@@ -155,5 +174,6 @@ def load_sim_config(path: str | Path) -> SimConfig:
     for dc in ("A", "B"):
         cfg.chip(dc, "md")  # names a real profile, or fail now with its name
     cfg.host_spec()  # a bad host value fails now, named
+    cfg.check_handoff()
     cfg.view_spec()
     return cfg

@@ -14,8 +14,14 @@ Lifecycle (`Serving.start` on a `Decision` from the scheduler's `choose_plan`):
    - catch-up: while RLD's backlog is over `final_tokens`, it sends up to `chunk_tokens`, MD
      extends them inside its next step and acks; then RLD stops and sends the rest.
    The final chunk turns MD's shadow live: its next step extends the chunk and samples the
-   next token. If RLD streams every token before the handoff, MD's copy is dropped, and a KV
-   still crossing the WAN to it is cancelled (the rest of its bytes never cross).
+   next token. If RLD streams every token before the handoff, MD's copy of the request ends
+   (the relay's abort). With `warm_md_cache` (the real `handoff.warm_md_cache`, on by default)
+   MD's KV is not wasted: a KV still crossing the WAN keeps crossing (its bytes count, the line's
+   backlog keeps it until it lands) and on landing its prompt blocks enter MD's DRC only, as a
+   finished request's would, so the session's next turn hits them there; a copy that had landed
+   is dropped and its prompt blocks kept the same way. Without it (the behaviour before commit
+   009d61a) the copy is dropped and a KV still crossing is cancelled (the rest of its bytes never
+   cross).
 5. Finish: the finishing decoder's DRC keeps prompt plus answer (`done_blocks`); `on_finish`.
 """
 
@@ -45,7 +51,7 @@ class Relayed:
     md_slot: Slot | None = None
     handed: int = 0  # tokens MD has been sent
     started: bool = False
-    wan_flow: int | None = None  # MD's KV on the line (cancelled if the relay finishes first)
+    wan_flow: int | None = None  # MD's KV on the line (cancelled if the relay finishes first, unless warming)
 
 
 @dataclass
@@ -59,6 +65,7 @@ class Serving:
     chunk_tokens: int
     final_tokens: int
     on_finish: Callable[[RequestRun], None]
+    warm_md_cache: bool = True  # relay finished first: MD's KV still lands, into its DRC only (handoff.warm_md_cache)
     handoffs: dict[str, Relayed] = field(default_factory=dict)
     backlog: WanBacklog = field(default_factory=WanBacklog)  # KV planned across the WAN, not landed or cancelled
 
@@ -117,6 +124,9 @@ class Serving:
         run.marks[path] = self.loop.now
         dec.pending -= 1
         if run.state == RunState.FINISHED:  # the relay already streamed every token
+            if self.warm_md_cache and dec.role == "md":  # MD's push kept crossing: its prompt warms MD's DRC
+                run.marks["md_cache_warmed"] = self.loop.now
+                dec.cache.insert(run.req.blocks)
             return
         h = self.handoffs.get(run.req.request_id)
         if h is None:  # p-md or p-rld: this decoder streams to the end
@@ -194,11 +204,21 @@ class Serving:
         self.instances[run.instances["md" if on_md else "rld"]].cache.insert(run.req.done_blocks)
         h = self.handoffs.get(run.req.request_id)
         if h is not None and not on_md:  # the relay streamed every token: MD's copy goes
-            if h.md_slot is not None:
-                h.md.drop(h.md_slot)
-            elif (left := self.wan.cancel(h.wan_flow)) is not None:  # still crossing: stop it, as the real one does
-                run.wan_bytes -= round(left)
-                run.marks["kv_wan_cancelled"] = t
-                h.md.pending -= 1
-                self._settle(run)
+            self._relay_finished(run, h, t)
         self.on_finish(run)
+
+    def _relay_finished(self, run: RequestRun, h: Relayed, t: float) -> None:
+        """MD's copy of a request the relay finished: with `warm_md_cache` its prompt stays in MD's DRC
+        (a KV still on the line lands there, `_landed`); without, it is dropped and its KV cancelled."""
+        if h.md_slot is not None:  # landed: a shadow, or waiting for room
+            h.md.drop(h.md_slot)
+            if self.warm_md_cache:
+                run.marks["md_cache_warmed"] = t
+                h.md.cache.insert(run.req.blocks)
+        elif self.warm_md_cache:
+            return  # still crossing (or about to be admitted): it lands into MD's DRC only
+        elif (left := self.wan.cancel(h.wan_flow)) is not None:  # still crossing: stop it, as the real one did
+            run.wan_bytes -= round(left)
+            run.marks["kv_wan_cancelled"] = t
+            h.md.pending -= 1
+            self._settle(run)

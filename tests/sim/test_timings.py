@@ -79,8 +79,12 @@ def test_catch_up_hands_chunks_while_the_relay_keeps_streaming():
 def test_relay_finishing_first_drops_main_decodes_copy_and_cancels_its_kv():
     # RLD streams 3 tokens at 100.1, 110.1, 120.1; MD's KV left at 100 at 1000 B/ms: at 120.1 it has
     # sent 20,100 of its 100,000 B, and the rest never crosses (as the real transfer is aborted).
-    # relay-finishes off: with it the policy foresees this and sends no KV at all (below)
-    cfg = make_config(scheduler={"ttft_slo_ms": 1.0, "relay_finishes": False})
+    # relay-finishes off: with it the policy foresees this and sends no KV at all (below).
+    # warm_md_cache off: the behaviour before it (on, the KV lands in MD's DRC: tests/sim/test_warm_md_cache.py)
+    cfg = make_config(
+        scheduler={"ttft_slo_ms": 1.0, "relay_finishes": False},
+        handoff={"chunk_tokens": 4, "final_tokens": 2, "warm_md_cache": False},
+    )
     [run], cluster = simulate(cfg, "pdd", [make_request(output=3)])
     assert run.tokens_by_role == {"rld": 3, "md": 0}
     assert run.wan_bytes == 20_100 and run.marks["kv_wan_cancelled"] == pytest.approx(120.1)
