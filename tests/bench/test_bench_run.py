@@ -28,6 +28,8 @@ MODE_KEYS = {
     "goodput_rps",
     "output_tok_s",
     "wan_kv_bytes",
+    "wan_kv_bytes_attributed",
+    "line_bytes",
     "tokens_by_role",
     "hit_rate",
     "cost",
@@ -83,7 +85,11 @@ def test_agentic_pdd_against_naive_cross_dc(tmp_path):
     results = _bench(tmp_path, "agentic", "pd-wan,pdd")
     _check_schema(results, ["pd-wan", "pdd"], 3)
     assert results["outputs_match_across_modes"] == 1.0
-    assert results["modes"]["pdd"]["wan_kv_bytes"] <= results["modes"]["pd-wan"]["wan_kv_bytes"]
+    pd_wan, pdd = results["modes"]["pd-wan"], results["modes"]["pdd"]
+    assert pdd["wan_kv_bytes"] <= pd_wan["wan_kv_bytes"]
+    # the line's own counters: pd-wan's every prompt KV crossed A -> B, and the NATS link carried the ids
+    assert pd_wan["wan_kv_bytes"] >= pd_wan["wan_kv_bytes_attributed"] > 0, pd_wan
+    assert sum(n for f, n in pd_wan["line_bytes"]["a-b"].items() if f.startswith("nats-")) > 0, pd_wan["line_bytes"]
     lines = (tmp_path / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 6 and all("pdd" in json.loads(line) for line in lines)
     for name in ("report.md", "ttft_cdf.png", "timeline.png", "hit_buckets.png"):

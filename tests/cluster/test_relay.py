@@ -125,11 +125,11 @@ def test_catch_up_hands_over_in_chunks_one_shot_at_once(cluster, model_id, opera
     gaps = {}
     for handoff in ("oneshot", "catchup"):
         prompt = fresh_prompt(40, handoff)
-        body = _body(model_id, prompt, 120, "p-rld-md", handoff, ignore_eos=True)
+        body = _body(model_id, prompt, 200, "p-rld-md", handoff, ignore_eos=True)
         text, pdd = _with_backlog(cluster, operator, body, backlog=30)
-        assert text == reference(smol_tokenizer(prompt)["input_ids"], 120, ignore_eos=True), handoff
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 200, ignore_eos=True), handoff
         roles = pdd["tokens_by_role"]
-        assert roles["rld"] >= 30 and roles["md"] >= 1 and roles["rld"] + roles["md"] == 120, pdd
+        assert roles["rld"] >= 30 and roles["md"] >= 1 and roles["rld"] + roles["md"] == 200, pdd
         if handoff == "oneshot":
             assert pdd["handoff_chunks"] == 1
         else:  # at least 30 // 12 chunks of catch-up, then the final one
