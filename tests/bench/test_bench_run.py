@@ -1,5 +1,7 @@
-"""`pdd bench` for real: each workload kind through real clusters (two or three requests per
-mode), and the files it writes with the results schema."""
+"""`pdd bench` for real: the agentic workload through a fresh cluster per mode (three requests
+each), and the files it writes with the results schema. The random and trace workloads replay
+against the running session cluster (tests/cluster/test_bench_against_cluster.py): one bench
+that starts its own clusters is enough for the suite."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import sys
 import pytest
 
 from benchmarks.vllm_compat import VLLM_KEYS
-from tests.bench.test_workloads import _trace_file
 
 pytestmark = pytest.mark.slow
 
@@ -95,11 +96,3 @@ def test_agentic_pdd_against_naive_cross_dc(tmp_path):
     for name in ("report.md", "ttft_cdf.png", "timeline.png", "hit_buckets.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "vs pd-wan" in (tmp_path / "report.md").read_text()
-
-
-def test_a_trace_workload_on_the_floor_mode(tmp_path):
-    # (the random workload's replay: tests/bench/test_base_url_cluster.py, one cluster fewer here)
-    trace = _trace_file(tmp_path)
-    results = _bench(tmp_path / "trace", f"trace:{trace}", "pd-local", "--max-requests", "3", "--time-scale", "0.01")
-    _check_schema(results, ["pd-local"], 3)
-    assert results["workload"]["name"].startswith("trace")

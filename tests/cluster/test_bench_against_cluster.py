@@ -1,0 +1,85 @@
+"""`pdd bench --base-url` against the running session cluster: it gives the TTFT the bench's own
+replay measures on the same cluster, finds the cluster's NATS for the busy fractions, and
+replays a Mooncake-format trace. (A `pdd bench` that starts its own clusters per mode:
+tests/bench/test_bench_run.py.)
+
+The two replays draw their random prompts from different seeds: the same prompts twice would
+hit prefill's prefix cache the second time and make that run look faster than it is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.bench import measure
+from benchmarks.busy import BusyProbe
+from benchmarks.runner import Target
+from benchmarks.summary import build_results
+from benchmarks.workloads import load_workload
+from pdd.control import write_state
+from tests.bench.test_workloads import _trace_file
+
+pytestmark = pytest.mark.slow
+
+N, RATE, INPUT, OUTPUT = 8, 1.0, 128, 16
+
+
+@pytest.fixture
+def bench_cli(cluster, tmp_path, monkeypatch):
+    """`pdd bench ... --base-url` against the session cluster, which it finds as `pdd up`'s."""
+    monkeypatch.setenv("PDD_STATE_DIR", str(tmp_path / "state"))  # the bench finds this cluster, no other
+    write_state(cluster.url, cluster.cfg.port, cluster.config_path)
+
+    def run(out, *args: str) -> dict:
+        cmd = [sys.executable, "-m", "pdd.cli", "bench", *args, "--base-url", cluster.url, "--out", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((out / "results.json").read_text())
+
+    return run
+
+
+def test_base_url_against_a_running_cluster_matches_the_bench_replay(cluster, bench_cli, tmp_path):
+    shape = {"n_requests": N, "rate_rps": RATE, "random_input_len": INPUT, "random_output_len": OUTPUT}
+    workload = load_workload("random", seed=0, **shape)
+    probe = BusyProbe(cluster.nats_url(), cluster.secrets)
+    records, duration, busy = asyncio.run(measure(Target(cluster.url), workload, "cluster", probe))
+    args = ["--workload", "random", "--requests", str(N), "--rate", str(RATE), "--seed", "1"]
+    results = bench_cli(tmp_path, *args, "--random-input-len", str(INPUT), "--random-output-len", str(OUTPUT))
+    counts = {r: len(cluster.cfg.of_role(r)) for r in ("prefill", "rld", "md")}
+    settings = {"duration_s": {"cluster": duration}, "instances": {"cluster": counts}}
+    own = build_results(workload.describe(), settings, records, {"cluster": busy})["modes"]["cluster"]
+    other = results["modes"]["base-url"]
+
+    print(f"\nTTFT ms (N={N}, {INPUT} in / {OUTPUT} out, {RATE} req/s), bench replay vs --base-url:", file=sys.stderr)
+    for stat in ("p50", "p90", "p99", "mean"):
+        print(f"  {stat:<5} {own['ttft_ms'][stat]:8.1f} {other['ttft_ms'][stat]:8.1f}", file=sys.stderr)
+    for iid in sorted(busy or {}):
+        print(
+            f"  busy {iid:<10} {busy[iid]['busy_fraction']:.3f} {other['busy'][iid]['busy_fraction']:.3f}",
+            file=sys.stderr,
+        )
+
+    assert own["completed"] == other["completed"] == N
+    a, b = own["ttft_ms"]["p50"], other["ttft_ms"]["p50"]
+    assert 0 < max(a, b) / min(a, b) <= 2.0, (a, b)
+    assert other["median_ttft_ms"] == b and other["total_output_tokens"] <= N * OUTPUT
+    # a PDD server sends the pdd object through the OpenAI path, and the bench found its NATS
+    assert other["tokens_by_role"] is not None and other["hit_rate"] is not None
+    assert results["settings"]["target"]["pdd_cluster_on_this_host"] is True
+    assert set(busy) == set(other["busy"]) == {"prefill-0", "rld-0", "md-0"}
+    assert busy["prefill-0"]["busy_fraction"] > 0 and other["busy"]["prefill-0"]["busy_fraction"] > 0
+
+
+def test_a_mooncake_trace_replays_against_the_cluster(bench_cli, tmp_path):
+    trace = _trace_file(tmp_path)
+    results = bench_cli(tmp_path / "out", "--workload", f"trace:{trace}", "--max-requests", "3", "--time-scale", "0.01")
+    assert results["workload"]["name"].startswith("trace") and results["workload"]["requests"] == 3
+    run = results["modes"]["base-url"]
+    assert run["requests"] == run["completed"] == 3 and run["failed"] == 0, run
+    assert run["ttft_ms"]["p50"] > 0 and run["total_output_tokens"] > 0
+    assert run["tokens_by_role"] is not None and run["busy"]["prefill-0"]["busy_fraction"] > 0
