@@ -87,7 +87,11 @@ class SimCluster:
             int(cfg.handoff["final_tokens"]),
             self._finished,
             warm_md_cache=cfg.warm_md_cache,
+            control_delay_ms=cfg.control_delay_ms,
         )
+        gateway_dc = self.prefills[0].dc  # the gateway and scheduler sit with prefill (datacenter A)
+        for dec in self.decoders:
+            dec.to_client_ms = cfg.control_delay_ms if dec.dc != gateway_dc else 0.0
         self.runs: dict[str, RequestRun] = {}
         self._waiters: dict[str, list[str]] = defaultdict(list)
         self.samples: list[dict] = []  # periodic load figures (see `sample_every`)

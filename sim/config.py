@@ -3,7 +3,10 @@
     profiles: [profiles.yaml, ...]   # chip profile files (relative to this file)
     chips: {A: <profile>, B: <profile>}   # datacenter A (prefill + RLD) and B (main-decode)
     roles: {rld: {kv_tokens: 16384}}      # per-role overrides of the chip profile
-    wan: {bandwidth_mbps, delay_ms, jitter_ms, swing, low, period_s, step, seed}
+    wan: {bandwidth_mbps, delay_ms, jitter_ms, swing, low, period_s, step, seed, control_crosses}
+                                          # control_crosses (default true, as the real two-site
+                                          # topology since 0dac70d): control messages between the
+                                          # sites pay the line's delay (sim/pipeline.py)
     local: {mbps, delay_ms}               # in-DC KV path
     handoff: {chunk_tokens, final_tokens, warm_md_cache}
                                           # warm_md_cache (default true, as shared/config.py's): a request
@@ -97,6 +100,12 @@ class SimConfig:
     def warm_md_cache(self) -> bool:
         """handoff.warm_md_cache (default true, as the real HandoffConfig's)."""
         return bool(self.handoff.get("warm_md_cache", True))
+
+    @property
+    def control_delay_ms(self) -> float:
+        """One-way delay a control message between the sites pays: the line's, when the NATS link
+        crosses it (wan.control_crosses, default true), else none."""
+        return float(self.wan.get("delay_ms", 0.0)) if self.wan.get("control_crosses", True) else 0.0
 
     def check_handoff(self) -> None:
         unknown = sorted(set(self.handoff) - HANDOFF_KEYS)

@@ -67,6 +67,7 @@ class DecodeInstance:
         prefix_cache: bool = True,
     ) -> None:
         self.id, self.role, self.dc, self.profile, self.loop = iid, role, dc, profile, loop
+        self.to_client_ms = 0.0  # a token's way to the gateway (the line's delay from the other site)
         self.host = host
         self.cold = host.spec.cold_start_ms > 0  # the first KV import pays the process's warm-up
         self.block_tokens = block_tokens
@@ -142,7 +143,7 @@ class DecodeInstance:
             self.used_tokens += slot.reserve
             run = slot.run
             if slot.emit and run.emitted == 0:
-                run.token_times.append(now)
+                run.token_times.append(now + self.to_client_ms)
                 run.tokens_by_role[self.role] += 1
                 if run.done:
                     self._leave(slot)
@@ -197,7 +198,7 @@ class DecodeInstance:
                     slot.on_extended(slot, t)
                     continue
             if slot.emit:
-                run.token_times.append(t)
+                run.token_times.append(t + self.to_client_ms)
                 run.tokens_by_role[self.role] += 1
                 slot.ctx += 1
                 if run.done:

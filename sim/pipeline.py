@@ -23,6 +23,11 @@ Lifecycle (`Serving.start` on a `Decision` from the scheduler's `choose_plan`):
    009d61a) the copy is dropped and a KV still crossing is cancelled (the rest of its bytes never
    cross).
 5. Finish: the finishing decoder's DRC keeps prompt plus answer (`done_blocks`); `on_finish`.
+
+Control messages between the sites cross the line (`control_delay_ms`, the real NATS leafnode
+since commit 0dac70d): a plan with a decoder in the other datacenter starts prefill one round
+trip later (the scheduler dispatches decoders first and waits for their acks), and each token
+of a decoder there reaches the client one delay later (`DecodeInstance.to_client_ms`).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class Serving:
     final_tokens: int
     on_finish: Callable[[RequestRun], None]
     warm_md_cache: bool = True  # relay finished first: MD's KV still lands, into its DRC only (handoff.warm_md_cache)
+    control_delay_ms: float = 0.0  # one-way, for a control message between the sites
     handoffs: dict[str, Relayed] = field(default_factory=dict)
     backlog: WanBacklog = field(default_factory=WanBacklog)  # KV planned across the WAN, not landed or cancelled
 
@@ -86,7 +92,12 @@ class Serving:
                 self.instances[d.instances["rld"]], self.instances[d.instances["md"]]
             )
             run.marks["chunk"] = chunk
-        self.instances[d.instances["prefill"]].submit(run, lambda r: self._prefilled(r, d))
+        prefill = self.instances[d.instances["prefill"]]
+        across = any(self.instances[d.instances[role]].dc != prefill.dc for role in decoders_of(d.pipeline))
+        if across and self.control_delay_ms > 0:  # dispatch to the other site, its ack back, then prefill
+            self.loop.after(2 * self.control_delay_ms, prefill.submit, run, lambda r: self._prefilled(r, d))
+        else:
+            prefill.submit(run, lambda r: self._prefilled(r, d))
 
     # -- 2. KV on every path ----------------------------------------------------------------
     def _prefilled(self, run: RequestRun, d: Decision) -> None:

@@ -29,6 +29,7 @@ from sim.workload import from_bench
 REPO = Path(__file__).resolve().parent.parent
 # The real defaults that changed, oldest first: (commit, what it changed, {section: {knob: value from then on}}).
 CHANGES: tuple[tuple[str, str, dict[str, dict[str, Any]]], ...] = (
+    ("0dac70d", "two sites: control messages cross the line", {"wan": {"control_crosses": True}}),
     ("16d46f4", "the scheduler's rules, on", {"scheduler": {"relay_finishes": True, "line_backlog": True}}),
     ("345b339", "the scheduler's rules, off", {"scheduler": {"relay_finishes": False, "line_backlog": False}}),
     ("009d61a", "main-decode's cache warmed", {"handoff": {"warm_md_cache": True}}),
@@ -37,6 +38,7 @@ CHANGES: tuple[tuple[str, str, dict[str, dict[str, Any]]], ...] = (
 BEFORE: dict[str, dict[str, Any]] = {
     "scheduler": {"relay_finishes": False, "line_backlog": False},
     "handoff": {"warm_md_cache": False},
+    "wan": {"control_crosses": False},
 }
 
 
@@ -82,7 +84,8 @@ def recorded_settings(real: dict) -> tuple[dict[str, dict[str, Any]], str]:
         return _merge(BEFORE, {}), "no commit recorded: before commit d393546, so before every change"
     warm = "line_bytes" in real.get("settings", {})
     how = "the line's counters are there: after 009d61a" if warm else "no line counters: before 009d61a"
-    return {"handoff": {"warm_md_cache": warm}}, f"commit {commit or '?'} unknown to git; {how}"
+    knobs = {"handoff": {"warm_md_cache": warm}, **({"wan": {"control_crosses": True}} if warm else {})}
+    return knobs, f"commit {commit or '?'} unknown to git; {how}"
 
 
 def as_recorded(cfg: SimConfig, real: dict) -> tuple[SimConfig, dict[str, dict[str, Any]], str]:

@@ -28,7 +28,9 @@ def make_config(**overrides: Any) -> SimConfig:
     base = {
         "profiles": {"trivial": TRIVIAL},
         "chips": {"A": "trivial", "B": "trivial"},
-        "wan": {"bandwidth_mbps": 8.0, "delay_ms": 5.0, "jitter_ms": 0.0},
+        # only KV pays the line here, so the timings below stay simple to compute by hand;
+        # control messages crossing it: tests/sim/test_timings.py::test_control_messages_*
+        "wan": {"bandwidth_mbps": 8.0, "delay_ms": 5.0, "jitter_ms": 0.0, "control_crosses": False},
         "local": {"mbps": 8000.0, "delay_ms": 0.0},
         "handoff": {"chunk_tokens": 4, "final_tokens": 2},
         "scheduler": {"ttft_slo_ms": 10_000.0},

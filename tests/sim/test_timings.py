@@ -34,6 +34,19 @@ def test_p_md_one_prefill_one_wan_transfer_then_steps():
     assert run.marks["prefill_end"] == pytest.approx(100.0)
 
 
+def test_control_messages_between_the_sites_pay_the_lines_delay():
+    # as test_p_md_one_prefill_one_wan_transfer_then_steps, with the NATS link across the line:
+    # the dispatch to MD and its ack first (2 x 5 ms), so prefill is [10, 110] and the KV lands at
+    # 215; each of MD's tokens reaches the gateway 5 ms after MD sampled it.
+    wan = {"bandwidth_mbps": 8.0, "delay_ms": 5.0, "jitter_ms": 0.0, "control_crosses": True}
+    [run], _ = simulate(make_config(wan=wan), "pd-wan", [make_request(output=3)])
+    assert run.marks["prefill_end"] == pytest.approx(110.0)
+    assert run.token_times == pytest.approx([220.0, 230.0, 240.0])
+    # pd-local's decoder sits with the gateway: nothing crosses, nothing changes
+    [local], _ = simulate(make_config(wan=wan), "pd-local", [make_request(output=2)])
+    assert local.token_times == pytest.approx([100.1, 110.1])
+
+
 def test_pd_local_keeps_the_kv_in_datacenter_a():
     # in-DC: 100,000 B at 1,000,000 B/ms = 0.1 ms, no delay
     [run], _ = simulate(make_config(), "pd-local", [make_request(output=2)])

@@ -144,6 +144,7 @@ def test_a_run_without_a_commit_predates_every_changed_default():
     assert knobs({"settings": {}}) == {
         "scheduler": {"relay_finishes": False, "line_backlog": False},
         "handoff": {"warm_md_cache": False},
+        "wan": {"control_crosses": False},  # one site's NATS: only KV crossed the emulated line
     }
     assert knobs(json.loads(Path("docs/bench-agentic-2/results.json").read_text()))["handoff"] == {
         "warm_md_cache": False
@@ -159,14 +160,20 @@ def test_a_runs_commit_says_which_defaults_its_code_had():
         {"relay_finishes": False, "line_backlog": False},
         {"relay_finishes": True, "line_backlog": True},
     )
-    assert at("d393546") == {"scheduler": rules_off, "handoff": {"warm_md_cache": False}}  # before the rules
-    assert at("16d46f4") == {"scheduler": rules_on, "handoff": {"warm_md_cache": False}}  # rules on by default
-    assert at("345b339") == {"scheduler": rules_off, "handoff": {"warm_md_cache": False}}  # rules off again
-    assert at("009d61a") == {"scheduler": rules_off, "handoff": {"warm_md_cache": True}}  # warming
+    one_site, two_sites = {"control_crosses": False}, {"control_crosses": True}
+    cold, warm = {"warm_md_cache": False}, {"warm_md_cache": True}
+    assert at("0dac70d~1") == {"scheduler": rules_off, "handoff": cold, "wan": one_site}  # before every change
+    assert at("0dac70d") == {"scheduler": rules_off, "handoff": cold, "wan": two_sites}  # the NATS link crosses
+    assert at("16d46f4") == {"scheduler": rules_on, "handoff": cold, "wan": two_sites}  # rules on by default
+    assert at("345b339") == {"scheduler": rules_off, "handoff": cold, "wan": two_sites}  # rules off again
+    assert at("009d61a") == {"scheduler": rules_off, "handoff": warm, "wan": two_sites}  # warming
     assert at("HEAD") == at("009d61a")
 
 
 def test_a_commit_git_does_not_know_falls_back_on_the_lines_counters():
     unknown = {"git_commit": "f" * 40}
-    assert knobs({"environment": unknown, "settings": {"line_bytes": {}}}) == {"handoff": {"warm_md_cache": True}}
+    assert knobs({"environment": unknown, "settings": {"line_bytes": {}}}) == {
+        "handoff": {"warm_md_cache": True},
+        "wan": {"control_crosses": True},  # the line's counters came after the two sites
+    }
     assert knobs({"environment": unknown, "settings": {}}) == {"handoff": {"warm_md_cache": False}}
