@@ -148,9 +148,10 @@ class SimCluster:
         self._release(run)
 
     def _release(self, run: RequestRun) -> None:
+        seen = max(self.loop.now, run.token_times[-1]) if run.token_times else self.loop.now  # by the client
         for rid in self._waiters.pop(run.req.request_id, ()):
             nxt = self.runs[rid]
-            self.loop.at(max(self.loop.now, nxt.req.arrival_ms), self._send, nxt)
+            self.loop.at(max(seen, nxt.req.arrival_ms), self._send, nxt)
 
     def _sample(self, every_ms: float, until_ms: float) -> None:
         rld = [d for d in self.decoders if d.role == "rld"]
