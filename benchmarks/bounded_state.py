@@ -4,9 +4,12 @@ memory and Redis's must stay flat, and every per-request map must be empty once 
 
     .venv/bin/python -m benchmarks.bounded_state [--requests 2000] [--aborts 20000] [--concurrency 16]
 
-Prints, per process: resident memory after warm-up and at the end (and the change), its
+Prints, per process: resident memory after warm-up, half-way and at the end (the churn runs in
+two halves: a leak keeps growing, a cache settles), the size of each decoder's decode mirror (a
+cache capped by its budget, which grows with the most sequences decoded at once), its
 per-request maps and capped memories (Inspect), and Redis's used memory. Exit status 1 when a
-process grew more than `--tolerance` (5%) or a per-request map is not empty.
+process grew more than `--tolerance` (5%) net of its mirror's growth, or a per-request map is
+not empty.
 """
 
 from __future__ import annotations
@@ -118,29 +121,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up: {a.warmup} requests", file=sys.stderr)
         asyncio.run(_traffic(cluster.url, a.warmup, a.concurrency, a.seed))
         asyncio.run(_idle(cluster))
-        before = _snapshot(cluster, r)
-        t0 = time.monotonic()
+        points = [("after warm-up", _snapshot(cluster, r), asyncio.run(_states(cluster)))]
+        t0, outcomes = time.monotonic(), {}
+        for half, label in ((0, "at half"), (1, "at the end")):  # a leak keeps growing; a cache settles
 
-        async def churn() -> dict[str, int]:
-            results = await asyncio.gather(
-                _traffic(cluster.url, a.requests, a.concurrency, a.seed + 1), _unknown_aborts(cluster, a.aborts)
-            )
-            return results[0]
+            async def churn(half: int = half) -> dict[str, int]:
+                n, m = a.requests // 2, a.aborts // 2
+                results = await asyncio.gather(
+                    _traffic(cluster.url, n, a.concurrency, a.seed + 1 + half), _unknown_aborts(cluster, m)
+                )
+                return results[0]
 
-        outcomes = asyncio.run(churn())
-        states = asyncio.run(_idle(cluster))
-        after = _snapshot(cluster, r)
-        return _report(a, outcomes, time.monotonic() - t0, before, after, states)
+            for k, v in asyncio.run(churn()).items():
+                outcomes[k] = outcomes.get(k, 0) + v
+            states = asyncio.run(_idle(cluster))
+            points.append((label, _snapshot(cluster, r), states))
+        return _report(a, outcomes, time.monotonic() - t0, points)
 
 
-def _report(a, outcomes, elapsed, before, after, states) -> int:
+def _mirror_mib(states: dict[str, InstanceState]) -> dict[str, float]:
+    """Each decoder's decode mirror (shared/runtime/mirror.py): a cache that grows to its budget
+    with the most sequences and longest contexts it has decoded at once, and keeps that size."""
+    return {i: s.extra.get("mirror_bytes", 0) / 2**20 for i, s in states.items()}
+
+
+def _report(a, outcomes, elapsed, points) -> int:
+    """Per process: MiB after warm-up, at half, at the end; the change over the run and over its
+    second half; and the change net of its decode mirror's growth (a capped cache, reported apart).
+    A process is judged on that net change."""
     print(f"\n{a.requests} requests ({outcomes}) and {a.aborts} unknown aborts in {elapsed:.0f} s")
-    print(f"{'process':<12} {'MiB after warm-up':>18} {'MiB at the end':>15} {'change':>8}")
+    (_, first, s0), (_, mid, _), (_, last, states) = points
+    mirror0, mirror1 = _mirror_mib(s0), _mirror_mib(states)
+    print(
+        f"{'process':<12} {'MiB warm':>9} {'at half':>9} {'at end':>9} {'change':>8} {'2nd half':>9}"
+        f" {'mirror MiB':>14} {'net change':>11}"
+    )
     grown = []
-    for name in before:
-        change = (after[name] - before[name]) / before[name]
-        grown += [name] if change > a.tolerance else []
-        print(f"{name:<12} {before[name]:>18.1f} {after[name]:>15.1f} {change:>+8.1%}")
+    for name in first:
+        change, second = (last[name] - first[name]) / first[name], (last[name] - mid[name]) / mid[name]
+        m0, m1 = mirror0.get(name, 0.0), mirror1.get(name, 0.0)
+        net = (last[name] - first[name] - (m1 - m0)) / first[name]
+        grown += [name] if net > a.tolerance else []
+        print(
+            f"{name:<12} {first[name]:>9.1f} {mid[name]:>9.1f} {last[name]:>9.1f} {change:>+8.1%} {second:>+9.1%}"
+            f" {f'{m0:.0f} -> {m1:.0f}':>14} {net:>+11.1%}"
+        )
     leftover = {i: {k: v for k, v in s.extra["state"].items() if k in REQUEST_MAPS and v} for i, s in states.items()}
     for iid, s in states.items():
         print(f"{iid}: {s.extra['state']}")

@@ -227,7 +227,11 @@ class InstanceService:
             extra={
                 **load,
                 "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks),
-                "state": {**self.state_sizes(), "bus_handlers": len(getattr(self.bus, "_tasks", ()))},
+                # handlers at work, besides the one answering this Inspect
+                "state": {
+                    **self.state_sizes(),
+                    "bus_handlers": len(set(getattr(self.bus, "_tasks", ())) - {asyncio.current_task()}),
+                },
             },
         )
 
@@ -276,6 +280,7 @@ def engine_load(engine: Engine) -> dict[str, int]:
         "prefix_hit": engine.prefix_hit,
         "queued_tokens": sum(s.num_pending for s in engine.waiting)
         + sum(s.num_pending for s in engine.running.values() if s.num_pending > 1),  # prompt left to compute
+        "mirror_bytes": engine.runner.mirror.nbytes if engine.runner.mirror is not None else 0,  # capped
     }
 
 

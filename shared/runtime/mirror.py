@@ -76,6 +76,11 @@ class DecodeMirror:
         self.v: torch.Tensor | None = None
         self.steps = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the mirror holds now (it grows up to `budget_bytes` and keeps its size)."""
+        return 0 if self.kt is None else self.kt.nbytes + self.v.nbytes
+
     def clear(self) -> None:
         self.rows, self.kt, self.v = [], None, None
 

@@ -220,6 +220,10 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
     assert all(s.requests == [] for s in states.values())
     assert fleet_operator.request_keys() == []
     assert _tasks_settle(fleet_operator, tasks_before, fleet.cfg.timeouts.control_s * 2) == tasks_before
+    # every per-request map is empty when idle (the Inspect answering this is not counted)
+    maps = ("requests", "parked", "receiving", "bus_handlers")
+    held = {i: {k: v for k, v in s.extra["state"].items() if k in maps and v} for i, s in states.items()}
+    assert held == dict.fromkeys(held, {}), held
     metrics = httpx.get(fleet.url + "/metrics").text
     assert re.search(r"^pdd:num_requests_running\{[^}]*\} 0(\.0)?$", metrics, re.M)  # the gateway holds none
     finished = [(req, r) for req, r in zip(plan, results) if r["status"] == 200 and not r["left"] and not r["error"]]

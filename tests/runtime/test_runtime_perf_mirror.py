@@ -136,10 +136,11 @@ def test_over_budget_steps_fall_back_to_the_gather():
     t.add("s0", prompts[0])
     t.decode("s0")
     assert t.mirror.kt is not None
+    assert 0 < t.mirror.nbytes <= 64 * 1024  # what Inspect reports (mirror_bytes), within the budget
     for i, p in enumerate(prompts[1:], start=1):
         t.add(f"s{i}", p)
     t.decode("s0", "s1", "s2", "s3")
-    assert t.mirror.kt is None  # did not fit: gathered, mirror emptied
+    assert t.mirror.kt is None and t.mirror.nbytes == 0  # did not fit: gathered, mirror emptied
     t.decode("s0")
     t.decode("s0", "s1", "s2", "s3")
 
