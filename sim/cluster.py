@@ -88,6 +88,7 @@ class SimCluster:
             self._finished,
             warm_md_cache=cfg.warm_md_cache,
             control_delay_ms=cfg.control_delay_ms,
+            connect_ms=cfg.connect_ms,
         )
         gateway_dc = self.prefills[0].dc  # the gateway and scheduler sit with prefill (datacenter A)
         for dec in self.decoders:

@@ -3,10 +3,12 @@
     profiles: [profiles.yaml, ...]   # chip profile files (relative to this file)
     chips: {A: <profile>, B: <profile>}   # datacenter A (prefill + RLD) and B (main-decode)
     roles: {rld: {kv_tokens: 16384}}      # per-role overrides of the chip profile
-    wan: {bandwidth_mbps, delay_ms, jitter_ms, swing, low, period_s, step, seed, control_crosses}
-                                          # control_crosses (default true, as the real two-site
+    wan: {bandwidth_mbps, delay_ms, jitter_ms, swing, low, period_s, step, seed, control_crosses,
+          connect_rtts}                   # control_crosses (default true, as the real two-site
                                           # topology since 0dac70d): control messages between the
-                                          # sites pay the line's delay (sim/pipeline.py)
+                                          # sites pay the line's delay (sim/pipeline.py);
+                                          # connect_rtts (default 0): round trips a KV push across
+                                          # spends opening its connection (TCP + TLS 1.3: 2)
     local: {mbps, delay_ms}               # in-DC KV path
     handoff: {chunk_tokens, final_tokens, warm_md_cache}
                                           # warm_md_cache (default true, as shared/config.py's): a request
@@ -106,6 +108,12 @@ class SimConfig:
         """One-way delay a control message between the sites pays: the line's, when the NATS link
         crosses it (wan.control_crosses, default true), else none."""
         return float(self.wan.get("delay_ms", 0.0)) if self.wan.get("control_crosses", True) else 0.0
+
+    @property
+    def connect_ms(self) -> float:
+        """What opening a KV push's connection across the line adds before its KV is usable:
+        wan.connect_rtts round trips (default 0: not modelled, as the fleet experiments ran)."""
+        return float(self.wan.get("connect_rtts", 0)) * 2 * float(self.wan.get("delay_ms", 0.0))
 
     def check_handoff(self) -> None:
         unknown = sorted(set(self.handoff) - HANDOFF_KEYS)

@@ -27,7 +27,9 @@ Lifecycle (`Serving.start` on a `Decision` from the scheduler's `choose_plan`):
 Control messages between the sites cross the line (`control_delay_ms`, the real NATS leafnode
 since commit 0dac70d): a plan with a decoder in the other datacenter starts prefill one round
 trip later (the scheduler dispatches decoders first and waits for their acks), and each token
-of a decoder there reaches the client one delay later (`DecodeInstance.to_client_ms`).
+of a decoder there reaches the client one delay later (`DecodeInstance.to_client_ms`). A KV
+push across opens a fresh connection (TCP, then TLS 1.3): `connect_ms` of round trips before its
+KV is usable, added on landing.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Serving:
     on_finish: Callable[[RequestRun], None]
     warm_md_cache: bool = True  # relay finished first: MD's KV still lands, into its DRC only (handoff.warm_md_cache)
     control_delay_ms: float = 0.0  # one-way, for a control message between the sites
+    connect_ms: float = 0.0  # a KV push across opens its connection first (TCP + TLS handshakes)
     handoffs: dict[str, Relayed] = field(default_factory=dict)
     backlog: WanBacklog = field(default_factory=WanBacklog)  # KV planned across the WAN, not landed or cancelled
 
@@ -121,7 +124,10 @@ class Serving:
             if across:  # the receiver times first byte -> last (kv_transport `Transfer.elapsed_ms`): no delay
                 self.estimator.add(nbytes, seconds - self.wan.delay_ms / 1000.0, at_ms / 1000.0)
                 self._settle(run)
-            self.loop.after(io_ms, self._landed, run, dec, "kv_wan" if across else "kv_local")
+            # the connection's set-up is added on landing: its bytes are not held back on the line
+            self.loop.after(
+                io_ms + (self.connect_ms if across else 0.0), self._landed, run, dec, "kv_wan" if across else "kv_local"
+            )
 
         flow = link.send(nbytes, landed)
         h = self.handoffs.get(run.req.request_id)

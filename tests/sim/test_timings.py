@@ -42,6 +42,9 @@ def test_control_messages_between_the_sites_pay_the_lines_delay():
     [run], _ = simulate(make_config(wan=wan), "pd-wan", [make_request(output=3)])
     assert run.marks["prefill_end"] == pytest.approx(110.0)
     assert run.token_times == pytest.approx([220.0, 230.0, 240.0])
+    # a push that opens its connection first (one round trip, 10 ms) lands 10 ms later
+    [tls], _ = simulate(make_config(wan={**wan, "connect_rtts": 1}), "pd-wan", [make_request(output=1)])
+    assert tls.token_times == pytest.approx([230.0])
     # pd-local's decoder sits with the gateway: nothing crosses, nothing changes
     [local], _ = simulate(make_config(wan=wan), "pd-local", [make_request(output=2)])
     assert local.token_times == pytest.approx([100.1, 110.1])
