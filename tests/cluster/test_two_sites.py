@@ -69,7 +69,11 @@ def test_nothing_crosses_the_line_in_the_clear(cluster, operator, model_id):
             {
                 "model": model_id,
                 "prompt": prompt,
-                "max_tokens": 8,
+                # long enough that main-decode takes over whatever the machine: the prompt's KV
+                # (~2 MB) lands in a few hundred ms, 200 relay tokens take seconds (with 8, a fast
+                # machine's relay finished first and no KV was reported crossing)
+                "max_tokens": 200,
+                "ignore_eos": True,
                 "temperature": 0,
                 "pdd": {"pipeline": "p-rld-md", "handoff": "catchup"},
             },
@@ -79,6 +83,7 @@ def test_nothing_crosses_the_line_in_the_clear(cluster, operator, model_id):
     carried = b"".join(p.read_bytes() for p in Path(capture).glob("*.bin"))
     ids = cluster_tokenizer(cluster).encode(prompt)
     assert len(carried) > out["pdd"]["wan_kv_bytes"] > 0  # the KV (and the control traffic) did cross
+    assert out["pdd"]["tokens_by_role"]["md"] > 0  # handed over: the relay's token ids crossed too
     for secret in (
         marker.encode(),
         out["id"].encode(),
