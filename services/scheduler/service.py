@@ -56,6 +56,7 @@ from shared.security import Secrets
 from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
+MAX_PLANS = 10_000  # recent plans remembered for idempotent replies, whatever their age
 
 
 class DispatchError(Exception):
@@ -83,7 +84,10 @@ class Scheduler:
         self.wan = BandwidthEstimator(self.policy.wan_mbps, self.policy.wan_delay_ms)
         self.bus: Bus | None = None
         self.registry: Registry | None = None
-        self.plans: dict[str, Plan] = {}  # recent plans by request id (idempotent replies)
+        # recent plans by request id, oldest first: a resubmission gets the same reply (idempotent);
+        # kept 4 submit timeouts, at most MAX_PLANS (a cap alone grew memory for 10,000 plans)
+        self.plans: dict[str, tuple[float, Plan]] = {}
+        self.plan_memory_s = 4 * 3 * cfg.timeouts.control_s
         self.dispatched = Dispatched()
         self.backlog = WanBacklog(max_age_s=cfg.timeouts.request_s)  # KV on the line, by request
         self.unreachable: dict[str, float] = {}  # instance -> when it failed to answer (wall clock)
@@ -141,7 +145,7 @@ class Scheduler:
 
     async def on_submit(self, sub: Submit) -> Plan:
         if sub.request_id in self.plans:
-            return self.plans[sub.request_id]
+            return self.plans[sub.request_id][1]
         t0 = time.monotonic()
         try:
             plan = await self._plan_around_the_dead(sub)
@@ -296,9 +300,14 @@ class Scheduler:
             log.warning("could not record request %s: %s", plan.request_id, e)
 
     def _remember(self, plan: Plan) -> None:
-        self.plans[plan.request_id] = plan
-        while len(self.plans) > 10_000:
-            self.plans.pop(next(iter(self.plans)))
+        now = time.monotonic()
+        self.plans.pop(plan.request_id, None)
+        self.plans[plan.request_id] = (now, plan)
+        while self.plans:
+            oldest, (at, _) = next(iter(self.plans.items()))
+            if len(self.plans) <= MAX_PLANS and now - at <= self.plan_memory_s:
+                break
+            del self.plans[oldest]
 
 
 def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: str, local_wire: str) -> KVTarget:

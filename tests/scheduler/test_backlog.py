@@ -187,3 +187,26 @@ async def test_the_line_backlog_flips_the_next_plan_and_the_knob_ignores_it():
 def test_the_scheduler_bounds_the_map_by_the_request_timeout():
     s = Scheduler(config_from_dict(CONFIG), PolicyConfig())
     assert s.backlog.max_age_s == 60
+
+
+def test_recent_plans_are_kept_for_resubmissions_then_forgotten(monkeypatch):
+    """The replies kept for a resubmitted request id live `plan_memory_s` (4 submit timeouts),
+    not until 10,000 have piled up: a busy scheduler's memory stays flat."""
+    import services.scheduler.service as service
+
+    s = Scheduler(config_from_dict(CONFIG), PolicyConfig())
+    assert s.plan_memory_s == 4 * 3 * s.cfg.timeouts.control_s
+    clock = [1000.0]
+    monkeypatch.setattr(service.time, "monotonic", lambda: clock[0])
+    for k in range(5):
+        s._remember(Plan(f"r{k}", pipeline="p-md"))
+        clock[0] += 1.0
+    assert list(s.plans) == [f"r{k}" for k in range(5)]
+    clock[0] += s.plan_memory_s - 4.5  # r0 is now older than the memory, r1.. are not
+    s._remember(Plan("r5", pipeline="p-md"))
+    assert list(s.plans) == ["r1", "r2", "r3", "r4", "r5"]
+    s._remember(Plan("r1", pipeline="p-rld-md"))  # re-planned: the newer reply, at the end
+    assert list(s.plans)[-1] == "r1" and s.plans["r1"][1].pipeline == "p-rld-md"
+    monkeypatch.setattr(service, "MAX_PLANS", 3)
+    s._remember(Plan("r6", pipeline="p-md"))
+    assert list(s.plans) == ["r5", "r1", "r6"]  # and never more than MAX_PLANS
