@@ -88,6 +88,8 @@ class DecoderService(InstanceService):
             "parked": len(self.parked),
             "receiving": receiving,
             "remembered_aborts": len(self.aborted),
+            # requests this decoder is streaming to a client now (not a shadow, not cache-only)
+            "streaming": sum(r.phase is Phase.RUNNING and not r.cache_only for r in self.requests.values()),
         }
 
     def holding_since(self, older_than_s: float) -> list[str]:
