@@ -4,23 +4,10 @@ after a gap is no part of that prefix and must not count."""
 
 from __future__ import annotations
 
-import pytest
-
-from pdd.servers import EmbeddedServer, free_port
 from shared.messages import IndexEvent
-from shared.registry import Registry, connect
+from shared.registry import Registry
 
 HASHES = ["b0", "b1", "b2", "b3"]  # the prompt's chained block hashes, in order
-
-
-@pytest.fixture
-async def registry(tmp_path):
-    port = free_port()
-    server = EmbeddedServer.redis(port, "pw", tmp_path).start()
-    reg = Registry(connect(f"redis://127.0.0.1:{port}", "pw"), ttl_s=3.0)
-    yield reg
-    await reg.r.aclose()
-    server.close()
 
 
 async def holds(registry: Registry, instance_id: str, hashes: list[str]) -> None:

@@ -4,22 +4,8 @@ and requests an instance still holds but that are no longer in flight are named 
 
 from __future__ import annotations
 
-import pytest
-
-from pdd.servers import EmbeddedServer, free_port
 from services.scheduler.registrar import Registrar
 from shared.messages import Heartbeat, IndexEvent, IndexUpdate, InstanceInfo, Leave
-from shared.registry import Registry, connect
-
-
-@pytest.fixture
-async def registry(tmp_path):
-    port = free_port()
-    server = EmbeddedServer.redis(port, "pw", tmp_path).start()
-    reg = Registry(connect(f"redis://127.0.0.1:{port}", "pw"), ttl_s=3.0)
-    yield reg
-    await reg.r.aclose()
-    server.close()
 
 
 def beat(iid: str = "md-0", holding: tuple[str, ...] = ()) -> Heartbeat:
