@@ -9,8 +9,8 @@ Lifecycle of a cluster:
    returns once the gateway reports every role alive. `start()` is both. The test suite
    launches its clusters at session start and waits for them only when a test needs one.
 3. `kill(name)` / `start_process(name)`: faults and restarts for the tests.
-4. `stop()`: SIGTERM to every child, SIGKILL to any left, then the servers: no process outlives
-   the cluster. Each child logs to `<run_dir>/<name>.log`.
+4. `stop()`: SIGTERM to the services, then to the line, SIGKILL to any left, then the servers:
+   no process outlives the cluster. Each child logs to `<run_dir>/<name>.log`.
 
 `pdd up` runs `Cluster(...).start()` and waits for Ctrl-C; the tests and `pdd bench` use the
 same class, so there is one way to bring a cluster up.
@@ -162,17 +162,12 @@ class Cluster:
             proc.wait(10)
 
     def stop(self) -> None:
+        """The services first, then the line (a service leaving over a line that closed under it
+        waits out its bus's timeouts: 3 s instead of 1), then the servers."""
         try:
-            for proc in self.procs.values():
-                if proc.poll() is None:
-                    _signal_group(proc, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            for proc in self.procs.values():
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    _signal_group(proc, signal.SIGKILL)
-                    proc.wait()
+            services = [p for name, p in self.procs.items() if self.specs[name].dc]
+            _terminate(services)
+            _terminate([p for p in self.procs.values() if p not in services])
         finally:
             for server in self.servers.values():
                 server.close()
@@ -183,6 +178,20 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM to each, then SIGKILL to any still running after `grace_s`."""
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -288,3 +290,9 @@ def service_main(make_service: Any, role: str, argv: list[str] | None = None) ->
     """`python -m services.<role> --config FILE [--instance ID]`."""
     cfg, instance = service_args(role, argv)
     asyncio.run(make_service(cfg, cfg.instance(instance, role)).run())
+    # shut down cleanly (tasks ended, LEAVE sent, engine stopped, bus closed): skip tearing down
+    # the interpreter, which costs torch's process ~0.8 s of CPU for nothing on every stop
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

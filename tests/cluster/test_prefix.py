@@ -38,9 +38,13 @@ def chat(cluster: Cluster, messages: list[dict], n: int, **extra) -> dict:
     return r.json()
 
 
-def reference_chat(eos_ref, tok, reference, messages, n) -> str:
+def chat_ids(tok, messages: list[dict]) -> list[int]:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return reference(tok(text, add_special_tokens=False)["input_ids"], n)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def reference_chat(eos_ref, tok, reference, messages, n) -> str:
+    return reference(chat_ids(tok, messages), n)
 
 
 def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_tokenizer, reference):
@@ -93,12 +97,18 @@ def test_shared_system_prompt_is_stored_once(pcluster, pop):
     assert after - before == computed // 16 - hit_blocks
 
 
+def _question(turn: int, conversation: int) -> dict:
+    return {"role": "user", "content": f"Question {turn} of conversation {conversation}?"}
+
+
 def test_many_conversations_under_a_small_pool(pcluster, pop, eos_ref, smol_tokenizer, reference):
     """md pools hold 2048 tokens: these conversations do not fit, eviction keeps them going."""
     convs = [[{"role": "system", "content": fresh_prompt(90, f"c{i}")}] for i in range(8)]
+    for i, conv in enumerate(convs):  # the first turns' references, computed while the servers answer
+        reference.prefetch(chat_ids(smol_tokenizer, [*conv, _question(0, i)]), 8)
     for turn in range(2):
         for i, conv in enumerate(convs):
-            conv.append({"role": "user", "content": f"Question {turn} of conversation {i}?"})
+            conv.append(_question(turn, i))
             out = chat(pcluster, conv, 8)
             text = out["choices"][0]["message"]["content"]
             assert text == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8), (i, turn)

@@ -122,9 +122,10 @@ def test_catch_up_hands_over_in_chunks_one_shot_at_once(cluster, model_id, opera
     """The same backlog (30 relay tokens) handed over both ways: one-shot in one final chunk,
     catch-up in several (chunk_tokens 12, final_tokens 3 in this cluster) while the relay keeps
     streaming. Both exact. The stalls are printed; `pdd bench handoff` compares them."""
-    gaps = {}
-    for handoff in ("oneshot", "catchup"):
-        prompt = fresh_prompt(40, handoff)
+    gaps, prompts = {}, {h: fresh_prompt(40, h) for h in ("oneshot", "catchup")}
+    for prompt in prompts.values():  # computed while the relay crawls
+        reference.prefetch(smol_tokenizer(prompt)["input_ids"], 200, ignore_eos=True)
+    for handoff, prompt in prompts.items():
         body = _body(model_id, prompt, 200, "p-rld-md", handoff, ignore_eos=True)
         text, pdd = _with_backlog(cluster, operator, body, backlog=30)
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 200, ignore_eos=True), handoff
@@ -145,6 +146,8 @@ def test_mixed_concurrent_pipelines_complete_and_free_every_block(
     cluster, model_id, operator, reference, smol_tokenizer
 ):
     jobs = [(p, h, f"Fact number {i}: the sun") for i, (p, h) in enumerate(PLANS * 2)]
+    for _, _, prompt in jobs:
+        reference.prefetch(smol_tokenizer(prompt)["input_ids"], 20)
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(
             pool.map(
