@@ -4,6 +4,12 @@ memory and Redis's must stay flat, and every per-request map must be empty once 
 
     .venv/bin/python -m benchmarks.bounded_state [--requests 2000] [--aborts 20000] [--concurrency 16]
 
+The warm-up runs the same mix as the churn (`--warmup` requests and `--warmup-aborts` unknown
+aborts at once), so that what is capped by design is at its cap before the first snapshot:
+the remembered-id memories (shared/recent.py, 10,000 ids), the scheduler's recent plans (a time
+window), the prefix caches and their Redis index (a pool's worth of blocks), and the allocator's
+high-water mark under a burst of messages. What still grows after that is a leak.
+
 Prints, per process: resident memory after warm-up, half-way and at the end (the churn runs in
 two halves: a leak keeps growing, a cache settles), the size of each decoder's decode mirror (a
 cache capped by its budget, which grows with the most sequences decoded at once), its
@@ -80,6 +86,14 @@ async def _unknown_aborts(cluster: Cluster, n: int) -> None:
     await bus.close()
 
 
+async def _churn(cluster: Cluster, requests: int, aborts: int, concurrency: int, seed: int) -> dict[str, int]:
+    """`requests` requests and `aborts` unknown aborts at once; the requests' outcomes."""
+    outcomes, _ = await asyncio.gather(
+        _traffic(cluster.url, requests, concurrency, seed), _unknown_aborts(cluster, aborts)
+    )
+    return outcomes
+
+
 async def _states(cluster: Cluster) -> dict[str, InstanceState]:
     bus = await Bus.connect(cluster.nats_url(), "bounded-state", "operator", cluster.secrets)
     try:
@@ -112,27 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--aborts", type=int, default=20000, help="aborts for ids nobody knows")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=400, help="requests before the first snapshot")
+    p.add_argument("--warmup-aborts", type=int, default=10_000, help="unknown aborts during the warm-up")
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     with Cluster(port=0, max_queue=256, log=lambda m: print(m, file=sys.stderr)) as cluster:
         r = redis.Redis.from_url(cluster.cfg.redis_url, password=cluster.secrets.redis_password)
-        print(f"warm-up: {a.warmup} requests", file=sys.stderr)
-        asyncio.run(_traffic(cluster.url, a.warmup, a.concurrency, a.seed))
+        print(f"warm-up: {a.warmup} requests and {a.warmup_aborts} unknown aborts", file=sys.stderr)
+        asyncio.run(_churn(cluster, a.warmup, a.warmup_aborts, a.concurrency, a.seed))
         asyncio.run(_idle(cluster))
         points = [("after warm-up", _snapshot(cluster, r), asyncio.run(_states(cluster)))]
         t0, outcomes = time.monotonic(), {}
         for half, label in ((0, "at half"), (1, "at the end")):  # a leak keeps growing; a cache settles
-
-            async def churn(half: int = half) -> dict[str, int]:
-                n, m = a.requests // 2, a.aborts // 2
-                results = await asyncio.gather(
-                    _traffic(cluster.url, n, a.concurrency, a.seed + 1 + half), _unknown_aborts(cluster, m)
-                )
-                return results[0]
-
-            for k, v in asyncio.run(churn()).items():
+            churned = _churn(cluster, a.requests // 2, a.aborts // 2, a.concurrency, a.seed + 1 + half)
+            for k, v in asyncio.run(churned).items():
                 outcomes[k] = outcomes.get(k, 0) + v
             states = asyncio.run(_idle(cluster))
             points.append((label, _snapshot(cluster, r), states))
