@@ -25,7 +25,7 @@ from tests.bench.test_workloads import _trace_file
 
 pytestmark = pytest.mark.slow
 
-N, RATE, INPUT, OUTPUT = 8, 1.0, 128, 16
+N, RATE, INPUT, OUTPUT = 8, 2.0, 128, 16
 
 
 @pytest.fixture
