@@ -57,3 +57,54 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
 
 def seq(seq_id: str, prompt: list[int], n: int, **kw) -> Sequence:
     return Sequence(seq_id, list(prompt), greedy(n), **kw)
+
+
+class Reference:
+    """The model alone, greedy: `reference(prompt_ids, n)` is the text a server must return for
+    the prompt; it stops at EOS (unless the model's EOS is disabled, as for `ignore_eos`).
+
+    Generating n tokens costs n forward passes, and the suite's references once took 140 s of a
+    624 s run. A test that has the server's text passes it as `draft`: one forward pass over
+    prompt + draft gives the model's next-token logits at every position, and where each
+    position's greedy token is the draft's with a lead over the runner-up of at least
+    `margin`, step-by-step greedy decoding picks the same tokens. The whole-sequence and the
+    step-by-step logits differ by ~1e-4 (fp32; `tests/runtime/test_reference.py` measures it
+    against this margin), so no lead of `margin` can flip. Any other draft (a wrong token, a
+    near-tie, a text that does not tokenize back to what was generated) is answered by
+    generating, as without one. The answer never depends on the draft, only its cost does."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, margin: float = 2e-3) -> None:
+        self.model, self.tokenizer, self.margin = model, tokenizer, margin
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        self.verified = self.generated = 0  # how each answer was reached
+
+    def __call__(self, prompt_ids: list[int], max_tokens: int, draft: str | None = None) -> str:
+        tokens = self.verify(prompt_ids, max_tokens, draft) if draft is not None else None
+        if tokens is None:
+            tokens = reference_generate(self.model, prompt_ids, max_tokens)
+            self.generated += 1
+        else:
+            self.verified += 1
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def verify(self, prompt_ids: list[int], max_tokens: int, draft: str) -> list[int] | None:
+        """The draft's tokens (EOS appended where generation stops there) if greedy generation
+        of `max_tokens` would produce exactly them; None when that is not shown."""
+        tokens = self.tokenizer(draft, add_special_tokens=False)["input_ids"]
+        if not 0 < len(tokens) <= max_tokens or self.eos & set(tokens):
+            return None
+        stops = len(tokens) < max_tokens  # then the next token must be EOS
+        if stops and not self.eos:
+            return None
+        ids = torch.tensor([[*prompt_ids, *tokens]])
+        logits = self.model(ids, use_cache=False, logits_to_keep=len(tokens) + 1).logits[0]
+        top = logits.topk(2, dim=-1)  # row i predicts generated token i
+        greedy, lead = top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()
+        n = len(tokens) + stops
+        if min(lead[:n]) < self.margin or greedy[: len(tokens)] != tokens:
+            return None
+        if stops and greedy[len(tokens)] not in self.eos:
+            return None
+        return tokens + greedy[len(tokens) : n]

@@ -10,7 +10,6 @@ when a test first needs it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import json
 import time
@@ -18,12 +17,12 @@ import uuid
 
 import httpx
 import pytest
-import torch
 
 from pdd.launcher import Cluster
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Inspect, InstanceState, WanControl, WanState
+from tests.helpers import Reference
 
 FLEET = [
     {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
@@ -140,50 +139,22 @@ def eos_ref(smol):
     return ref
 
 
-class Reference:
-    """The model alone, greedy: `reference(prompt_ids, n)` is the text the server must stream;
-    it stops at EOS like the server, and `ignore_eos=True` generates all n tokens, as a request
-    with `ignore_eos` does.
-
-    References cost a third of the suite's CPU, so they are computed on one background thread:
-    a test `prefetch`es the ones it will check before it starts its requests, and they are
-    computed while it waits on the servers. Greedy decoding's first m tokens do not depend on
-    how many follow, so a longer generation of the same prompt answers a shorter one."""
-
-    def __init__(self, eos_ref, smol_ref, tokenizer) -> None:
-        self.models = {False: eos_ref, True: smol_ref}
-        self.tokenizer = tokenizer
-        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reference")
-        self.pending: dict[tuple[tuple[int, ...], bool], list[tuple[int, concurrent.futures.Future]]] = {}
-
-    def prefetch(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> None:
-        self._future(prompt_ids, max_tokens, ignore_eos)
-
-    def __call__(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> str:
-        tokens = self._future(prompt_ids, max_tokens, ignore_eos).result()[:max_tokens]
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def _future(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool) -> concurrent.futures.Future:
-        runs = self.pending.setdefault((tuple(prompt_ids), ignore_eos), [])
-        for n, future in runs:
-            if n >= max_tokens:
-                return future
-        future = self.worker.submit(self._generate, list(prompt_ids), max_tokens, ignore_eos)
-        runs.append((max_tokens, future))
-        return future
-
-    def _generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool) -> list[int]:
-        out = self.models[ignore_eos].generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-        return out[0, len(prompt_ids) :].tolist()
-
-
 @pytest.fixture(scope="session")
 def reference(eos_ref, smol_ref, smol_tokenizer):
-    ref = Reference(eos_ref, smol_ref, smol_tokenizer)
-    yield ref
-    ref.worker.shutdown(cancel_futures=True)
+    """The model alone, greedy: `reference(prompt_ids, n)` stops at EOS like the server;
+    `ignore_eos=True` generates all n tokens, as a request with `ignore_eos` does. Pass the
+    server's text as `draft` to have it verified in one forward pass instead of n
+    (tests/helpers.py `Reference`); the answer is the same."""
+    refs = {False: Reference(eos_ref, smol_tokenizer), True: Reference(smol_ref, smol_tokenizer)}
+    cache: dict[tuple, str] = {}
+
+    def text_for(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False, draft: str | None = None) -> str:
+        key = (tuple(prompt_ids), max_tokens, ignore_eos)
+        if key not in cache:
+            cache[key] = refs[ignore_eos](prompt_ids, max_tokens, draft)
+        return cache[key]
+
+    return text_for
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 1
 def test_wan_drop_mid_transfer_is_retried(cluster, model_id, operator, reference, smol_tokenizer, pipeline):
     prompt = fresh_prompt(60, "drop")
     text, pdd, pushes = _during_transfer(cluster, operator, _body(model_id, prompt, 40, pipeline), {"drop": True})
-    assert text == reference(smol_tokenizer(prompt)["input_ids"], 40, ignore_eos=True)
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 40, ignore_eos=True, draft=text)
     assert sum(pdd["tokens_by_role"].values()) == 40
     assert pushes == 2, pushes  # the KV push was cut and pushed again
     if pipeline == "p-md":  # the retried push delivered: main-decode produced every token
@@ -68,7 +68,7 @@ def test_wan_stall_past_the_deadline_leaves_the_relay_serving(cluster, model_id,
     prompt = fresh_prompt(60, "stall")
     text, pdd, pushes = _during_transfer(cluster, operator, _body(model_id, prompt, 60, "p-rld-md"), {"down": True})
     print(f"\nmd-0's KV connection stalled: tokens by role {pdd['tokens_by_role']}, {pushes} pushes")
-    assert text == reference(smol_tokenizer(prompt)["input_ids"], 60, ignore_eos=True)
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 60, ignore_eos=True, draft=text)
     assert pdd["tokens_by_role"] == {"rld": 60, "md": 0}  # main-decode never got it; the user never noticed
     states = operator.idle(timeout=5.0)
     assert all(s.requests == [] for s in states.values()), states
@@ -136,7 +136,8 @@ def test_services_ride_out_a_server_restart(cluster, model_id, operator, referen
                 break
         time.sleep(0.5)
     assert last is not None and last.status_code == 200, last and last.text
-    assert last.json()["choices"][0]["text"] == reference(smol_tokenizer(prompt)["input_ids"], 12)
+    text = last.json()["choices"][0]["text"]
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 12, draft=text)
     if kind == "redis":  # the registry and the prefix index are rebuilt from what the instances report
         r = operator.redis()
         assert {k.split(":")[-1] for k in r.scan_iter("pdd:instance:*")} == {i.id for i in cluster.cfg.instances}

@@ -38,13 +38,9 @@ def chat(cluster: Cluster, messages: list[dict], n: int, **extra) -> dict:
     return r.json()
 
 
-def chat_ids(tok, messages: list[dict]) -> list[int]:
+def reference_chat(eos_ref, tok, reference, messages, n, draft: str | None = None) -> str:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def reference_chat(eos_ref, tok, reference, messages, n) -> str:
-    return reference(chat_ids(tok, messages), n)
+    return reference(tok(text, add_special_tokens=False)["input_ids"], n, draft=draft)
 
 
 def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_tokenizer, reference):
@@ -57,7 +53,7 @@ def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_t
         line = sum(pop.line_bytes(i.id) for i in pop.cluster.cfg.of_role("md")) - before
         pdd, usage = out["pdd"], out["usage"]
         text = out["choices"][0]["message"]["content"]
-        assert text == reference_chat(eos_ref, smol_tokenizer, reference, messages, 16), turn
+        assert text == reference_chat(eos_ref, smol_tokenizer, reference, messages, 16, draft=text), turn
         wan, hit_md, hit_p = pdd["wan_kv_bytes"], pdd["prefix_hit_tokens"]["md"], pdd["prefix_hit_tokens"]["prefill"]
         print(
             f"\nturn {turn}: prompt {usage['prompt_tokens']} tokens, prefill hit {hit_p}, md hit {hit_md}, "
@@ -97,21 +93,15 @@ def test_shared_system_prompt_is_stored_once(pcluster, pop):
     assert after - before == computed // 16 - hit_blocks
 
 
-def _question(turn: int, conversation: int) -> dict:
-    return {"role": "user", "content": f"Question {turn} of conversation {conversation}?"}
-
-
 def test_many_conversations_under_a_small_pool(pcluster, pop, eos_ref, smol_tokenizer, reference):
     """md pools hold 2048 tokens: these conversations do not fit, eviction keeps them going."""
     convs = [[{"role": "system", "content": fresh_prompt(90, f"c{i}")}] for i in range(8)]
-    for i, conv in enumerate(convs):  # the first turns' references, computed while the servers answer
-        reference.prefetch(chat_ids(smol_tokenizer, [*conv, _question(0, i)]), 8)
     for turn in range(2):
         for i, conv in enumerate(convs):
-            conv.append(_question(turn, i))
+            conv.append({"role": "user", "content": f"Question {turn} of conversation {i}?"})
             out = chat(pcluster, conv, 8)
             text = out["choices"][0]["message"]["content"]
-            assert text == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8), (i, turn)
+            assert text == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8, draft=text), (i, turn)
             conv.append({"role": "assistant", "content": text})
     for state in pop.idle().values():
         assert state.requests == [] and state.free_blocks + state.extra["cached_blocks"] == state.total_blocks
@@ -140,7 +130,8 @@ def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tok
     print(f"\nplanned md prefix {pdd['md_cached_tokens']}, recomputed {pdd['recomputed_tokens']} after the flush")
     assert pdd["instances"]["md"] == md and pdd["md_cached_tokens"] > 0
     assert pdd["recomputed_tokens"] == pdd["md_cached_tokens"]
-    assert result["choices"][0]["message"]["content"] == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8)
+    text = result["choices"][0]["message"]["content"]
+    assert text == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8, draft=text)
 
 
 def test_restarted_md_clears_its_index_and_requests_go_on(pcluster, pop):

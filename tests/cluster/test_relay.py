@@ -27,7 +27,7 @@ def test_every_pipeline_equals_reference(cluster, model_id, reference, smol_toke
     for prompt in PROMPTS:
         body = _body(model_id, prompt, 24, pipeline, handoff)
         text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
-        assert text == reference(smol_tokenizer(prompt)["input_ids"], 24), (pipeline, handoff, prompt)
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 24, draft=text), (pipeline, handoff, prompt)
         assert pdd["pipeline"] == pipeline
         roles = pdd["tokens_by_role"]
         if pipeline == "p-rld-md" and roles["md"]:  # handed over (unless it ended on relay first)
@@ -42,7 +42,7 @@ def test_relay_hands_over_to_main(cluster, model_id, reference, smol_tokenizer):
     prompt = "Write a short poem about the sea."
     body = _body(model_id, prompt, 48, "p-rld-md", "oneshot", ignore_eos=True)
     text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body)
-    assert text == reference(smol_tokenizer(prompt)["input_ids"], 48, ignore_eos=True)
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 48, ignore_eos=True, draft=text)
     assert pdd["tokens_by_role"]["rld"] >= 1 and pdd["tokens_by_role"]["md"] >= 1
     assert pdd["handoff_chunks"] == 1 and pdd["timings_ms"]["extend"] > 0
     assert sum(pdd["tokens_by_role"].values()) == 48
@@ -80,7 +80,7 @@ def test_relay_hides_a_slow_wan(cluster, model_id, operator, reference, smol_tok
                 text, runs[pipeline, speed], _ = stream_completion(cluster.url + "/v1/completions", body)
             else:
                 text, runs[pipeline, speed] = _slow_wan_run(cluster, operator, body, mbps=20)
-            assert text == reference(smol_tokenizer(prompt)["input_ids"], 64)
+            assert text == reference(smol_tokenizer(prompt)["input_ids"], 64, draft=text)
     ttft = {k: v["timings_ms"]["ttft"] for k, v in runs.items()}
     print(
         "\nTTFT ms (WAN 1000 Mbps -> 20 Mbps): "
@@ -122,13 +122,12 @@ def test_catch_up_hands_over_in_chunks_one_shot_at_once(cluster, model_id, opera
     """The same backlog (30 relay tokens) handed over both ways: one-shot in one final chunk,
     catch-up in several (chunk_tokens 12, final_tokens 3 in this cluster) while the relay keeps
     streaming. Both exact. The stalls are printed; `pdd bench handoff` compares them."""
-    gaps, prompts = {}, {h: fresh_prompt(40, h) for h in ("oneshot", "catchup")}
-    for prompt in prompts.values():  # computed while the relay crawls
-        reference.prefetch(smol_tokenizer(prompt)["input_ids"], 200, ignore_eos=True)
-    for handoff, prompt in prompts.items():
+    gaps = {}
+    for handoff in ("oneshot", "catchup"):
+        prompt = fresh_prompt(40, handoff)
         body = _body(model_id, prompt, 200, "p-rld-md", handoff, ignore_eos=True)
         text, pdd = _with_backlog(cluster, operator, body, backlog=30)
-        assert text == reference(smol_tokenizer(prompt)["input_ids"], 200, ignore_eos=True), handoff
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 200, ignore_eos=True, draft=text), handoff
         roles = pdd["tokens_by_role"]
         assert roles["rld"] >= 30 and roles["md"] >= 1 and roles["rld"] + roles["md"] == 200, pdd
         if handoff == "oneshot":
@@ -146,8 +145,6 @@ def test_mixed_concurrent_pipelines_complete_and_free_every_block(
     cluster, model_id, operator, reference, smol_tokenizer
 ):
     jobs = [(p, h, f"Fact number {i}: the sun") for i, (p, h) in enumerate(PLANS * 2)]
-    for _, _, prompt in jobs:
-        reference.prefetch(smol_tokenizer(prompt)["input_ids"], 20)
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(
             pool.map(
@@ -156,7 +153,7 @@ def test_mixed_concurrent_pipelines_complete_and_free_every_block(
             )
         )
     for (pipeline, handoff, prompt), (text, _, _) in zip(jobs, results):
-        assert text == reference(smol_tokenizer(prompt)["input_ids"], 20), (pipeline, handoff)
+        assert text == reference(smol_tokenizer(prompt)["input_ids"], 20, draft=text), (pipeline, handoff)
     for state in operator.idle(timeout=2.0).values():
         assert state.requests == [], state
         assert state.free_blocks + state.extra["cached_blocks"] == state.total_blocks, state

@@ -89,11 +89,7 @@ def _holding(operator) -> dict[str, int]:
 
 def test_a_full_stage_answers_429_at_once_and_holds_no_more(fleet, fleet_operator, reference, smol_tokenizer):
     n = 2 * sum(MD_CAPACITY.values())
-    # four prompts over and over: the admitted outputs are all checked, against four references
-    distinct = [fresh_prompt(30, f"burst{i}") for i in range(4)]
-    for prompt in distinct:
-        reference.prefetch(smol_tokenizer(prompt)["input_ids"], 16, ignore_eos=True)
-    prompts = [distinct[i % 4] for i in range(n)]
+    prompts = [fresh_prompt(30, f"burst{i}") for i in range(n)]
     peak = dict.fromkeys(MD_CAPACITY, 0)
     stop = threading.Event()
 
@@ -129,7 +125,8 @@ def test_a_full_stage_answers_429_at_once_and_holds_no_more(fleet, fleet_operato
         error = json.loads(r["error"])["error"]
         assert r["retry_after"] and error["type"] == "rate_limit_error" and "full" in error["message"]
     for prompt, r in ok:
-        assert r["text"] == reference(smol_tokenizer(prompt)["input_ids"], 16, ignore_eos=True) and not r["error"]
+        assert not r["error"]
+        assert r["text"] == reference(smol_tokenizer(prompt)["input_ids"], 16, ignore_eos=True, draft=r["text"])
         _complete(r, 16)
     assert all(s.requests == [] for s in fleet_operator.idle(timeout=5).values())
 
@@ -238,4 +235,4 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
         _complete(r, req["body"]["max_tokens"])
     for req, r in rng.sample(finished, min(8, len(finished))):  # greedy output still exact
         ids = smol_tokenizer(req["body"]["prompt"])["input_ids"]
-        assert r["text"] == reference(ids, req["body"]["max_tokens"], ignore_eos=True), req["kind"]
+        assert r["text"] == reference(ids, req["body"]["max_tokens"], ignore_eos=True, draft=r["text"]), req["kind"]
