@@ -162,8 +162,8 @@ class Cluster:
             proc.wait(10)
 
     def stop(self) -> None:
-        """The services first, then the line (a service leaving over a line that closed under it
-        waits out its bus's timeouts: 3 s instead of 1), then the servers."""
+        """The services first (a service in B says it leaves over the line, so the line must still
+        be up), then the line, then the servers."""
         try:
             services = [p for name, p in self.procs.items() if self.specs[name].dc]
             _terminate(services)
