@@ -23,6 +23,7 @@ import time
 import httpx
 import pytest
 
+from benchmarks.bounded_state import REQUEST_MAPS
 from tests.cluster.conftest import FLEET, fresh_prompt
 from tests.cluster.test_migration import _restart, until
 
@@ -162,6 +163,10 @@ def _soak_request(i: int, rng: random.Random) -> dict:
     }
 
 
+def _streaming(operator, instance_id: str) -> int:
+    return operator.inspect(instance_id).extra["state"]["streaming"]
+
+
 def _when_done(futures: list[concurrent.futures.Future], n: int) -> None:
     while sum(f.done() for f in futures) < n:
         time.sleep(0.05)
@@ -196,8 +201,7 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
             _when_done(futures, SOAK_REQUESTS // 3)
             # streaming one to a client (a held request may be a shadow or a relay-finished one only
             # warming the cache: killing those moves nothing)
-            streaming = lambda: fleet_operator.inspect(victim).extra["state"]["streaming"]  # noqa: E731
-            until(streaming, 60, f"{victim} to stream a request", every=0.02)
+            until(lambda: _streaming(fleet_operator, victim), 60, f"{victim} to stream a request", every=0.02)
             fleet.kill(victim)  # with requests on it: they must move
             print(f"\nkilled {victim} after {SOAK_REQUESTS // 3} requests")
             _when_done(futures, 2 * SOAK_REQUESTS // 3)
@@ -225,8 +229,7 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
     assert fleet_operator.request_keys() == []
     assert _tasks_settle(fleet_operator, tasks_before, fleet.cfg.timeouts.control_s * 2) == tasks_before
     # every per-request map is empty when idle (the Inspect answering this is not counted)
-    maps = ("requests", "parked", "receiving", "bus_handlers")
-    held = {i: {k: v for k, v in s.extra["state"].items() if k in maps and v} for i, s in states.items()}
+    held = {i: {k: v for k, v in s.extra["state"].items() if k in REQUEST_MAPS and v} for i, s in states.items()}
     assert held == dict.fromkeys(held, {}), held
     metrics = httpx.get(fleet.url + "/metrics").text
     assert re.search(r"^pdd:num_requests_running\{[^}]*\} 0(\.0)?$", metrics, re.M)  # the gateway holds none
