@@ -3,8 +3,8 @@ service as a process) for the end-to-end tests, plus a client that talks to them
 and an operator would.
 
 The clusters boot while the unit tests run: tests/conftest.py launches the ones the selected
-tests need right after collection (`prelaunch`), and each fixture waits for its cluster only
-when a test first needs it.
+tests need right after collection (`prelaunch`), each fixture waits for its cluster only
+when a test first needs it, and each cluster stops after the last test that uses it (`release`).
 """
 
 from __future__ import annotations
@@ -57,23 +57,7 @@ def _keys_file() -> str:
     return path
 
 
-CLUSTERS = {
-    # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
-    # float32 everywhere: outputs must equal the model alone (transformers, float32) token for token
-    "cluster": {
-        "port": 0,
-        "handoff": {"chunk_tokens": 12, "final_tokens": 3},
-        "max_queue": 12,
-        "instances": [
-            {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384},
-            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 8192},
-            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 16384},
-        ],
-        "timeouts": {"kv_stall_s": 5, "kv_retries": 1, "request_s": 90},
-    },
-    # two prefill and two main-decode instances (small md pools, so eviction happens; at most
-    # 12 requests each, so a burst finds the stage full)
-    "fleet": {"port": 0, "instances": FLEET, "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}},
+CLUSTERS = {  # in the order their tests run (tests/conftest.py): the shortest group first
     # the demo's heterogeneous fleet (prefill float32, relay and main-decode bfloat16) with API keys
     # on (services/gateway/auth.py): the front door's and mixed precision's tests
     "keyed": {
@@ -86,6 +70,22 @@ CLUSTERS = {
             {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096, "dtype": "bfloat16"},
             {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 8192, "dtype": "bfloat16"},
         ],
+    },
+    # two prefill and two main-decode instances (small md pools, so eviction happens; at most
+    # 12 requests each, so a burst finds the stage full)
+    "fleet": {"port": 0, "instances": FLEET, "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}},
+    # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
+    # float32 everywhere: outputs must equal the model alone (transformers, float32) token for token
+    "cluster": {
+        "port": 0,
+        "handoff": {"chunk_tokens": 12, "final_tokens": 3},
+        "max_queue": 12,
+        "instances": [
+            {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384},
+            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 8192},
+            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 16384},
+        ],
+        "timeouts": {"kv_stall_s": 5, "kv_retries": 1, "request_s": 90},
     },
 }
 _launched: dict[str, Cluster] = {}
@@ -109,6 +109,13 @@ def _ready(name: str):
     finally:
         c.stop()
         _launched.pop(name, None)
+
+
+def release(name: str) -> None:
+    """Stop a session cluster once no test left needs it (tests/conftest.py); its fixture's own
+    stop at the end of the session then finds nothing to stop."""
+    if (c := _launched.pop(name, None)) is not None:
+        c.stop()
 
 
 @pytest.fixture(scope="session")

@@ -90,10 +90,10 @@ def slow_wan(cluster, operator):
 
 
 def test_abort_while_queued_behind_another_prompt(cluster, model_id, operator):
-    long_one: dict = {}
+    long_one: dict = {}  # ~3,400 tokens of prefill; p-rld keeps its KV in A, so it ends soon after
     ahead = threading.Thread(
         target=lambda: long_one.update(
-            completion(cluster.url, _body(model_id, fresh_prompt(900, "ahead"), 1, pipeline="p-md"))
+            completion(cluster.url, _body(model_id, fresh_prompt(900, "ahead"), 1, pipeline="p-rld"))
         )
     )
     ahead.start()
