@@ -38,12 +38,12 @@ def chat(cluster: Cluster, messages: list[dict], n: int, **extra) -> dict:
     return r.json()
 
 
-def reference_chat(eos_ref, tok, reference, messages, n, draft: str | None = None) -> str:
+def reference_chat(tok, reference, messages, n, draft: str | None = None) -> str:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return reference(tok(text, add_special_tokens=False)["input_ids"], n, draft=draft)
 
 
-def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_tokenizer, reference):
+def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, smol_tokenizer, reference):
     messages = [{"role": "system", "content": "You are a terse assistant. " + fresh_prompt(60)}]
     previous_total, mds = 0, set()
     for turn in range(5):
@@ -53,7 +53,7 @@ def test_five_turns_send_only_new_kv_over_the_wan(pcluster, pop, eos_ref, smol_t
         line = sum(pop.line_bytes(i.id) for i in pop.cluster.cfg.of_role("md")) - before
         pdd, usage = out["pdd"], out["usage"]
         text = out["choices"][0]["message"]["content"]
-        assert text == reference_chat(eos_ref, smol_tokenizer, reference, messages, 16, draft=text), turn
+        assert text == reference_chat(smol_tokenizer, reference, messages, 16, draft=text), turn
         wan, hit_md, hit_p = pdd["wan_kv_bytes"], pdd["prefix_hit_tokens"]["md"], pdd["prefix_hit_tokens"]["prefill"]
         print(
             f"\nturn {turn}: prompt {usage['prompt_tokens']} tokens, prefill hit {hit_p}, md hit {hit_md}, "
@@ -93,7 +93,7 @@ def test_shared_system_prompt_is_stored_once(pcluster, pop):
     assert after - before == computed // 16 - hit_blocks
 
 
-def test_many_conversations_under_a_small_pool(pcluster, pop, eos_ref, smol_tokenizer, reference):
+def test_many_conversations_under_a_small_pool(pcluster, pop, smol_tokenizer, reference):
     """md pools hold 2048 tokens: these conversations do not fit, eviction keeps them going."""
     convs = [[{"role": "system", "content": fresh_prompt(90, f"c{i}")}] for i in range(8)]
     for turn in range(2):
@@ -101,13 +101,13 @@ def test_many_conversations_under_a_small_pool(pcluster, pop, eos_ref, smol_toke
             conv.append({"role": "user", "content": f"Question {turn} of conversation {i}?"})
             out = chat(pcluster, conv, 8)
             text = out["choices"][0]["message"]["content"]
-            assert text == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8, draft=text), (i, turn)
+            assert text == reference_chat(smol_tokenizer, reference, conv, 8, draft=text), (i, turn)
             conv.append({"role": "assistant", "content": text})
     for state in pop.idle().values():
         assert state.requests == [] and state.free_blocks + state.extra["cached_blocks"] == state.total_blocks
 
 
-def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tokenizer, reference):
+def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, smol_tokenizer, reference):
     conv = [{"role": "system", "content": fresh_prompt(150, "evict")}, {"role": "user", "content": "Say something."}]
     first = chat(pcluster, conv, 8, pdd={"pipeline": "p-md"})
     md = first["pdd"]["instances"]["md"]
@@ -131,7 +131,7 @@ def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, eos_ref, smol_tok
     assert pdd["instances"]["md"] == md and pdd["md_cached_tokens"] > 0
     assert pdd["recomputed_tokens"] == pdd["md_cached_tokens"]
     text = result["choices"][0]["message"]["content"]
-    assert text == reference_chat(eos_ref, smol_tokenizer, reference, conv, 8, draft=text)
+    assert text == reference_chat(smol_tokenizer, reference, conv, 8, draft=text)
 
 
 def test_restarted_md_clears_its_index_and_requests_go_on(pcluster, pop):
