@@ -51,34 +51,36 @@ def pytest_collection_modifyitems(session, config, items):
     alone and 7.6-9.9 s beside the three idle session clusters.)"""
     from tests.cluster.conftest import CLUSTERS, prelaunch
 
-    def cluster_of(item) -> str | None:
-        return next((name for name in CLUSTERS if name in getattr(item, "fixturenames", ())), None)
+    def clusters_of(item) -> list[str]:
+        return [name for name in CLUSTERS if name in getattr(item, "fixturenames", ())]
 
     def group(item) -> tuple[int, int]:
         if item.get_closest_marker("slow") is None:
             return (0, 0)
-        name = cluster_of(item)
-        return (1, list(CLUSTERS).index(name) if name else len(CLUSTERS))
+        used = clusters_of(item)
+        return (1, list(CLUSTERS).index(used[0]) if used else len(CLUSTERS))
 
     items.sort(key=group)  # stable: file order kept within a group
     last_user: dict[str, str] = {}
     for item in items:
-        if (name := cluster_of(item)) is not None:
-            last_user[name] = item.nodeid
-    config.stash[_LAST_USER] = {nodeid: name for name, nodeid in last_user.items()}
+        last_user |= dict.fromkeys(clusters_of(item), item.nodeid)
+    stop_after: dict[str, list[str]] = {}
+    for name, nodeid in last_user.items():
+        stop_after.setdefault(nodeid, []).append(name)
+    config.stash[_STOP_AFTER] = stop_after
     if last_user and not config.option.collectonly:
         prelaunch(set(last_user))
 
 
-_LAST_USER = pytest.StashKey[dict]()
+_STOP_AFTER = pytest.StashKey[dict]()  # test id -> the clusters it is the last to use
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    yield  # the test's fixtures are torn down: stop the cluster it was the last to use
-    if (name := item.config.stash.get(_LAST_USER, {}).get(item.nodeid)) is not None:
-        from tests.cluster.conftest import release
+    yield  # the test's fixtures are torn down: stop the clusters it was the last to use
+    from tests.cluster.conftest import release
 
+    for name in item.config.stash.get(_STOP_AFTER, {}).get(item.nodeid, ()):
         release(name)
 
 
