@@ -12,12 +12,18 @@ Lifecycle of a cluster:
 4. `stop()`: SIGTERM to the services, then to the line, SIGKILL to any left, then the servers:
    no process outlives the cluster. Each child logs to `<run_dir>/<name>.log`.
 
+On a CPU host the services are forked from one fork server per launching process
+(pdd/forkserver.py), which has imported torch, transformers and the services once: an engine
+boots on ~2.1 s of CPU instead of ~4.7 s, and a restart is as quick. On a GPU each service
+starts as a fresh `python -m services.<role>`, as `pdd serve` always does.
+
 `pdd up` runs `Cluster(...).start()` and waits for Ctrl-C; the tests and `pdd bench` use the
 same class, so there is one way to bring a cluster up.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -32,6 +38,7 @@ import httpx
 import yaml
 
 from pdd.control import write_state
+from pdd.forkserver import ForkedProcess, ForkServer
 from pdd.natsconf import server_conf
 from pdd.servers import EmbeddedServer, die_with_parent
 from pdd.topology import plan_processes, resolve
@@ -40,6 +47,24 @@ from shared.security import Secrets
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_ENV_DROPPED = ("PDD_NATS_URL", "PDD_REDIS_URL", "PDD_SECRETS_DIR")  # the run config says it all
+_fork_server: ForkServer | None = None  # one per launching process, started by its first cluster
+
+
+def child_env() -> dict[str, str]:
+    # two malloc arenas: the engine's worker and asyncio's threads otherwise each grow their own heap
+    return {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED} | {
+        "PYTHONUNBUFFERED": "1",
+        "MALLOC_ARENA_MAX": "2",
+    }
+
+
+def fork_server(log_dir: Path) -> ForkServer:
+    """This process's fork server (pdd/forkserver.py), started on first use; it exits with us."""
+    global _fork_server
+    if _fork_server is None or not _fork_server.alive():
+        _fork_server = ForkServer(child_env(), log_dir / "forkserver.log")
+        atexit.register(_fork_server.close)
+    return _fork_server
 
 
 def serve_argv(role: str, config_path: str | None, instance: str | None) -> list[str]:
@@ -64,7 +89,9 @@ class Cluster:
         self.secrets = Secrets.of(self.cfg)
         self.specs = {s.name: s for s in plan_processes(self.cfg, self.config_path)}
         self.servers: dict[str, EmbeddedServer] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
+        # a CUDA context does not survive fork: on a GPU every service starts as a fresh process
+        self.forked = all((self.cfg.device or i.device) == "cpu" for i in self.cfg.instances)
 
     @property
     def url(self) -> str:
@@ -126,13 +153,12 @@ class Cluster:
             raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
         spec = self.specs[name]
         argv = serve_argv(spec.role, self.config_path, name if spec.role in ("prefill", "rld", "md") else None)
-        # two malloc arenas: the engine's worker and asyncio's threads otherwise each grow their own heap
-        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED} | {
-            "PYTHONUNBUFFERED": "1",
-            "MALLOC_ARENA_MAX": "2",
-        }
+        env, log_path = child_env(), self.run_dir / f"{name}.log"
         self.log(f"pdd: starting {name}" + (f" (datacenter {spec.dc})" if spec.dc else " (the line between sites)"))
-        with open(self.run_dir / f"{name}.log", "ab") as logf:
+        if self.forked:  # the imports are done once, in the fork server: an engine boots in ~half the CPU
+            self.procs[name] = fork_server(self.run_dir).spawn(argv[2], argv[3:], env, log_path)
+            return
+        with open(log_path, "ab") as logf:
             self.procs[name] = subprocess.Popen(
                 argv,
                 cwd=ROOT,
@@ -180,7 +206,7 @@ class Cluster:
         self.stop()
 
 
-def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+def _terminate(procs: list[subprocess.Popen | ForkedProcess], grace_s: float = 10.0) -> None:
     """SIGTERM to each, then SIGKILL to any still running after `grace_s`."""
     for proc in procs:
         if proc.poll() is None:
@@ -194,7 +220,7 @@ def _terminate(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
             proc.wait()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:  # already gone

@@ -8,6 +8,7 @@ import re
 import time
 
 import httpx
+import psutil
 import pytest
 
 from tests.cluster.conftest import fresh_prompt, stream_completion, tls_overhead
@@ -252,3 +253,12 @@ def test_no_live_instance_of_a_role_is_503_and_health_says_so(cluster, model_id,
     assert out.status_code == 200, out.text
     text = out.json()["choices"][0]["text"]
     assert text == reference(smol_tokenizer(body["prompt"])["input_ids"], 6, draft=text)
+    _all_forked_from_one_server(cluster)  # the restarted prefill-0 too
+
+
+def _all_forked_from_one_server(cluster) -> None:
+    """Every service of the cluster is a child of the one fork server (pdd/forkserver.py) that
+    imported torch and the rest for all of them."""
+    (server,) = {p.server for p in cluster.procs.values()}
+    for name, proc in cluster.procs.items():
+        assert psutil.Process(proc.pid).ppid() == server.proc.pid, name
