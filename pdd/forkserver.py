@@ -13,6 +13,7 @@ reply per line from its stdout; a lock keeps request and reply together.
 - `{"op": "spawn", "module", "args", "env", "cwd", "log"}` -> `{"pid"}`: the child starts a
   session of its own (so `killpg(pid)` reaches it and its children), gets SIGTERM if the server
   dies (`die_with_parent`), writes stdout and stderr to `log`, and sees exactly `env`.
+- `{"op": "ping"}` -> `{"pid"}`: the server has done its imports.
 - `{"op": "reap", "pid"}` -> `{"code"}`: its exit status as `Popen.returncode` gives it (-N for
   signal N), or null while it runs. The server is the children's parent, so only it can reap.
 End of input: the launcher is gone or done; the server exits, and any child still running gets
@@ -27,6 +28,7 @@ server imports torch but never touches a device.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from pdd.servers import die_with_parent
@@ -60,10 +63,10 @@ class ForkServerGone(RuntimeError):
 class ForkServer:
     """The launcher's side: one server process, shared by every cluster this process starts."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, preload: tuple[str, ...] = PRELOAD) -> None:
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdd.forkserver"],
+                [sys.executable, "-m", "pdd.forkserver", *preload],
                 cwd=ROOT,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -80,6 +83,10 @@ class ForkServer:
         server's imports)."""
         reply = self._ask(op="spawn", module=module, args=args, env=env, cwd=str(ROOT), log=str(log_path))
         return ForkedProcess(self, reply["pid"])
+
+    def ping(self) -> None:
+        """Returns once the server has done its imports and answers."""
+        self._ask(op="ping")
 
     def reap(self, pid: int) -> int | None:
         try:
@@ -175,6 +182,8 @@ def serve(requests, replies) -> dict | None:
             if pid == 0:
                 return {**request, "server": ours}
             reply: dict = {"pid": pid}
+        elif request["op"] == "ping":
+            reply = {"pid": ours}
         elif request["op"] == "reap":
             pid = request["pid"]
             try:
@@ -211,8 +220,23 @@ def run_child(request: dict, channel: list) -> int:
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
     return 0
+
+
+def exit_now(code: int) -> None:
+    """Exit as the interpreter would, less tearing every module down: with torch imported (as
+    in every child here) that costs ~1 s of CPU and holds up a cluster's stop."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main() -> None:
@@ -223,13 +247,13 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     os.dup2(2, 1)
-    for name in PRELOAD:
+    for name in sys.argv[1:]:  # the modules to preload
         __import__(name)
     request = serve(requests, replies)
     if request is None:  # skip tearing down torch's interpreter (~1 s of CPU) as services do
         os._exit(0)
     sys.stdout.reconfigure(line_buffering=True)  # as PYTHONUNBUFFERED would, for a log file
-    sys.exit(run_child(request, [requests, replies]))
+    exit_now(run_child(request, [requests, replies]))
 
 
 if __name__ == "__main__":

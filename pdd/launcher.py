@@ -115,6 +115,8 @@ class Cluster:
         if self.procs:
             raise RuntimeError("cluster already started (`with Cluster(...)` starts it; do not also call start())")
         try:
+            if self.forked:  # its imports overlap the servers' start
+                fork_server(self.run_dir)
             self._start_servers()
             for name in self.specs:
                 self.start_process(name)

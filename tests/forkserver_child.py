@@ -1,6 +1,7 @@
 """Run by tests/test_forkserver.py through the fork server: `python -m tests.forkserver_child
 report CODE` prints what the child sees and exits with CODE; `... sleep` waits for a signal."""
 
+import atexit
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import sys
 preloaded = "torch" in sys.modules  # before anything here imports it
 
 if __name__ == "__main__":
+    atexit.register(print, "atexit ran")
     if sys.argv[1] == "sleep":
         print("sleeping", flush=True)
         signal.pause()

@@ -20,6 +20,7 @@ MODULE = "tests.forkserver_child"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = ForkServer({**os.environ, "SERVER_ONLY": "1"}, tmp_path_factory.mktemp("fs") / "forkserver.log")
+    s.ping()  # answers once its imports are done
     yield s
     s.close()
 
@@ -39,6 +40,7 @@ def test_a_child_runs_its_module_as_python_m_would(server, tmp_path):
     assert seen["cwd"] == str(ROOT)
     assert seen["ppid"] == server.proc.pid and seen["sid"] == seen["pid"] == child.pid
     assert seen["preloaded"]  # torch came with the fork, not imported again
+    assert log.read_text().endswith("atexit ran\n")  # it exits as the interpreter would
 
 
 def test_wait_times_out_and_a_signal_to_the_group_is_reported_as_popen_does(server, tmp_path):
@@ -63,7 +65,7 @@ def test_a_child_that_fails_to_start_exits_1_with_its_traceback_in_its_log(serve
 
 
 def test_children_get_sigterm_when_the_server_exits(tmp_path):
-    server = ForkServer(dict(os.environ), tmp_path / "forkserver.log")
+    server = ForkServer(dict(os.environ), tmp_path / "forkserver.log", preload=())
     log = tmp_path / "child.log"
     child = server.spawn(MODULE, ["sleep"], {"PATH": os.environ["PATH"]}, log)
     until(lambda: log.exists() and "sleeping" in log.read_text(), 60, "the child to start")
