@@ -5,6 +5,7 @@ import torch
 
 from shared.runtime.models import load_model, load_tokenizer, tiny_llama
 from shared.runtime.provision import provision_default_model
+from tests import background
 from tests.helpers import reference_model
 
 torch.set_num_threads(2)
@@ -43,13 +44,14 @@ def smol_tokenizer(smol_dir):
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: launch only what the selected tests need
 def pytest_collection_modifyitems(session, config, items):
     """Unit tests first, then the slow end-to-end ones grouped by the session cluster they use
-    (tests/cluster/conftest.py `CLUSTERS`, shortest group first), then the slow ones that start
-    processes of their own. The clusters the selected tests need launch now, so they boot while
-    the unit tests run, and each stops after the last test that uses it: the later tests, and
-    the processes they start, share the machine with fewer idle ones. (On the 2-core VM this
-    suite is timed on, the engines of a 3-engine cluster took 4.7-4.9 s of CPU each to boot
-    alone and 7.6-9.9 s beside the three idle session clusters.)"""
-    from tests.cluster.conftest import CLUSTERS, prelaunch
+    (tests/cluster/conftest.py `CLUSTERS`, shortest group first), then the slow ones whose work
+    is a process of their own. Those processes start now (tests/background.py) and run beside
+    the unit tests; the clusters the selected tests need launch once they end, so they boot
+    while the rest of the unit tests run, and each stops after the last test that uses it: the
+    later tests share the machine with fewer idle ones. (On the 2-core VM this suite is timed
+    on, the engines of a 3-engine cluster took 4.7-4.9 s of CPU each to boot alone and 7.6-9.9 s
+    beside the three idle session clusters.)"""
+    from tests.cluster.conftest import CLUSTERS, launch_after_background
 
     def clusters_of(item) -> list[str]:
         return [name for name in CLUSTERS if name in getattr(item, "fixturenames", ())]
@@ -68,8 +70,26 @@ def pytest_collection_modifyitems(session, config, items):
     for name, nodeid in last_user.items():
         stop_after.setdefault(nodeid, []).append(name)
     config.stash[_STOP_AFTER] = stop_after
-    if last_user and not config.option.collectonly:
-        prelaunch(set(last_user))
+    if config.option.collectonly:
+        return
+    for item in items:
+        if marker := item.get_closest_marker("background"):
+            background.start(marker.args[0])
+    launch_after_background(set(last_user))
+
+
+def pytest_runtest_setup(item):
+    from tests.cluster.conftest import launch_waiting
+
+    launch_waiting()  # the session clusters, once the background processes have ended
+
+
+@pytest.fixture
+def background_job(request):
+    """The test's background process (`@pytest.mark.background.with_args(command)`), finished:
+    (subprocess.CompletedProcess, the folder it wrote to)."""
+    (marker,) = request.node.iter_markers("background")
+    return background.result(marker.args[0])
 
 
 _STOP_AFTER = pytest.StashKey[dict]()  # test id -> the clusters it is the last to use
@@ -87,5 +107,6 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_sessionfinish(session, exitstatus):
     from tests.cluster.conftest import _launched
 
+    background.stop_all()
     for cluster in list(_launched.values()):  # launched for tests that did not run
         cluster.stop()

@@ -6,8 +6,8 @@ that starts its own clusters is enough for the suite."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,28 +40,11 @@ MODE_KEYS = {
 }
 
 
-def _bench(out, workload: str, modes: str, *extra: str) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdd.cli",
-        "bench",
-        "--workload",
-        workload,
-        "--modes",
-        modes,
-        "--out",
-        str(out),
-        "--requests",
-        "3",
-        "--rate",
-        "2",
-        *extra,
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "3/3" in run.stderr  # the progress bar reached the end
-    return json.loads((out / "results.json").read_text())
+def _agentic(out: Path) -> tuple[list[str], dict[str, str]]:
+    """`pdd bench` of the agentic workload, pd-wan against pdd: started at session start
+    (tests/background.py), beside the unit tests."""
+    argv = [sys.executable, "-m", "pdd.cli", "bench", "--workload", "agentic", "--modes", "pd-wan,pdd"]
+    return [*argv, "--out", str(out), "--requests", "3", "--rate", "2"], {}
 
 
 def _check_schema(results: dict, modes: list[str], n: int) -> None:
@@ -82,8 +65,12 @@ def _check_schema(results: dict, modes: list[str], n: int) -> None:
         assert m["busy"]["prefill-0"]["busy_fraction"] > 0, m["busy"]
 
 
-def test_agentic_pdd_against_naive_cross_dc(tmp_path):
-    results = _bench(tmp_path, "agentic", "pd-wan,pdd")
+@pytest.mark.background.with_args(_agentic)
+def test_agentic_pdd_against_naive_cross_dc(background_job):
+    run, tmp_path = background_job
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "3/3" in run.stderr  # the progress bar reached the end
+    results = json.loads((tmp_path / "results.json").read_text())
     _check_schema(results, ["pd-wan", "pdd"], 3)
     assert results["outputs_match_across_modes"] == 1.0
     pd_wan, pdd = results["modes"]["pd-wan"], results["modes"]["pdd"]

@@ -3,8 +3,9 @@ service as a process) for the end-to-end tests, plus a client that talks to them
 and an operator would.
 
 The clusters boot while the unit tests run: tests/conftest.py launches the ones the selected
-tests need right after collection (`prelaunch`), each fixture waits for its cluster only
-when a test first needs it, and each cluster stops after the last test that uses it (`release`).
+tests need once the background processes started at collection have ended (tests/background.py;
+`launch_after_background`), each fixture waits for its cluster only when a test first needs
+it, and each cluster stops after the last test that uses it (`release`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdd.launcher import Cluster
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Inspect, InstanceState, WanControl, WanState
+from tests import background
 from tests.helpers import Reference
 
 FLEET = [
@@ -100,7 +102,26 @@ def prelaunch(names: set[str]) -> None:
         _launched[name] = Cluster(log=lambda m: None, **settings).launch()
 
 
+_waiting: set[str] = set()  # to launch once the background processes end (tests/background.py)
+
+
+def launch_after_background(names: set[str]) -> None:
+    _waiting.update(names)
+    launch_waiting()
+
+
+def launch_waiting(wait: bool = False) -> None:
+    """Launch the waiting clusters if every background process has ended (with `wait`: once they
+    have). From the main thread, as `prelaunch`."""
+    if _waiting and (wait or background.all_done()):
+        background.wait_all()
+        names = set(_waiting)
+        _waiting.clear()
+        prelaunch(names)
+
+
 def _ready(name: str):
+    launch_waiting(wait=True)
     prelaunch({name})
     c = _launched[name]
     try:

@@ -4,29 +4,28 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-@pytest.mark.slow  # a real process running pytest and the figures script: ~20 s
-def test_gpu_check_script_writes_every_figure(tmp_path):
+def _gpu_check(out: Path) -> tuple[list[str], dict[str, str]]:
+    """Started at session start (tests/background.py), beside the unit tests."""
     env = {
-        **os.environ,
         "PY": sys.executable,
         "GPU_CHECK_DEVICE": "cpu",
         "GPU_CHECK_QUICK": "1",
         "GPU_CHECK_TESTS": "tests/runtime/test_runtime_perf_pool.py",
         "GPU_CHECK_MODELS": "llama3_8b_shape",  # SmolLM2 takes the same path, ten times slower on CPU
     }
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu_check.sh", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True
-    )
+    return ["bash", "benchmarks/gpu_check.sh", str(out)], env
+
+
+@pytest.mark.slow  # a real process running pytest and the figures script: ~20 s
+@pytest.mark.background.with_args(_gpu_check)
+def test_gpu_check_script_writes_every_figure(background_job):
+    done, tmp_path = background_job
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["meta"]["device"] == "cpu" and result["meta"]["quick"] is True
