@@ -136,7 +136,7 @@ class ForkedProcess:
             self._exit_fd = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
+        if self.returncode is None and self._may_have_exited():
             self.returncode = self.server.reap(self.pid)
             if self.returncode is not None and self._exit_fd is not None:
                 os.close(self._exit_fd)
@@ -154,6 +154,10 @@ class ForkedProcess:
             else:
                 time.sleep(min(left, 0.05))
         return self.returncode
+
+    def _may_have_exited(self) -> bool:
+        """False only when it surely runs: no need to ask the server."""
+        return self._exit_fd is None or bool(select.select([self._exit_fd], [], [], 0)[0])
 
     def __del__(self) -> None:
         if self._exit_fd is not None:

@@ -61,6 +61,8 @@ def child_env() -> dict[str, str]:
 def fork_server(log_dir: Path) -> ForkServer:
     """This process's fork server (pdd/forkserver.py), started on first use; it exits with us."""
     global _fork_server
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("start the fork server from the main thread; a child of another thread dies with it")
     if _fork_server is None or not _fork_server.alive():
         _fork_server = ForkServer(child_env(), log_dir / "forkserver.log")
         atexit.register(_fork_server.close)

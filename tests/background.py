@@ -15,6 +15,7 @@ clusters'.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -89,8 +90,11 @@ def result(command: Command) -> tuple[subprocess.CompletedProcess, Path]:
 
 
 def stop_all() -> None:
-    """At the session's end: a job whose test did not run (interrupted, deselected) ends too."""
+    """At the session's end: a job whose test did not run (interrupted) ends too, and every
+    job's folder goes (a failing test printed what it needed)."""
     for job in _jobs.values():
         if job.proc.poll() is None:
             os.killpg(job.proc.pid, signal.SIGTERM)
             job.wait()
+        shutil.rmtree(job.out, ignore_errors=True)
+    _jobs.clear()
