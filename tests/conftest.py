@@ -49,8 +49,8 @@ def pytest_collection_modifyitems(session, config, items):
     the unit tests; the clusters the selected tests need launch once they end, so they boot
     while the rest of the unit tests run, and each stops after the last test that uses it: the
     later tests share the machine with fewer idle ones. (On the 2-core VM this suite is timed
-    on, the engines of a 3-engine cluster took 4.7-4.9 s of CPU each to boot alone and 7.6-9.9 s
-    beside the three idle session clusters.)"""
+    on, the engines of a 3-engine cluster, started fresh rather than forked, took 4.7-4.9 s of
+    CPU each to boot alone and 7.6-9.9 s beside the three idle session clusters.)"""
     from tests.cluster.conftest import CLUSTERS, launch_after_background
 
     def clusters_of(item) -> list[str]:
