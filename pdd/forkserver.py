@@ -29,6 +29,7 @@ server imports torch but never touches a device.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import runpy
@@ -213,6 +214,7 @@ def run_child(request: dict, channel: list) -> int:
         os._exit(GONE)
     for f in channel:
         f.close()
+    _name_process(f"pdd {Path(request['log']).stem}")  # `ps -o comm` and top: "pdd md-0", not "python"
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -232,6 +234,13 @@ def run_child(request: dict, channel: list) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def _name_process(name: str) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
 
 
 def exit_now(code: int) -> None:

@@ -25,6 +25,7 @@ if __name__ == "__main__":
                 "sid": os.getsid(0),
                 "preloaded": preloaded,
                 "main": __name__,
+                "comm": open("/proc/self/comm").read().strip(),
             }
         )
     )

@@ -40,6 +40,7 @@ def test_a_child_runs_its_module_as_python_m_would(server, tmp_path):
     assert seen["cwd"] == str(ROOT)
     assert seen["ppid"] == server.proc.pid and seen["sid"] == seen["pid"] == child.pid
     assert seen["preloaded"]  # torch came with the fork, not imported again
+    assert seen["comm"] == "pdd child"  # named after its log for ps and top
     assert log.read_text().endswith("atexit ran\n")  # it exits as the interpreter would
 
 
