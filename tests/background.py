@@ -2,9 +2,11 @@
 script) start that process when the session starts, so it runs beside the unit tests; the test
 itself waits for it and asserts on what it did. Neither process's checks measure time.
 
-A test names its command with `@pytest.mark.background(command)`, where `command(out)` returns
-the argv and extra environment for a process that writes its files under `out`; the test takes
-the `background` fixture: the finished process (returncode, stdout, stderr) and `out`.
+A test names its command with `@pytest.mark.background.with_args(command)` (a bare callable
+argument would be taken for the function to mark), where `command(out)` returns the argv and
+extra environment for a process that writes its files under `out`; the test takes the
+`background_job` fixture (tests/conftest.py): the finished process (returncode, stdout,
+stderr) and `out`.
 
 The session clusters (tests/cluster/conftest.py) launch once every background process has
 ended, or when a test needs one, after waiting for them: no end-to-end test shares the machine
