@@ -250,6 +250,11 @@ class Operator:
     def inspect(self, instance_id: str) -> InstanceState:
         return self.run(lambda bus: bus.request(subjects.inspect(instance_id), Inspect(instance_id), InstanceState, 5))
 
+    def flush(self, instance_id: str) -> InstanceState:
+        """Drop the instance's cached prefixes that no request uses (`pdd.admin.<id>.flush`)."""
+        subject = subjects.flush_cache(instance_id)
+        return self.run(lambda bus: bus.request(subject, Inspect(instance_id), InstanceState, 10))
+
     def wan(self, **settings) -> WanState:
         """Change the emulated line (both directions unless `direction=`); its state after."""
         name = self.cluster.cfg.wan.name

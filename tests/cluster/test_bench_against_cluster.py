@@ -3,8 +3,10 @@ replay measures on the same cluster, finds the cluster's NATS for the busy fract
 replays a Mooncake-format trace. (A `pdd bench` that starts its own clusters per mode:
 tests/bench/test_bench_run.py.)
 
-The two replays draw their random prompts from different seeds: the same prompts twice would
-hit prefill's prefix cache the second time and make that run look faster than it is."""
+The two replays send the same workload (prompts and arrival times), with every prefix cache
+flushed between them: the same prompts would otherwise hit the cache the second time, and
+another seed draws other arrival times, whose queueing alone doubled the median TTFT on a slow
+machine near saturation."""
 
 from __future__ import annotations
 
@@ -43,12 +45,14 @@ def bench_cli(cluster, tmp_path, monkeypatch):
     return run
 
 
-def test_base_url_against_a_running_cluster_matches_the_bench_replay(cluster, bench_cli, tmp_path):
+def test_base_url_against_a_running_cluster_matches_the_bench_replay(cluster, operator, bench_cli, tmp_path):
     shape = {"n_requests": N, "rate_rps": RATE, "random_input_len": INPUT, "random_output_len": OUTPUT}
     workload = load_workload("random", seed=0, **shape)
     probe = BusyProbe(cluster.nats_url(), cluster.secrets)
     records, duration, busy = asyncio.run(measure(Target(cluster.url), workload, "cluster", probe))
-    args = ["--workload", "random", "--requests", str(N), "--rate", str(RATE), "--seed", "1"]
+    for instance in cluster.cfg.instances:
+        assert operator.flush(instance.id).extra["cached_blocks"] == 0
+    args = ["--workload", "random", "--requests", str(N), "--rate", str(RATE), "--seed", "0"]
     results = bench_cli(tmp_path, *args, "--random-input-len", str(INPUT), "--random-output-len", str(OUTPUT))
     counts = {r: len(cluster.cfg.of_role(r)) for r in ("prefill", "rld", "md")}
     settings = {"duration_s": {"cluster": duration}, "instances": {"cluster": counts}}

@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from pdd.launcher import Cluster
-from shared import subjects
-from shared.messages import Inspect, InstanceState
+from shared.messages import InstanceState
 from tests.cluster.conftest import Operator, fresh_prompt, tls_overhead
 from tests.cluster.test_migration import until
 
@@ -121,7 +120,7 @@ def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, smol_tokenizer, r
         worker = threading.Thread(target=lambda: result.update(chat(pcluster, conv, 8, pdd={"pipeline": "p-md"})))
         worker.start()
         until(lambda: pop.inspect(md).requests, 10, f"{md} to hold the second turn")
-        flushed = pop.run(lambda bus: bus.request(subjects.flush_cache(md), Inspect(md), InstanceState, 10))
+        flushed = pop.flush(md)
         assert flushed.extra["cached_blocks"] == 0
         worker.join(60)
     finally:
