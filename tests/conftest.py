@@ -1,7 +1,16 @@
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Set before torch loads OpenMP, and inherited by every process the suite starts. A test run's
+# processes share 2 cores (background jobs, clusters booting, references computed here), and
+# OpenMP's default of spinning while it waits burns the core another process needs: beside one
+# busy process, tests/runtime/test_equivalence.py took 95 s (110 s of CPU) spinning and 48 s
+# (44 s) waiting passively; alone, 40-45 s either way.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from shared.runtime.models import load_model, load_tokenizer, tiny_llama
 from shared.runtime.provision import provision_default_model
