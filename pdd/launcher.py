@@ -15,8 +15,8 @@ Lifecycle of a cluster:
 On a CPU host the services are forked from one fork server per launching process
 (pdd/forkserver.py), which has imported torch, transformers and the services once: an engine
 boots on 1.5-2.1 s of CPU instead of 4.5-4.7 s (benchmarks/boot_bench.py), and a restart is
-as quick. On a GPU each service
-starts as a fresh `python -m services.<role>`, as `pdd serve` always does.
+as quick. On a GPU each service starts as a fresh `python -m services.<role>`, as `pdd serve`
+always does.
 
 `pdd up` runs `Cluster(...).start()` and waits for Ctrl-C; the tests and `pdd bench` use the
 same class, so there is one way to bring a cluster up.
