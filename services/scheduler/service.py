@@ -15,9 +15,10 @@ Lifecycle of a request here:
 4. The plan, recorded in Redis before the dispatch (`pdd:request:<id>`, removed by the gateway
    at the end; an instance holding a request no longer recorded drops it), goes back to the
    gateway.
-5. If any dispatch fails, the request is aborted everywhere and the gateway gets an error plan:
-   503 when a role has no alive instance, 429 when every instance of a role is full (each stage
-   holds at most max_running + max_waiting requests and refuses more: bounded queues).
+5. If any dispatch fails, the request is aborted everywhere, its record removed, and the gateway
+   gets an error plan: 503 when a role has no alive instance, 429 when every instance of a role
+   is full (each stage holds at most max_running + max_waiting requests and refuses more:
+   bounded queues).
 """
 
 from __future__ import annotations
@@ -248,17 +249,20 @@ class Scheduler:
         self, sub: Submit, plan: Plan, prefill: InstanceInfo, decoders: list[InstanceInfo], targets: list[KVTarget]
     ) -> None:
         await self._record(plan)  # before any stage holds it: a holder of an unrecorded request drops it
-        acks = await asyncio.gather(
-            *(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)), return_exceptions=True
-        )
         try:
+            acks = await asyncio.gather(
+                *(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)),
+                return_exceptions=True,
+            )
             if failed := [e for e in acks if isinstance(e, BaseException)]:
                 raise failed[0]
             task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan, sub.cache_salt)
             await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
-        except Unreachable:  # planned again: the decoders that took it let go (not an abort, which sticks)
-            for inst in decoders:
-                await self.bus.publish(subjects.decode_drop(inst.id), Abort(sub.request_id, reason="re-planned"))
+        except BaseException as e:
+            if isinstance(e, Unreachable):  # planned again: its decoders let go (not an abort, which sticks)
+                for inst in decoders:
+                    await self.bus.publish(subjects.decode_drop(inst.id), Abort(sub.request_id, reason="re-planned"))
+            await self._unrecord(plan.request_id)  # a re-plan records itself again; an error plan leaves nothing
             raise
 
     async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:
@@ -298,6 +302,14 @@ class Scheduler:
             await self.registry.set_request(plan.request_id, fields, ttl_s=self.cfg.timeouts.request_s)
         except Exception as e:  # request state is for observability; serving goes on without it
             log.warning("could not record request %s: %s", plan.request_id, e)
+
+    async def _unrecord(self, request_id: str) -> None:
+        """Remove the record of a plan whose dispatch failed: no one else would (a migrating
+        gateway retries under a new attempt id and forgets only the last one)."""
+        try:
+            await self.registry.delete_request(request_id)
+        except Exception as e:  # it expires after timeouts.request_s
+            log.warning("could not delete the record of %s: %s", request_id, e)
 
     def _remember(self, plan: Plan) -> None:
         now = time.monotonic()

@@ -1,0 +1,77 @@
+"""The scheduler's dispatch and the request records it writes (`pdd:request:<id>`), against a real
+redis-server, with the stages answering on an in-memory bus: a plan whose dispatch fails leaves
+no record behind (a migrating gateway retries under new attempt ids and forgets only the last
+one, so a record left here stayed until its TTL; the soak found one after a 429 retry)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.service import Scheduler
+from shared import subjects
+from shared.config import load_config
+from shared.messages import Ack, DecodeTask, InstanceInfo, PrefillTask, Sampling, Submit
+from tests.fakes import InMemoryNats
+
+FLEET = [InstanceInfo("prefill-0", "prefill", "A"), InstanceInfo("md-0", "md", "B")]
+
+
+@pytest.fixture
+async def scheduler(registry):
+    for info in FLEET:
+        info.total_blocks = info.free_blocks = 1024
+        await registry.heartbeat(info)
+    sched = Scheduler(load_config(None))
+    sched.bus, sched.registry = InMemoryNats().client("scheduler"), registry
+    yield sched
+    await sched.bus.close()
+
+
+async def answer(sched: Scheduler, instance_id: str, msg_type: type, ack: Ack) -> None:
+    """The instance answers each of its tasks with `ack` (for the task's request)."""
+
+    async def on_task(task):
+        return Ack(task.request_id, ack.ok, ack.error, ack.busy)
+
+    subject = (subjects.prefill_task if msg_type is PrefillTask else subjects.decode_task)(instance_id)
+    await sched.bus.server.client(instance_id).serve(subject, msg_type, on_task)
+
+
+def submit(request_id: str) -> Submit:
+    return Submit(request_id, list(range(40)), Sampling(max_tokens=8), pipeline="p-md")
+
+
+async def test_a_dispatched_plan_is_recorded(scheduler, registry):
+    await answer(scheduler, "md-0", DecodeTask, Ack(""))
+    await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
+    plan = await scheduler.on_submit(submit("cmpl-1"))
+    assert not plan.error and (plan.prefill, plan.md) == ("prefill-0", "md-0")
+    assert await registry.request_ids() == ["cmpl-1"]  # the gateway removes it when the request ends
+
+
+@pytest.mark.parametrize("refuser", ["md-0", "prefill-0"])
+async def test_a_refused_dispatch_leaves_no_record(scheduler, registry, refuser):
+    full = Ack("", ok=False, error="full", busy=True)
+    await answer(scheduler, "md-0", DecodeTask, full if refuser == "md-0" else Ack(""))
+    await answer(scheduler, "prefill-0", PrefillTask, full if refuser == "prefill-0" else Ack(""))
+    plan = await scheduler.on_submit(submit("cmpl-2.m1"))
+    assert plan.status == 429 and "full" in plan.error
+    assert await registry.request_ids() == []
+
+
+async def test_a_plan_around_an_unreachable_instance_is_recorded_once_without_it(scheduler, registry):
+    await registry.heartbeat(InstanceInfo("md-1", "md", "B", total_blocks=1024, free_blocks=1024))
+    await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
+    await answer(scheduler, "md-1", DecodeTask, Ack(""))  # md-0 has no responder: dead, heartbeat not expired
+    plan = await scheduler.on_submit(submit("cmpl-3"))
+    assert not plan.error and plan.md == "md-1"
+    assert await registry.request_ids() == ["cmpl-3"]
+    assert (await registry.r.hgetall("pdd:request:cmpl-3"))["md"] == "md-1"  # the re-plan's record
+
+
+async def test_an_unreachable_prefill_leaves_no_record(scheduler, registry):
+    await answer(scheduler, "md-0", DecodeTask, Ack(""))  # prefill-0 has no responder
+    plan = await scheduler.on_submit(submit("cmpl-4"))
+    assert plan.status == 503 and "prefill" in plan.error
+    assert [m.request_id for m in scheduler.bus.server.sent(subjects.decode_drop("md-0"))] == ["cmpl-4"]
+    assert await registry.request_ids() == []
