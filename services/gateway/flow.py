@@ -1,7 +1,8 @@
 """One request's life in the gateway, from submit to the last text delta.
 
 1. Subscribe to `pdd.tokens.<id>` first, so no token can be missed, then submit to the
-   scheduler (request-reply with a timeout). An error plan becomes an HTTP error.
+   scheduler (request-reply with a timeout). An error plan becomes an HTTP error. A submission
+   the gateway stops waiting for (timeout, client gone) is aborted: it may still be dispatched.
 2. Token chunks arrive from whichever decoder holds the request (relay, then main); they are
    put in index order and de-duplicated, detokenized incrementally, and cut at stop strings.
 3. The stream ends when the final chunk and every token before it have arrived; the last
@@ -97,12 +98,22 @@ class RequestFlow:
         try:
             plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
         except BusTimeout as e:
+            await self._abandon(submit.request_id)
             raise APIError(503, f"scheduler unavailable: {e}", type="service_unavailable") from None
+        except asyncio.CancelledError:  # the client left while its request was being planned
+            await asyncio.shield(self._abandon(submit.request_id))
+            raise
         if plan.status == 429:  # a stage's bounded queue is full everywhere: come back shortly
             raise APIError(429, plan.error, type="rate_limit_error", code="overloaded")
         if plan.error:
             raise APIError(plan.status, plan.error, type="service_unavailable")
         return plan
+
+    async def _abandon(self, attempt_id: str) -> None:
+        """The scheduler may still dispatch a submission the gateway stopped waiting for: abort it
+        (a stage refuses a task after its abort, or drops it) and forget its record."""
+        await self.gw.bus.publish(subjects.ABORT, Abort(attempt_id, reason="the gateway stopped waiting for its plan"))
+        await self.gw.forget_request(attempt_id)
 
     # -- 2./3. tokens -> text ---------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[Delta]:

@@ -13,7 +13,8 @@ Lifecycle of a request here:
    Then prefill gets a `PrefillTask` with the KV targets: each decoder's advertised endpoint
    and a fresh transfer token that only that decoder expects for this request.
 4. The plan, recorded in Redis before the dispatch (`pdd:request:<id>`, removed by the gateway
-   at the end; an instance holding a request no longer recorded drops it), goes back to the
+   at the end and by the scheduler when the request is aborted, after its dispatch if the abort
+   came during it; an instance holding a request no longer recorded drops it), goes back to the
    gateway.
 5. If any dispatch fails, the request is aborted everywhere, its record removed, and the gateway
    gets an error plan: 503 when a role has no alive instance, 429 when every instance of a role
@@ -90,6 +91,7 @@ class Scheduler:
         self.plans: dict[str, tuple[float, Plan]] = {}
         self.plan_memory_s = 4 * 3 * cfg.timeouts.control_s
         self.dispatched = Dispatched()
+        self.planning: dict[str, bool] = {}  # request id -> aborted while it was being planned
         self.backlog = WanBacklog(max_age_s=cfg.timeouts.request_s)  # KV on the line, by request
         self.unreachable: dict[str, float] = {}  # instance -> when it failed to answer (wall clock)
         self.metrics = Metrics(model_name(cfg.model), "scheduler")
@@ -132,8 +134,13 @@ class Scheduler:
         self._settle(sample.request_id)
 
     async def on_abort(self, msg: Abort) -> None:
-        if not msg.keep_kv:  # finished on the relay: md's KV still crosses, settled when it lands
-            self._settle(msg.request_id)  # an aborted request's KV stops crossing (the decoder cancels it)
+        if msg.keep_kv:  # finished on the relay: md's KV still crosses, settled when it lands
+            return
+        self._settle(msg.request_id)  # an aborted request's KV stops crossing (the decoder cancels it)
+        if msg.request_id in self.planning:  # its record may not be written yet: removed after the dispatch
+            self.planning[msg.request_id] = True
+        else:  # the gateway removes it too, but may have done so before a late dispatch wrote it
+            await self._unrecord(msg.request_id)
 
     def _settle(self, request_id: str) -> None:
         if request_id and self.backlog.settle(request_id):
@@ -148,8 +155,12 @@ class Scheduler:
         if sub.request_id in self.plans:
             return self.plans[sub.request_id][1]
         t0 = time.monotonic()
+        self.planning[sub.request_id] = False
         try:
             plan = await self._plan_around_the_dead(sub)
+            if self.planning[sub.request_id]:  # the gateway gave up on it meanwhile; the stages dropped it
+                await self._unrecord(sub.request_id)
+                plan = Plan(sub.request_id, error="aborted while it was being dispatched", status=503)
         except NoCapacity as e:  # Saturated: 429
             plan = Plan(sub.request_id, error=str(e), status=e.status)
         except DispatchError as e:  # Busy: 429
@@ -159,6 +170,8 @@ class Scheduler:
             log.warning("planning %s failed: %s", sub.request_id, e)
             await self.bus.publish(subjects.ABORT, Abort(sub.request_id, reason=f"planning failed: {e}"))
             return Plan(sub.request_id, error=f"scheduler could not plan the request: {e}", status=503)
+        finally:
+            self.planning.pop(sub.request_id, None)
         plan.queue_ms = (time.monotonic() - t0) * 1000
         if plan.error:
             self.refused.labels(status=str(plan.status)).inc()

@@ -1,16 +1,19 @@
 """The scheduler's dispatch and the request records it writes (`pdd:request:<id>`), against a real
 redis-server, with the stages answering on an in-memory bus: a plan whose dispatch fails leaves
 no record behind (a migrating gateway retries under new attempt ids and forgets only the last
-one, so a record left here stayed until its TTL; the soak found one after a 429 retry)."""
+one, so a record left here stayed until its TTL; the soak found one after a 429 retry), and an
+abort removes the record, even one that lands while the plan is still being dispatched."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from services.scheduler.service import Scheduler
 from shared import subjects
 from shared.config import load_config
-from shared.messages import Ack, DecodeTask, InstanceInfo, PrefillTask, Sampling, Submit
+from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, PrefillTask, Sampling, Submit
 from tests.fakes import InMemoryNats
 
 FLEET = [InstanceInfo("prefill-0", "prefill", "A"), InstanceInfo("md-0", "md", "B")]
@@ -75,3 +78,41 @@ async def test_an_unreachable_prefill_leaves_no_record(scheduler, registry):
     assert plan.status == 503 and "prefill" in plan.error
     assert [m.request_id for m in scheduler.bus.server.sent(subjects.decode_drop("md-0"))] == ["cmpl-4"]
     assert await registry.request_ids() == []
+
+
+async def test_an_abort_during_the_dispatch_removes_the_record_after_it(scheduler, registry):
+    """The gateway gave up on a plan (timeout, client gone) and aborted it while md-0 was still
+    taking its task: the record written before the dispatch must not outlive it."""
+    md_may_answer = asyncio.Event()
+
+    async def on_task(task):
+        await md_may_answer.wait()
+        return Ack(task.request_id)
+
+    await scheduler.bus.server.client("md-0").serve(subjects.decode_task("md-0"), DecodeTask, on_task)
+    await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
+    planning = asyncio.create_task(scheduler.on_submit(submit("cmpl-5")))
+    await until(lambda: scheduler.bus.server.sent(subjects.decode_task("md-0")))
+    assert await registry.request_ids() == ["cmpl-5"]  # recorded before the dispatch
+    await scheduler.on_abort(Abort("cmpl-5", reason="the gateway stopped waiting for its plan"))
+    md_may_answer.set()
+    plan = await planning
+    assert plan.status == 503 and "aborted" in plan.error
+    assert await registry.request_ids() == []
+
+
+async def test_an_abort_after_the_dispatch_removes_the_record(scheduler, registry):
+    await answer(scheduler, "md-0", DecodeTask, Ack(""))
+    await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
+    for rid in ("cmpl-6", "cmpl-7"):
+        assert not (await scheduler.on_submit(submit(rid))).error
+    await scheduler.on_abort(Abort("cmpl-6", keep_kv=True))  # finished on the relay: md still takes its KV
+    await scheduler.on_abort(Abort("cmpl-7"))
+    assert await registry.request_ids() == ["cmpl-6"]
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)

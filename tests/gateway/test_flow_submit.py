@@ -1,0 +1,85 @@
+"""Submitting a request to the scheduler (`RequestFlow.start`), with the scheduler on an in-memory
+bus: a submission the gateway stops waiting for (its plan timed out, or the client left while it
+was planned) is aborted and its record forgotten, since the scheduler may still dispatch it; an
+answered error plan is not (the scheduler has cleaned up after it)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from services.gateway.auth import OPEN
+from services.gateway.flow import RequestFlow
+from services.gateway.openai_api import APIError, ParsedRequest
+from shared import subjects
+from shared.config import load_config
+from shared.messages import Plan, Sampling, Submit
+from tests.fakes import InMemoryNats
+
+CONTROL_S = 0.05  # the gateway waits 3x this for a plan
+
+
+@pytest.fixture
+async def nats():
+    server = InMemoryNats()
+    yield server
+    for task in list(server.tasks):
+        task.cancel()
+
+
+async def flow(nats: InMemoryNats, on_submit) -> RequestFlow:
+    """A flow whose gateway talks to a scheduler answering with `on_submit`."""
+    cfg = load_config(None)
+    cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, control_s=CONTROL_S))
+    forgotten: list[str] = []
+
+    async def forget_request(request_id: str) -> None:
+        forgotten.append(request_id)
+
+    await nats.client("scheduler").serve(subjects.SUBMIT, Submit, on_submit)
+    gw = SimpleNamespace(cfg=cfg, bus=nats.client("gateway"), cache_salt=lambda key: "", forget_request=forget_request)
+    parsed = ParsedRequest(kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=5))
+    f = RequestFlow(gw, parsed, OPEN, "cmpl-submit")
+    f.forgotten = forgotten
+    return f
+
+
+async def never_answers(sub: Submit) -> Plan:
+    await asyncio.Event().wait()
+
+
+def aborts(nats: InMemoryNats) -> list[str]:
+    return [m.request_id for m in nats.sent(subjects.ABORT)]
+
+
+async def test_a_plan_that_times_out_is_aborted(nats):
+    f = await flow(nats, never_answers)
+    with pytest.raises(APIError) as e:
+        await f.start()
+    assert e.value.status == 503 and "scheduler unavailable" in e.value.message
+    assert aborts(nats) == ["cmpl-submit"] and f.forgotten == ["cmpl-submit"]
+
+
+async def test_a_client_gone_while_planned_aborts_the_submission(nats):
+    f = await flow(nats, never_answers)
+    starting = asyncio.create_task(f.start())
+    while not nats.sent(subjects.SUBMIT):  # the scheduler has it
+        await asyncio.sleep(0.001)
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert aborts(nats) == ["cmpl-submit"] and f.forgotten == ["cmpl-submit"]
+
+
+async def test_an_error_plan_is_not_aborted_again(nats):
+    async def full(sub: Submit) -> Plan:
+        return Plan(sub.request_id, error="md-0 refused: full", status=429)
+
+    f = await flow(nats, full)
+    with pytest.raises(APIError) as e:
+        await f.start()
+    assert e.value.status == 429
+    assert aborts(nats) == [] and f.forgotten == []
