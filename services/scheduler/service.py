@@ -159,6 +159,7 @@ class Scheduler:
         try:
             plan = await self._plan_around_the_dead(sub)
             if self.planning[sub.request_id]:  # the gateway gave up on it meanwhile; the stages dropped it
+                self._settle(sub.request_id)  # its KV was counted on the line after the abort settled it
                 await self._unrecord(sub.request_id)
                 plan = Plan(sub.request_id, error="aborted while it was being dispatched", status=503)
         except NoCapacity as e:  # Saturated: 429
@@ -317,8 +318,8 @@ class Scheduler:
             log.warning("could not record request %s: %s", plan.request_id, e)
 
     async def _unrecord(self, request_id: str) -> None:
-        """Remove the record of a plan whose dispatch failed: no one else would (a migrating
-        gateway retries under a new attempt id and forgets only the last one)."""
+        """Remove a request's record: its dispatch failed (no one else would: a migrating gateway
+        retries under a new attempt id and forgets only the last one), or it was aborted."""
         try:
             await self.registry.delete_request(request_id)
         except Exception as e:  # it expires after timeouts.request_s

@@ -7,6 +7,7 @@ abort removes the record, even one that lands while the plan is still being disp
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -99,6 +100,26 @@ async def test_an_abort_during_the_dispatch_removes_the_record_after_it(schedule
     plan = await planning
     assert plan.status == 503 and "aborted" in plan.error
     assert await registry.request_ids() == []
+    assert scheduler.backlog.total(time.monotonic()) == 0  # none of its KV is on the line
+
+
+async def test_an_abort_before_the_kv_is_counted_on_the_line_leaves_none_counted(scheduler, registry, monkeypatch):
+    """The abort lands while the scheduler reads the fleet, before it counts the plan's KV on the
+    WAN; the stages (which took the tasks before the abort reached them) drop it."""
+    await answer(scheduler, "md-0", DecodeTask, Ack(""))
+    await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
+    read_fleet = registry.alive
+
+    async def alive_then_aborted():
+        fleet = await read_fleet()
+        await scheduler.on_abort(Abort("cmpl-8"))
+        return fleet
+
+    monkeypatch.setattr(registry, "alive", alive_then_aborted)
+    plan = await scheduler.on_submit(submit("cmpl-8"))
+    assert plan.status == 503 and "aborted" in plan.error
+    assert await registry.request_ids() == []
+    assert scheduler.backlog.total(time.monotonic()) == 0
 
 
 async def test_an_abort_after_the_dispatch_removes_the_record(scheduler, registry):
