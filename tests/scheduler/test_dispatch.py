@@ -17,13 +17,14 @@ from shared.config import load_config
 from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, PrefillTask, Sampling, Submit
 from tests.fakes import InMemoryNats
 
-FLEET = [InstanceInfo("prefill-0", "prefill", "A"), InstanceInfo("md-0", "md", "B")]
+
+def instance(instance_id: str, role: str, dc: str) -> InstanceInfo:
+    return InstanceInfo(instance_id, role, dc, total_blocks=1024, free_blocks=1024)
 
 
 @pytest.fixture
 async def scheduler(registry):
-    for info in FLEET:
-        info.total_blocks = info.free_blocks = 1024
+    for info in (instance("prefill-0", "prefill", "A"), instance("md-0", "md", "B")):
         await registry.heartbeat(info)
     sched = Scheduler(load_config(None))
     sched.bus, sched.registry = InMemoryNats().client("scheduler"), registry
@@ -64,7 +65,7 @@ async def test_a_refused_dispatch_leaves_no_record(scheduler, registry, refuser)
 
 
 async def test_a_plan_around_an_unreachable_instance_is_recorded_once_without_it(scheduler, registry):
-    await registry.heartbeat(InstanceInfo("md-1", "md", "B", total_blocks=1024, free_blocks=1024))
+    await registry.heartbeat(instance("md-1", "md", "B"))
     await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
     await answer(scheduler, "md-1", DecodeTask, Ack(""))  # md-0 has no responder: dead, heartbeat not expired
     plan = await scheduler.on_submit(submit("cmpl-3"))
