@@ -1,9 +1,11 @@
 """Factories shared by the tests: a reference `generate()`, a runtime built around a model,
-and a loop that runs the engine to completion."""
+a loop that runs the engine to completion, and a poll for state on an event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from collections.abc import Callable
 
 import torch
 
@@ -108,3 +110,13 @@ class Reference:
         if stops and greedy[len(tokens)] not in self.eos:
             return None
         return tokens + greedy[len(tokens) : n]
+
+
+async def until(predicate: Callable[[], object], timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll `predicate` on the running event loop until true; fail the test after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.002)

@@ -18,8 +18,9 @@ from shared import subjects
 from shared.config import load_config
 from shared.messages import Plan, Sampling, Submit
 from tests.fakes import InMemoryNats
+from tests.helpers import until
 
-CONTROL_S = 0.05  # the gateway waits 3x this for a plan
+SHORT_CONTROL_S = 0.05  # the gateway waits 3x this for a plan: for the test that waits it out
 
 
 @pytest.fixture
@@ -30,10 +31,13 @@ async def nats():
         task.cancel()
 
 
-async def flow(nats: InMemoryNats, on_submit) -> RequestFlow:
-    """A flow whose gateway talks to a scheduler answering with `on_submit`."""
+async def flow(nats: InMemoryNats, on_submit, control_s: float | None = None) -> tuple[RequestFlow, list[str]]:
+    """A flow whose gateway talks to a scheduler answering with `on_submit`, and the request ids
+    its gateway forgets. Only a test that waits for the timeout shortens it (`control_s`); the
+    others keep the default, so a slow machine cannot turn their reply into a timeout."""
     cfg = load_config(None)
-    cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, control_s=CONTROL_S))
+    if control_s is not None:
+        cfg = dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, control_s=control_s))
     forgotten: list[str] = []
 
     async def forget_request(request_id: str) -> None:
@@ -42,9 +46,7 @@ async def flow(nats: InMemoryNats, on_submit) -> RequestFlow:
     await nats.client("scheduler").serve(subjects.SUBMIT, Submit, on_submit)
     gw = SimpleNamespace(cfg=cfg, bus=nats.client("gateway"), cache_salt=lambda key: "", forget_request=forget_request)
     parsed = ParsedRequest(kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=5))
-    f = RequestFlow(gw, parsed, OPEN, "cmpl-submit")
-    f.forgotten = forgotten
-    return f
+    return RequestFlow(gw, parsed, OPEN, "cmpl-submit"), forgotten
 
 
 async def never_answers(sub: Submit) -> Plan:
@@ -56,30 +58,29 @@ def aborts(nats: InMemoryNats) -> list[str]:
 
 
 async def test_a_plan_that_times_out_is_aborted(nats):
-    f = await flow(nats, never_answers)
+    f, forgotten = await flow(nats, never_answers, control_s=SHORT_CONTROL_S)
     with pytest.raises(APIError) as e:
         await f.start()
     assert e.value.status == 503 and "scheduler unavailable" in e.value.message
-    assert aborts(nats) == ["cmpl-submit"] and f.forgotten == ["cmpl-submit"]
+    assert aborts(nats) == ["cmpl-submit"] and forgotten == ["cmpl-submit"]
 
 
 async def test_a_client_gone_while_planned_aborts_the_submission(nats):
-    f = await flow(nats, never_answers)
+    f, forgotten = await flow(nats, never_answers)
     starting = asyncio.create_task(f.start())
-    while not nats.sent(subjects.SUBMIT):  # the scheduler has it
-        await asyncio.sleep(0.001)
+    await until(lambda: nats.sent(subjects.SUBMIT), what="the scheduler to have it")
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
-    assert aborts(nats) == ["cmpl-submit"] and f.forgotten == ["cmpl-submit"]
+    assert aborts(nats) == ["cmpl-submit"] and forgotten == ["cmpl-submit"]
 
 
 async def test_an_error_plan_is_not_aborted_again(nats):
     async def full(sub: Submit) -> Plan:
         return Plan(sub.request_id, error="md-0 refused: full", status=429)
 
-    f = await flow(nats, full)
+    f, forgotten = await flow(nats, full)
     with pytest.raises(APIError) as e:
         await f.start()
     assert e.value.status == 429
-    assert aborts(nats) == [] and f.forgotten == []
+    assert aborts(nats) == [] and forgotten == []

@@ -15,11 +15,19 @@ from services.scheduler.service import Scheduler
 from shared import subjects
 from shared.config import load_config
 from shared.messages import Abort, Ack, DecodeTask, InstanceInfo, PrefillTask, Sampling, Submit
+from shared.registry import Registry
 from tests.fakes import InMemoryNats
+from tests.helpers import until
 
 
 def instance(instance_id: str, role: str, dc: str) -> InstanceInfo:
     return InstanceInfo(instance_id, role, dc, total_blocks=1024, free_blocks=1024)
+
+
+@pytest.fixture
+async def registry(registry):
+    """The redis-server's registry with heartbeats that outlive any test, however slow the machine."""
+    return Registry(registry.r, ttl_s=600.0)
 
 
 @pytest.fixture
@@ -94,7 +102,7 @@ async def test_an_abort_during_the_dispatch_removes_the_record_after_it(schedule
     await scheduler.bus.server.client("md-0").serve(subjects.decode_task("md-0"), DecodeTask, on_task)
     await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
     planning = asyncio.create_task(scheduler.on_submit(submit("cmpl-5")))
-    await until(lambda: scheduler.bus.server.sent(subjects.decode_task("md-0")))
+    await until(lambda: scheduler.bus.server.sent(subjects.decode_task("md-0")), what="md-0's task")
     assert await registry.request_ids() == ["cmpl-5"]  # recorded before the dispatch
     await scheduler.on_abort(Abort("cmpl-5", reason="the gateway stopped waiting for its plan"))
     md_may_answer.set()
@@ -131,10 +139,3 @@ async def test_an_abort_after_the_dispatch_removes_the_record(scheduler, registr
     await scheduler.on_abort(Abort("cmpl-6", keep_kv=True))  # finished on the relay: md still takes its KV
     await scheduler.on_abort(Abort("cmpl-7"))
     assert await registry.request_ids() == ["cmpl-6"]
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.005)

@@ -33,20 +33,12 @@ from shared.kv_transport import (
 )
 from shared.runtime.kv_wire import layer_bytes
 from shared.security import Secrets
+from tests.helpers import until
 
 KV = {"start": 0, "end": 8, "kv_heads": 2, "head_dim": 16, "dtype": "float32", "num_layers": 3}
 LAYER = layer_bytes(8, 2, 16, "float32", "native")  # 2048: K and V of 8 tokens
 TOKEN = "minted-for-req-1"
 DONE = {"first_token": 7, "stats": {"n": 1}}
-
-
-async def until(predicate, timeout: float = 5.0, what: str = "the condition") -> None:
-    """Wait for `predicate` (a condition on the receiver's state), failing after `timeout`."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class Rig:

@@ -16,21 +16,13 @@ from services.wanlink import Forward, WanLink
 from shared.bus import Bus
 from shared.config import WanConfig, config_from_dict
 from shared.security import Secrets
+from tests.helpers import until
 
 Side = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 def now() -> float:
     return asyncio.get_running_loop().time()
-
-
-async def until(predicate: Callable[[], object], timeout: float = 10.0, what: str = "the condition") -> None:
-    """Poll `predicate` until true; fail the test after `timeout` seconds."""
-    deadline = now() + timeout
-    while not predicate():
-        if now() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 @dataclass
