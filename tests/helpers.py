@@ -90,11 +90,14 @@ class Reference:
             self.verified += 1
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    @torch.inference_mode()
     def verify(self, prompt_ids: list[int], max_tokens: int, draft: str) -> list[int] | None:
         """The draft's tokens (EOS appended where generation stops there) if greedy generation
         of `max_tokens` would produce exactly them; None when that is not shown."""
-        tokens = self.tokenizer(draft, add_special_tokens=False)["input_ids"]
+        return self.verify_tokens(prompt_ids, max_tokens, self.tokenizer(draft, add_special_tokens=False)["input_ids"])
+
+    @torch.inference_mode()
+    def verify_tokens(self, prompt_ids: list[int], max_tokens: int, tokens: list[int]) -> list[int] | None:
+        """`verify` for a draft of token ids (no tokenizer needed)."""
         if not 0 < len(tokens) <= max_tokens or self.eos & set(tokens):
             return None
         stops = len(tokens) < max_tokens  # then the next token must be EOS

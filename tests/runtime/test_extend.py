@@ -8,18 +8,31 @@ import torch
 
 from shared.runtime.kv_payload import export_kv
 from shared.runtime.sequence import Sequence
-from tests.helpers import greedy, make_engine, random_prompts, reference_generate, run_to_completion
+from tests.helpers import Reference, greedy, make_engine, random_prompts, reference_generate, run_to_completion
 
 
-def _prefilled(engine, prompt: list[int], k: int) -> Sequence:
+def _prefilled(engine, prompt: list[int], k: int) -> tuple[Sequence, int]:
+    """The prompt prefilled, with room for k more tokens; and its greedy next token."""
     s = Sequence("s", list(prompt), greedy(k + 1))
     s.block_table = engine.pool.allocator.allocate(engine.pool.blocks_for(len(prompt) + k + 1))
-    engine.runner.forward([(s, len(prompt))])
+    first = int(engine.runner.forward([(s, len(prompt))]).logits[0].argmax())
     s.num_computed = len(prompt)
-    return s
+    return s, first
 
 
 CASES = [("tiny", k) for k in (1, 16, 64, 100)] + [("smol", k) for k in (1, 16, 64, 100)]
+
+
+def _decode_steps(engine, prompt: list[int], k: int, tokens: list[int] | None = None) -> tuple[Sequence, list[int]]:
+    """The prompt's prefill, then k decode steps fed `tokens` (None: the runtime's own greedy
+    choices); returns the sequence and the k + 1 tokens the forwards predicted."""
+    s, first = _prefilled(engine, prompt, k)
+    predicted = [first]
+    for i in range(k):
+        s.token_ids.append(tokens[i] if tokens is not None else predicted[-1])
+        predicted.append(int(engine.runner.forward([(s, 1)]).logits[0].argmax()))
+        s.num_computed += 1
+    return s, predicted
 
 
 @pytest.mark.parametrize("model_name, k", CASES)
@@ -27,19 +40,21 @@ def test_extend_matches_decode_steps(request, model_name, k):
     model = request.getfixturevalue(model_name)
     ref = request.getfixturevalue(f"{model_name}_ref")
     [prompt] = random_prompts(model.config.vocab_size, [37], seed=k)
-    expected = reference_generate(ref, prompt, k + 1)
+    # the reference's greedy k + 1 tokens: the decode steps' own, where one forward of the reference
+    # shows they are (tests/helpers.py Reference); otherwise generated, and the steps rerun on them
+    decode_engine = make_engine(model)
+    dec, drafted = _decode_steps(decode_engine, prompt, k)
+    expected = Reference(ref, tokenizer=None).verify_tokens(prompt, k + 1, drafted)
+    if expected is None:
+        expected = reference_generate(ref, prompt, k + 1)
+        decode_engine = make_engine(model)
+        dec, _ = _decode_steps(decode_engine, prompt, k, expected)
 
-    extend_engine, decode_engine = make_engine(model), make_engine(model)
-    ext = _prefilled(extend_engine, prompt, k)
+    extend_engine = make_engine(model)
+    ext, _ = _prefilled(extend_engine, prompt, k)
     ext.token_ids += expected[:k]
     result = extend_engine.runner.forward([(ext, k)])  # ONE forward for all k tokens
     assert int(result.logits[0].argmax()) == expected[k]
-
-    dec = _prefilled(decode_engine, prompt, k)
-    for t in expected[:k]:
-        dec.token_ids.append(t)
-        decode_engine.runner.forward([(dec, 1)])
-        dec.num_computed += 1
 
     n = len(prompt) + k
     a = export_kv(extend_engine.pool, ext.block_table, 0, n)
