@@ -174,9 +174,12 @@ def test_with_the_line_down_site_a_serves_alone_and_main_decode_returns(cluster,
     """A steady stream of requests; the line goes down for 11 s and comes back. None fails;
     during the outage new requests finish in datacenter A (the relay); after it, main-decode
     serves again within two heartbeat TTLs."""
+    ttl = cluster.cfg.heartbeat_ttl_s
     results, down_at, up_at = [], 0.0, 0.0
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = []
+    # the probe for main-decode's return starts beside the load once the line is up: it must not
+    # wait for the load's last requests to finish (seconds, on a slow machine)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool, concurrent.futures.ThreadPoolExecutor(1) as probe:
+        futures, back = [], None
         t0 = time.monotonic()
         while time.monotonic() - t0 < 17:
             elapsed = time.monotonic() - t0
@@ -186,13 +189,15 @@ def test_with_the_line_down_site_a_serves_alone_and_main_decode_returns(cluster,
             if down_at and not up_at and elapsed > 14:
                 operator.wan(down=False)
                 up_at = time.monotonic()
+                back = probe.submit(_until_md_serves, cluster, up_at + 2 * ttl + 5)
             futures.append(pool.submit(_auto, cluster.url, len(futures)))
             time.sleep(0.5)
         results = [f.result() for f in futures]  # stream_completion raises on any failure
-    ttl = cluster.cfg.heartbeat_ttl_s
+        # the first request sent after the line was up that main-decode served: the load's, every
+        # 0.5 s for 3 s, or the probe's (one at a time, each slow under the load)
+        back = min([r["sent"] for r in results if r["sent"] > up_at and r["pdd"]["instances"]["md"]] + [back.result()])
     during = [r for r in results if down_at + ttl + 2 < r["sent"] < up_at - 1]
     assert during and all(r["pdd"]["instances"]["md"] == "" for r in during), [r["pdd"]["plan_reason"] for r in during]
-    back = _until_md_serves(cluster, up_at + 2 * ttl + 5)
     print(
         f"\n{len(results)} requests, none failed; {len(during)} served in A alone; "
         f"main-decode back {back - up_at:.1f} s after the line"
