@@ -79,7 +79,8 @@ class Gateway:
     def admit(self, parsed: ParsedRequest, key: Key = OPEN, request_id: str = "") -> RequestFlow:
         self.check_capacity()
         self.keys.admit(key, len(parsed.prompt_ids))
-        flow = RequestFlow(self, parsed, key, request_id)
+        # a client's own id, unless a request with it came in while this one was read and parsed
+        flow = RequestFlow(self, parsed, key, "" if request_id in self.inflight else request_id)
         self.inflight[flow.request_id] = flow
         self.metrics.running.set(len(self.inflight))
         return flow

@@ -1,7 +1,8 @@
 """Submitting a request to the scheduler (`RequestFlow.start`), with the scheduler on an in-memory
 bus: a submission the gateway stops waiting for (its plan timed out, or the client left while it
 was planned) is aborted and its record forgotten, since the scheduler may still dispatch it; an
-answered error plan is not (the scheduler has cleaned up after it)."""
+answered error plan is not (the scheduler has cleaned up after it). Two requests given one id
+by their client each keep a flow of their own."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from services.gateway.auth import OPEN
 from services.gateway.flow import RequestFlow
+from services.gateway.gateway import Gateway
 from services.gateway.openai_api import APIError, ParsedRequest
 from shared import subjects
 from shared.config import load_config
@@ -84,3 +86,20 @@ async def test_an_error_plan_is_not_aborted_again(nats):
         await f.start()
     assert e.value.status == 429
     assert aborts(nats) == [] and forgotten == []
+
+
+async def test_two_requests_with_one_client_id_each_keep_their_own_flow():
+    """The front door checks a client's X-Request-Id before reading the body; a second request
+    with the same id can pass that check while the first is read. Admission gives it a fresh id,
+    so neither flow replaces the other in the gateway's table (where it would be neither aborted
+    nor released), and releasing one leaves the other."""
+    gw = Gateway(load_config(None))
+    gw.forget_request = lambda request_id: asyncio.sleep(0)  # no Redis behind this test
+    parsed = ParsedRequest(kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=5))
+    first, second = gw.admit(parsed, OPEN, "client-7"), gw.admit(parsed, OPEN, "client-7")
+    assert first.request_id == "client-7" and second.request_id not in ("", "client-7")
+    assert gw.inflight == {"client-7": first, second.request_id: second}
+    await gw.release(first)
+    assert gw.inflight == {second.request_id: second}
+    await gw.release(second)
+    assert gw.inflight == {} and gw.admit(parsed, OPEN, "client-7").request_id == "client-7"
