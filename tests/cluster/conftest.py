@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import time
 import uuid
 
@@ -233,6 +234,12 @@ def completion(url: str, body: dict, timeout: float = 120) -> dict:
     r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def in_flight(url: str) -> int:
+    """Requests admitted at the gateway at `url` and not finished (its pdd:num_requests_running)."""
+    text = httpx.get(url + "/metrics").text
+    return int(float(re.search(r"^pdd:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
 
 
 class Operator:

@@ -11,18 +11,12 @@ import httpx
 import psutil
 import pytest
 
-from tests.cluster.conftest import fresh_prompt, stream_completion, tls_overhead
+from tests.cluster.conftest import fresh_prompt, in_flight, stream_completion, tls_overhead
 from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-
-
-def _in_flight(cluster) -> int:
-    """Requests admitted at the gateway and not finished (its pdd:num_requests_running)."""
-    text = httpx.get(cluster.url + "/metrics").text
-    return int(float(re.search(r"^pdd:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -188,7 +182,7 @@ def test_bad_input_is_a_clear_4xx_and_leaves_nothing(cluster, operator, payload,
     assert err["message"] and err["type"]
     if param is not None:
         assert err["param"] == param
-    assert _in_flight(cluster) == 0
+    assert in_flight(cluster.url) == 0
     for inst in cluster.cfg.instances:
         assert operator.inspect(inst.id).requests == []
 
@@ -241,7 +235,7 @@ def test_no_live_instance_of_a_role_is_503_and_health_says_so(cluster, model_id,
         assert r.status_code == 503, r.text
         assert r.json()["error"]["type"] == "service_unavailable" and "prefill" in r.json()["error"]["message"]
         assert refused_s < 5, refused_s  # planned and refused, not waited out
-        assert _in_flight(cluster) == 0
+        assert in_flight(cluster.url) == 0
         assert operator.request_keys() == []
     finally:
         cluster.start_process("prefill-0")

@@ -4,14 +4,13 @@ flooded. Nothing is lost (outputs stay exact, no token duplicated or missing) an
 from __future__ import annotations
 
 import concurrent.futures
-import re
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.cluster.conftest import fresh_prompt, stream_completion
+from tests.cluster.conftest import fresh_prompt, in_flight, stream_completion
 from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
@@ -74,12 +73,6 @@ def test_wan_stall_past_the_deadline_leaves_the_relay_serving(cluster, model_id,
     assert all(s.requests == [] for s in states.values()), states
 
 
-def _in_flight(cluster) -> int:
-    """Requests admitted at the gateway and not finished (its pdd:num_requests_running)."""
-    text = httpx.get(cluster.url + "/metrics").text
-    return int(float(re.search(r"^pdd:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
-
-
 def _timed_stream(url: str, body: dict) -> tuple[str, float]:
     t0 = time.perf_counter()
     text, _, _ = stream_completion(url, body)
@@ -94,8 +87,8 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
     admitted = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(capacity) as pool:
         streams = [pool.submit(_timed_stream, cluster.url + "/v1/completions", admitted) for _ in range(capacity)]
-        until(lambda: _in_flight(cluster) >= capacity, 30, f"{capacity} requests in flight")
-        assert _in_flight(cluster) == capacity
+        until(lambda: in_flight(cluster.url) >= capacity, 30, f"{capacity} requests in flight")
+        assert in_flight(cluster.url) == capacity
         with httpx.Client(timeout=30) as client:
             rejected = []
             for _ in range(10 * capacity):
