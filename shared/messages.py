@@ -82,6 +82,9 @@ def _check(value: Any, tp: Any, where: str) -> Any:
 
 
 # -- requests -------------------------------------------------------------------------------
+MAX_TTFT_SLO_MS = 3_600_000.0  # a request's own TTFT SLO: at most an hour (NaN fails the range too)
+
+
 @dataclass
 class Sampling(Message):
     max_tokens: int = 16
@@ -137,6 +140,11 @@ class Submit(Message):
     avoid: list[str] = field(default_factory=list)  # instances this request must not use (they died)
     cache_salt: str = ""  # the tenant's: its prompts share cached KV only with the same salt
     kv_wire: str | None = None  # forced WAN wire format (an admin's `pdd` override)
+    ttft_slo_ms: float | None = None  # this request's TTFT SLO (an admin's `pdd` override), else the configured
+
+    def __post_init__(self) -> None:
+        if self.ttft_slo_ms is not None and not 0 < self.ttft_slo_ms <= MAX_TTFT_SLO_MS:
+            raise ValueError(f"ttft_slo_ms {self.ttft_slo_ms!r} not in (0, {MAX_TTFT_SLO_MS}]")
 
 
 @dataclass

@@ -4,7 +4,7 @@ Lifecycle of a request here:
 1. The API key is checked (`auth.KeyRing`: 401 without a valid one; `/health` stays open).
    The body is size-checked, parsed and validated off the event loop (`openai_api`): a bad
    request gets an OpenAI-shaped 4xx and nothing is created anywhere. Only admin keys may
-   force a plan (`pdd` overrides): 403 otherwise.
+   steer the plan (`pdd` overrides): 403 otherwise.
 2. Admission: past `max_queue` requests in flight, or past the key's own limits (concurrent
    requests, tokens per minute), the answer is 429 with Retry-After.
 3. `RequestFlow` submits it to the scheduler and turns the token chunks that come back into
@@ -140,10 +140,10 @@ async def _body(request: Request) -> bytes:
 
 
 async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest):
-    if (parsed.pipeline or parsed.handoff or parsed.kv_wire) and not key.admin:
+    if parsed.steers and not key.admin:
         raise APIError(
             403,
-            "only admin keys may force a plan ('pdd' overrides)",
+            "only admin keys may steer the plan ('pdd' overrides)",
             type="permission_error",
             param="pdd",
             code="admin_only",

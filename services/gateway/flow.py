@@ -86,6 +86,7 @@ class RequestFlow:
                     sorted(self.avoid),
                     self.gw.cache_salt(self.key),
                     self.parsed.kv_wire,
+                    self.parsed.ttft_slo_ms,
                 )
             )
         except BaseException:

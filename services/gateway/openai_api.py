@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.messages import Sampling
+from shared.messages import MAX_TTFT_SLO_MS, Sampling
 from shared.model_info import WIRE_FORMATS
 from shared.pipelines import HANDOFFS, PIPELINES, Pipeline, hands_off
 
@@ -91,6 +91,12 @@ class ParsedRequest:
     pipeline: str | None = None  # forced by the client's `pdd` extension, else the policy decides
     handoff: str | None = None
     kv_wire: str | None = None  # forced WAN wire format (admins: `pdd.kv_wire`)
+    ttft_slo_ms: float | None = None  # this request's TTFT SLO (admins: `pdd.ttft_slo_ms`)
+
+    @property
+    def steers(self) -> bool:
+        """It carries a `pdd` override (admin keys only)."""
+        return any(v is not None for v in (self.pipeline, self.handoff, self.kv_wire, self.ttft_slo_ms))
 
 
 def check_body_size(content_length: str | None, received: int | None = None, limit: int = MAX_BODY_BYTES) -> None:
@@ -173,7 +179,7 @@ def _common(obj: Json, kind: str, served_model: str) -> ParsedRequest:
     model = _model(obj.get("model"), served_model)
     _reject_unsupported(obj)
     stream = _bool(obj, "stream")
-    pipeline, handoff, kv_wire = _pdd(obj.get("pdd"))
+    overrides = _pdd(obj.get("pdd"))
     sampling = Sampling(
         temperature=_number(obj, "temperature", DEFAULT_TEMPERATURE, lambda v: 0 <= v <= 2, "in [0, 2]"),
         top_p=_number(obj, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -194,9 +200,7 @@ def _common(obj: Json, kind: str, served_model: str) -> ParsedRequest:
         sampling=sampling,
         stream=stream,
         include_usage=_include_usage(obj.get("stream_options")) and stream,
-        pipeline=pipeline,
-        handoff=handoff,
-        kv_wire=kv_wire,
+        **overrides,
     )
 
 
@@ -241,22 +245,32 @@ def _include_usage(options: Any) -> bool:
     return _bool(options, "include_usage", param="stream_options.include_usage")
 
 
-def _pdd(ext: Any) -> tuple[str | None, str | None, str | None]:
+PDD_OVERRIDES = ("pipeline", "handoff", "kv_wire", "ttft_slo_ms")
+
+
+def _pdd(ext: Any) -> dict[str, Any]:
+    """The `pdd` extension's overrides, as ParsedRequest fields."""
     if ext is None:
-        return None, None, None
+        return {}
     if not isinstance(ext, dict):
         raise invalid(f"'pdd' must be an object, got {_json_type(ext)}", "pdd")
     for key in ext:
-        if key not in ("pipeline", "handoff", "kv_wire"):
-            raise invalid(f"unknown field 'pdd.{key}'; known: pipeline, handoff, kv_wire", f"pdd.{key}")
-    kv_wire = _choice(ext.get("kv_wire"), WIRE_FORMATS, "pdd.kv_wire")
+        if key not in PDD_OVERRIDES:
+            raise invalid(f"unknown field 'pdd.{key}'; known: {', '.join(PDD_OVERRIDES)}", f"pdd.{key}")
     pipeline = _choice(ext.get("pipeline"), PIPELINES, "pdd.pipeline")
     handoff = _choice(ext.get("handoff"), HANDOFFS, "pdd.handoff")
     if handoff is not None and pipeline is not None and not hands_off(pipeline):
         raise invalid(
             f"'pdd.handoff' applies only to pipeline {Pipeline.P_RLD_MD.value}, not {pipeline!r}", "pdd.handoff"
         )
-    return pipeline, handoff, kv_wire
+    slo_rule = f"in (0, {MAX_TTFT_SLO_MS:.0f}] ms"
+    slo = _number(ext, "ttft_slo_ms", None, lambda v: 0 < v <= MAX_TTFT_SLO_MS, slo_rule, "pdd.ttft_slo_ms")
+    return {
+        "pipeline": pipeline,
+        "handoff": handoff,
+        "kv_wire": _choice(ext.get("kv_wire"), WIRE_FORMATS, "pdd.kv_wire"),
+        "ttft_slo_ms": slo,
+    }
 
 
 def _choice(value: Any, allowed: tuple[str, ...], param: str) -> str | None:
@@ -368,15 +382,17 @@ def _int(obj: Json, key: str, default: int | None, ok: Callable[[int], bool] | N
     return value
 
 
-def _number(obj: Json, key: str, default: float, ok: Callable[[float], bool], rule: str) -> float:
+def _number(
+    obj: Json, key: str, default: float | None, ok: Callable[[float], bool], rule: str, param: str | None = None
+) -> float | None:
     """A finite number passing `ok` (described by `rule`), or `default` when absent or null."""
-    value = obj.get(key)
+    value, param = obj.get(key), param or key
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"'{key}' must be a number, got {_json_type(value)} {_show(value)}", key)
+        raise invalid(f"'{param}' must be a number, got {_json_type(value)} {_show(value)}", param)
     if not ok(value):
-        raise invalid(f"'{key}' must be {rule}, got {value}", key)
+        raise invalid(f"'{param}' must be {rule}, got {value}", param)
     return float(value)
 
 

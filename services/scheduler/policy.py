@@ -20,8 +20,9 @@ Pipeline (`config.default_pipeline == "auto"`; first rule that applies, `reason`
 3. No main-decode alive (datacenter B unreachable: the line is down) and a relay alive ->
    `p-rld`: datacenter A serves on its own [no-md-alive].
    No relay alive -> `p-md` [no-relay-alive]; every relay full (see below) -> `p-md` [rld-full].
-4. Estimated TTFT through MD meets `ttft_slo_ms` (typically a high hit: little KV crosses) ->
-   `p-md` [slo-met-md].
+4. Estimated TTFT through MD meets the SLO (typically a high hit: little KV crosses) ->
+   `p-md` [slo-met-md]. The SLO is the request's own when it has one (an admin's
+   `pdd.ttft_slo_ms`: a class of traffic with a tighter or looser target), else `ttft_slo_ms`.
 5. Oscillation guard (RLD admission control): the relay is busy with `rld_slots` requests or
    more (`rld_busy`: running, queued, or planned with the KV on its way) -> `p-md`, paying the
    TTFT penalty rather than piling onto RLD [rld-saturated]. With `guard=False` the request goes to RLD anyway.
@@ -103,6 +104,7 @@ class PlanRequest:
     handoff: str | None = None
     avoid: frozenset[str] = frozenset()  # instances this request already failed on
     kv_wire: str | None = None  # forced WAN wire format
+    ttft_slo_ms: float | None = None  # the request's own TTFT SLO, else the configured one
 
 
 @dataclass(frozen=True)
@@ -163,10 +165,12 @@ class PlanEstimates:
     backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md, relay-finishes)
     rld_busy: int = 0  # relay's busy count (see `rld_busy`) when planned
     wan_backlog_bytes: float = 0.0  # KV on the line ahead of this request's, as the estimates counted it
+    ttft_slo_ms: float = 0.0  # the SLO the estimates were held against
 
     def as_dict(self) -> dict:
         return {
             "ttft_ms": dict(self.ttft_ms),
+            "ttft_slo_ms": self.ttft_slo_ms,
             "wan_mbps": self.wan_mbps,
             "uncached_tokens": self.uncached_tokens,
             "backlog_tokens": self.backlog_tokens,
@@ -330,6 +334,8 @@ def choose_plan(
     wan_mbps: float | None = None,
     wan_backlog_bytes: float = 0.0,
 ) -> Decision:
+    if req.ttft_slo_ms is not None:
+        config = dataclasses.replace(config, ttft_slo_ms=req.ttft_slo_ms)
     wan = Link(wan_mbps or config.wan_mbps, config.wan_delay_ms)
     line = max(wan_backlog_bytes, 0.0) if config.line_backlog else 0.0
     prefill = cheapest(instances, "prefill", req, config)
@@ -364,7 +370,7 @@ def choose_plan(
     elif reason != "relay-finishes":
         backlog = 0  # recorded only where it counted: the handoff, or the relay finishing alone
     starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != "prefill"}
-    estimates = PlanEstimates(ttft, wan.mbps, uncached, backlog, rld_busy(rld) if rld else 0, line)
+    estimates = PlanEstimates(ttft, wan.mbps, uncached, backlog, rld_busy(rld) if rld else 0, line, config.ttft_slo_ms)
     return Decision(
         pipeline=pipeline,
         handoff=handoff,

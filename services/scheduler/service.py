@@ -223,6 +223,7 @@ class Scheduler:
             sub.handoff,
             frozenset(sub.avoid),
             sub.kv_wire,
+            sub.ttft_slo_ms,
         )
         now = time.monotonic()
         d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(now), wan_backlog_bytes=self.backlog.total(now))

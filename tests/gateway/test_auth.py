@@ -348,7 +348,11 @@ def test_only_admin_keys_may_force_a_plan():
     gw = fake_gateway(ring(PDD_API_KEYS=USER, PDD_ADMIN_KEYS=ADMIN))
     c = client(gw)
     forced = {"prompt": "hello there", "pdd": {"pipeline": "p-md"}}
-    for body in (forced, {"prompt": "hi", "pdd": {"handoff": "oneshot"}}):
+    for body in (
+        forced,
+        {"prompt": "hi", "pdd": {"handoff": "oneshot"}},
+        {"prompt": "hi", "pdd": {"ttft_slo_ms": 300}},
+    ):
         r = c.post("/v1/completions", json=body, headers=bearer(USER))
         assert r.status_code == 403
         assert r.json()["error"] == {

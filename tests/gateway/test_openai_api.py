@@ -301,6 +301,11 @@ def test_unsupported_features_say_so():
         ({"handoff": "later"}, "pdd.handoff"),
         ({"route": "p-md"}, "pdd.route"),
         ({"pipeline": "p-md", "handoff": "catchup"}, "pdd.handoff"),  # p-md has no handoff
+        ({"ttft_slo_ms": 0}, "pdd.ttft_slo_ms"),
+        ({"ttft_slo_ms": -100}, "pdd.ttft_slo_ms"),
+        ({"ttft_slo_ms": 1e12}, "pdd.ttft_slo_ms"),
+        ({"ttft_slo_ms": "fast"}, "pdd.ttft_slo_ms"),
+        ({"ttft_slo_ms": True}, "pdd.ttft_slo_ms"),
     ],
 )
 def test_bad_pdd_extension(pdd, param):
@@ -311,6 +316,12 @@ def test_bad_pdd_extension(pdd, param):
 def test_pdd_handoff_alone_is_a_hint_for_the_policy():
     req = completion({"prompt": "x", "pdd": {"handoff": "oneshot"}})
     assert (req.pipeline, req.handoff) == (None, "oneshot")
+
+
+def test_pdd_ttft_slo_is_the_requests_own_target():
+    req = completion({"prompt": "x", "pdd": {"ttft_slo_ms": 250}})
+    assert (req.ttft_slo_ms, req.pipeline, req.steers) == (250.0, None, True)
+    assert completion({"prompt": "x"}).steers is False
 
 
 # --- prompts ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from services.scheduler.policy import NoCapacity, PolicyConfig, Saturated, choose_plan
+from shared.messages import BadMessage, Submit
 from tests.scheduler.factories import fleet, request
 
 CFG = PolicyConfig()  # auto: SLO 1000 ms, 300 tok/s prefill, 1 Gbps WAN prior, 32 relay slots
@@ -45,6 +46,24 @@ def test_the_live_wan_estimate_decides_when_md_lacks_the_prompt():
 def test_a_tighter_slo_relays_more():
     views = fleet(prefill_0={"hit_tokens": 1984}, md_0={"hit_tokens": 1984})
     assert choose_plan(request(2000), views, dataclasses.replace(CFG, ttft_slo_ms=100.0)).pipeline == "p-rld-md"
+
+
+def test_a_requests_own_slo_replaces_the_configured_one_for_its_plan_alone():
+    views = fleet(prefill_0={"hit_tokens": 1984}, md_0={"hit_tokens": 1984})
+    tight = choose_plan(request(2000, ttft_slo_ms=50.0), views, CFG)  # meets the configured 1000 ms, not 50
+    assert (tight.pipeline, tight.reason, tight.estimates.ttft_slo_ms) == ("p-rld-md", "slo-miss-relay", 50.0)
+    own = choose_plan(request(2000), views, CFG)
+    assert (own.pipeline, own.estimates.ttft_slo_ms) == ("p-md", CFG.ttft_slo_ms)
+    loose = choose_plan(request(1500, ttft_slo_ms=60_000.0), fleet(), CFG)  # misses 1000 ms, meets a minute
+    assert (loose.pipeline, loose.reason, loose.estimates.as_dict()["ttft_slo_ms"]) == ("p-md", "slo-met-md", 60_000.0)
+
+
+@pytest.mark.parametrize("slo", [0.0, -5.0, float("nan"), float("inf"), 3_600_001.0])
+def test_a_submit_with_an_slo_out_of_range_is_a_bad_message(slo):
+    raw = {"request_id": "r", "prompt_ids": [1], "sampling": {}, "ttft_slo_ms": slo}
+    with pytest.raises(BadMessage, match="ttft_slo_ms"):
+        Submit.from_dict(raw)
+    assert Submit.from_dict({**raw, "ttft_slo_ms": 250}).ttft_slo_ms == 250.0
 
 
 def test_no_main_decoder_alive_leaves_datacenter_a_serving_alone():
