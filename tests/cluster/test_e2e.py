@@ -106,13 +106,15 @@ def test_slow_wan_delays_first_token_by_the_transfer(cluster, model_id, operator
         operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
     transfer_s = slow["wan_kv_bytes"] * 8 / 50e6
     added = (slow["timings_ms"]["ttft"] - fast["timings_ms"]["ttft"]) / 1000
+    waited = (slow["timings_ms"]["ttft"] - slow["timings_ms"]["queue"] - slow["timings_ms"]["prefill"]) / 1000
     print(
         f"\nWAN KV {slow['wan_kv_bytes'] / 1e6:.1f} MB: TTFT fast {fast['timings_ms']['ttft']:.0f} ms, "
-        f"at 50 Mbps {slow['timings_ms']['ttft']:.0f} ms (+{added:.2f} s; the link alone needs {transfer_s:.2f} s)"
+        f"at 50 Mbps {slow['timings_ms']['ttft']:.0f} ms (+{added:.2f} s, {waited:.2f} s after prefill; "
+        f"the link alone needs {transfer_s:.2f} s)"
     )
     for prompt, text in zip(prompts, (fast_text, slow_text)):
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 8, draft=text)
-    assert added > 0.6 * transfer_s
+    assert waited > 0.6 * transfer_s  # its own prefill's end to its first token: a fast run's hiccup cannot hide it
     for pdd, line in ((fast, fast_line), (slow, slow_line)):  # every KV byte crossed the line, in TLS
         assert pdd["wan_kv_bytes"] < line <= pdd["wan_kv_bytes"] + tls_overhead(pdd["wan_kv_bytes"])
 
@@ -133,7 +135,7 @@ def test_client_disconnect_frees_every_stage(cluster, model_id, operator):
             if seen >= 3:
                 break  # leave mid-stream
     left = time.monotonic()
-    states = operator.idle(timeout=2.0)
+    states = operator.idle()
     print(f"\nafter disconnect ({time.monotonic() - left:.2f}s): {states}")
     for instance, s in states.items():
         assert s.requests == [], instance

@@ -74,7 +74,7 @@ def test_a_client_that_times_out_leaves_every_stage_idle(cluster, model_id, oper
             model=model_id, prompt=fresh_prompt(300, "impatient"), max_tokens=200, temperature=0
         )
     gone = time.monotonic()
-    states = operator.idle(timeout=2.0)
+    states = operator.idle()
     assert all(s.requests == [] for s in states.values()), {i: s.requests for i, s in states.items()}
     print(f"\nevery stage idle {time.monotonic() - gone:.2f} s after the client gave up")
 

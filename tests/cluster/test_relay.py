@@ -85,12 +85,22 @@ def test_relay_hides_a_slow_wan(cluster, model_id, operator, reference, smol_tok
     print(
         "\nTTFT ms (WAN 1000 Mbps -> 20 Mbps): "
         + ", ".join(f"{p} {ttft[p, 'fast']:.0f} -> {ttft[p, 'slow']:.0f}" for p in ("p-md", "p-rld-md"))
+        + f"; the relayed request's KV took {runs['p-rld-md', 'slow']['timings_ms']['kv_wan']:.0f} ms to cross"
     )
-    transfer_s = runs["p-md", "slow"]["wan_kv_bytes"] * 8 / 20e6
-    assert ttft["p-md", "slow"] - ttft["p-md", "fast"] > 600 * transfer_s
-    assert ttft["p-rld-md", "slow"] < ttft["p-rld-md", "fast"] + 0.3 * transfer_s * 1000
+    # Each request against its own timings, not the fast run's: a hiccup of the machine in one
+    # request of four moves one TTFT by as much as the margins a comparison across runs leaves.
+    md, t = runs["p-md", "slow"], runs["p-md", "slow"]["timings_ms"]
+    assert t["ttft"] - t["queue"] - t["prefill"] > 0.6 * _line_ms(md, 20)  # after prefill, MD waited for the line
     slow = runs["p-rld-md", "slow"]  # the relay streamed while the KV crossed (it may even finish first)
+    t = slow["timings_ms"]
+    assert t["kv_wan"] > 0.6 * _line_ms(slow, 20), t  # MD's copy crawled over the line ...
+    assert t["ttft"] < t["queue"] + t["prefill"] + t["kv_wan"], t  # ... and the first token did not wait for it
     assert slow["tokens_by_role"]["rld"] > 1 and sum(slow["tokens_by_role"].values()) == 64
+
+
+def _line_ms(pdd: dict, mbps: float) -> float:
+    """What the request's WAN KV needs on a line of `mbps` alone."""
+    return pdd["wan_kv_bytes"] * 8 / (mbps * 1e6) * 1000
 
 
 def _with_backlog(cluster, operator, body: dict, backlog: int) -> tuple[str, dict]:
@@ -154,6 +164,6 @@ def test_mixed_concurrent_pipelines_complete_and_free_every_block(
         )
     for (pipeline, handoff, prompt), (text, _, _) in zip(jobs, results):
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 20, draft=text), (pipeline, handoff)
-    for state in operator.idle(timeout=2.0).values():
+    for state in operator.idle().values():
         assert state.requests == [], state
         assert state.free_blocks + state.extra["cached_blocks"] == state.total_blocks, state
