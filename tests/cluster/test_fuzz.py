@@ -1,7 +1,8 @@
 """Hostile peers against a live main-decode: its KV port (reached with a valid prefill
 certificate, as a compromised peer would) and every NATS subject it listens to get malformed
-frames and garbage. Each is refused within a second, the process's memory does not grow, and
-requests running on it meanwhile finish exactly."""
+frames and garbage. Each is refused long before the KV stall timeout (a truncated frame is cut
+`CONTROL_BODY_S` after it stops), the process's memory does not grow, and requests running on it
+meanwhile finish exactly."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def test_a_fuzzed_main_decode_refuses_everything_and_keeps_serving(cluster, oper
         f"\nslowest refusal {max(times.values()):.3f} s; md-0 RSS grew {grown:.1f} MiB; "
         + ", ".join(f"{k}: {v * 1000:.0f} ms" for k, v in times.items())
     )
-    assert all(t < 1.0 for t in times.values()), times
+    assert all(t < cluster.cfg.timeouts.kv_stall_s / 2 for t in times.values()), times  # 5 s here
     assert grown < 10
     for prompt, text in zip(prompts, outputs):
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 48, ignore_eos=True, draft=text)
