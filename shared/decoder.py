@@ -218,30 +218,37 @@ class DecoderService(InstanceService):
         """
         async with self._admitting:
             while self.parked:
-                req = self.requests[self.parked[0]]  # `end` removes ended requests from the deque
-                seq, payload, first = req.parked
-                try:
-                    done = await self.worker.call(lambda e, s=seq, kv=payload: _admit(e, s, kv))
-                except PoolExhausted:
-                    return  # retried when a running request frees its blocks
-                except Exception as e:  # cannot ever fit, bad KV...: the request fails, nothing is held
-                    req.error, done = f"{self.inst.id}: {e}", None
-                if self.requests.get(req.id) is not req:
-                    continue  # ended meanwhile; its abort frees what the admission took
-                self.parked.popleft()
-                req.parked = None
-                if req.error:
-                    self.emit(TokenOutput(req.id, None, 0, FinishReason.ERROR, req.error))
-                    continue
-                self._admitted(req, seq)
-                if req.cache_only:  # finished on the relay: freeing the sequence caches its prompt blocks
-                    self.end(req.id, End.ABORTED)
-                    await self.abort_engine(req.id)
-                    continue
-                if not seq.shadow:
-                    self.emit(TokenOutput(req.id, first, 0, done))
-                if req.id in self.requests:
-                    await self.side.admitted(req, done)
+                # all of them in one call, at one step boundary: a transfer is ACKed after this, and
+                # one call per request made the last of many wait that many steps (a soak with a
+                # main-decode killed parked enough on the other for prefill to give the ACK up)
+                batch = [self.requests[rid] for rid in self.parked]  # `end` removes ended requests
+                work = [req.parked[:2] for req in batch]
+                results = await self.worker.call(lambda e, w=work: _admit_in_order(e, w))
+                for req, (done, error) in zip(batch, results):
+                    if self.requests.get(req.id) is not req:
+                        continue  # ended meanwhile; its abort frees what the admission took
+                    await self._joined(req, done, error)
+                if len(results) < len(batch):
+                    return  # the pool is full: the rest are retried when a running request frees its blocks
+
+    async def _joined(self, req: DecodeRequest, done: str | None, error: str) -> None:
+        """A parked request's admission is through: it runs (or shadows), or fails if it cannot."""
+        seq, _, first = req.parked
+        self.parked.remove(req.id)
+        req.parked = None
+        if error:  # cannot ever fit, bad KV...: the request fails, nothing is held
+            req.error = f"{self.inst.id}: {error}"
+            self.emit(TokenOutput(req.id, None, 0, FinishReason.ERROR, req.error))
+            return
+        self._admitted(req, seq)
+        if req.cache_only:  # finished on the relay: freeing the sequence caches its prompt blocks
+            self.end(req.id, End.ABORTED)
+            await self.abort_engine(req.id)
+            return
+        if not seq.shadow:
+            self.emit(TokenOutput(req.id, first, 0, done))
+        if req.id in self.requests:
+            await self.side.admitted(req, done)
 
     def _admitted(self, req: DecodeRequest, seq: Sequence) -> None:
         req.phase = Phase.SHADOW if seq.shadow else Phase.RUNNING
@@ -343,6 +350,20 @@ def _start_problem(task: DecodeTask, block_size: int) -> str:
     if not 0 <= start <= len(task.prompt_ids) or start % block_size:
         return f"kv_start {start} is not a block boundary inside the prompt"
     return ""
+
+
+def _admit_in_order(engine: Engine, parked: list[tuple[Sequence, KVPayload]]) -> list[tuple[str | None, str]]:
+    """On the engine thread: `_admit` each parked request, oldest first, until one does not fit
+    (it and those after it stay parked). One (finish reason, error) per request tried."""
+    results = []
+    for seq, payload in parked:
+        try:
+            results.append((_admit(engine, seq, payload), ""))
+        except PoolExhausted:
+            break
+        except Exception as e:  # this one can never join (too big, bad KV): it fails, the rest go on
+            results.append((None, str(e)))
+    return results
 
 
 def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:

@@ -106,6 +106,37 @@ async def test_kv_waits_parked_for_room_then_runs(tiny, tiny_ref):
         await pair.stop()
 
 
+async def test_parked_requests_join_together_at_one_step_boundary(tiny, tiny_ref):
+    """A transfer is ACKed once its request joined or parked. Parked requests that fit are admitted
+    in one engine call: one call each made the last of many (a killed main-decode's load, moved
+    to the other) wait that many steps for its ACK, past prefill's deadline."""
+    pair = await DecoderPair(tiny, md_blocks=8).start()  # a (100 + 24 tokens) fills it; b, c fit after
+    prompts = dict(zip("abc", random_prompts(tiny.config.vocab_size, [100, 40, 40], seed=7)))
+    admissions = []
+    worker_call = pair.md.worker.call
+
+    async def counted(fn):
+        if "_admit_parked" in fn.__qualname__:
+            admissions.append(fn)
+        return await worker_call(fn)
+
+    pair.md.worker.call = counted
+    try:
+        for rid, prompt in prompts.items():
+            await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
+            assert await pair.land("md", rid, prompt) == ""
+        assert list(pair.md.parked) == ["b", "c"] and len(admissions) == 3  # a joined; b, c tried, parked
+        await pair.drive(lambda: pair.finished("a"))
+        await pair.drive(lambda: not pair.md.parked)
+        assert len(admissions) == 4, admissions  # b and c joined in one call when a's blocks came back
+        await pair.drive(lambda: pair.finished("b") and pair.finished("c"))
+        for rid, prompt in prompts.items():
+            assert [t for t, _ in pair.tokens(rid).values()] == _expected(tiny_ref, prompt)
+            pair.assert_gone(rid)
+    finally:
+        await pair.stop()
+
+
 async def test_the_same_prefix_landing_twice_shares_the_cached_blocks(tiny, prompt, tiny_ref):
     """The second copy reuses the first one's cached prefix instead of hanging cache nodes under
     blocks it does not hold (which once left it waiting forever for a block nobody could evict)."""
