@@ -321,7 +321,13 @@ class DecoderService(InstanceService):
             await self.abort_engine(msg.request_id)
 
     async def on_drop(self, msg: Abort) -> None:
-        """Only this decoder's copy is abandoned (its KV push failed, or the scheduler re-planned)."""
+        """Only this decoder's copy is abandoned (its KV push failed, or the scheduler re-planned),
+        unless it runs: its KV did land (only the push's ACK was late) and, on main-decode after
+        the handoff, it is the one copy the user's stream comes from."""
+        req = self.requests.get(msg.request_id)
+        if req is not None and req.phase == Phase.RUNNING:
+            log.warning("%s: %s runs here; not dropped (%s)", self.inst.id, req.id, msg.reason)
+            return
         self.receiver.cancel(msg.request_id)
         if self.end(msg.request_id, End.DROPPED) is not None:
             await self.abort_engine(msg.request_id)

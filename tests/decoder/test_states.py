@@ -288,6 +288,18 @@ async def test_a_client_abort_after_the_relay_finished_still_drops_mds_copy(pair
     pair.assert_gone("r1")
 
 
+async def test_a_push_failed_late_leaves_main_decode_running_after_the_handoff(pair, prompt, tiny_ref):
+    """Prefill gave up on main-decode's ACK (it came late) after the relay had handed over: the
+    relay, told to finish, no longer holds the request, and main-decode's copy is the only one."""
+    await _relayed(pair, prompt, "oneshot")
+    await pair.drive(lambda: pair.md.requests["r1"].phase == Phase.RUNNING and "r1" not in pair.rld.requests)
+    await pair.bus.publish(subjects.finish_on_relay("rld-0"), FinishOnRelay("r1", reason="push failed"))
+    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="KV push failed"))
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("r1")
+
+
 async def test_finish_on_relay_after_a_failed_wan_push(pair, prompt, tiny_ref):
     await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
     await pair.land("rld", "r1", prompt)
