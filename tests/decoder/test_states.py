@@ -90,18 +90,26 @@ async def test_p_rld_finishes_on_the_relay(pair, prompt, tiny_ref):
     pair.assert_gone("r1")
 
 
+async def _land_all_on_md(pair: DecoderPair, prompts: dict[str, list[int]]) -> None:
+    for rid, prompt in prompts.items():
+        await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
+        assert await pair.land("md", rid, prompt) == ""  # committed: running, or parked for room
+
+
+def _assert_exact_and_gone(pair: DecoderPair, tiny_ref, prompts: dict[str, list[int]]) -> None:
+    for rid, prompt in prompts.items():
+        assert [t for t, _ in pair.tokens(rid).values()] == _expected(tiny_ref, prompt)
+        pair.assert_gone(rid)
+
+
 async def test_kv_waits_parked_for_room_then_runs(tiny, tiny_ref):
     pair = await DecoderPair(tiny, md_blocks=4).start()  # room for one request of 40 + 24 tokens
     prompts = dict(zip("ab", random_prompts(tiny.config.vocab_size, [40, 40], seed=5)))
     try:
-        for rid, prompt in prompts.items():
-            await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
-            assert await pair.land("md", rid, prompt) == ""  # b: committed, it waits in host memory
+        await _land_all_on_md(pair, prompts)  # b: committed, it waits in host memory
         assert pair.md.requests["b"].phase == Phase.PARKED and list(pair.md.parked) == ["b"]
         await pair.drive(lambda: pair.finished("a") and pair.finished("b"))
-        for rid, prompt in prompts.items():
-            assert [t for t, _ in pair.tokens(rid).values()] == _expected(tiny_ref, prompt)
-            pair.assert_gone(rid)
+        _assert_exact_and_gone(pair, tiny_ref, prompts)
     finally:
         await pair.stop()
 
@@ -122,17 +130,13 @@ async def test_parked_requests_join_together_at_one_step_boundary(tiny, tiny_ref
 
     pair.md.worker.call = counted
     try:
-        for rid, prompt in prompts.items():
-            await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
-            assert await pair.land("md", rid, prompt) == ""
+        await _land_all_on_md(pair, prompts)
         assert list(pair.md.parked) == ["b", "c"] and len(admissions) == 3  # a joined; b, c tried, parked
         await pair.drive(lambda: pair.finished("a"))
         await pair.drive(lambda: not pair.md.parked)
         assert len(admissions) == 4, admissions  # b and c joined in one call when a's blocks came back
         await pair.drive(lambda: pair.finished("b") and pair.finished("c"))
-        for rid, prompt in prompts.items():
-            assert [t for t, _ in pair.tokens(rid).values()] == _expected(tiny_ref, prompt)
-            pair.assert_gone(rid)
+        _assert_exact_and_gone(pair, tiny_ref, prompts)
     finally:
         await pair.stop()
 
