@@ -139,5 +139,5 @@ def test_services_ride_out_a_server_restart(cluster, model_id, operator, referen
     if kind == "redis":  # the registry and the prefix index are rebuilt from what the instances report
         r = operator.redis()
         assert {k.split(":")[-1] for k in r.scan_iter("pdd:instance:*")} == {i.id for i in cluster.cfg.instances}
-        until(lambda: r.scard("pdd:kv:md-0"), 5, "md-0's prefix index to be rebuilt", every=0.2)
+        until(lambda: r.scard("pdd:kv:md-0"), 15, "md-0's prefix index to be rebuilt", every=0.2)
         r.close()
