@@ -130,6 +130,16 @@ class ManualWorker:
         finally:
             self.figures = engine_load(self.engine)
 
+    def submit(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(fn(self.engine))
+        except Exception as e:
+            future.set_exception(e)
+        finally:
+            self.figures = engine_load(self.engine)
+        return future
+
     def step(self) -> list[TokenOutput]:
         outputs = self.engine.step()
         self.figures = engine_load(self.engine)

@@ -95,8 +95,16 @@ class Prefiller(InstanceService):
             max_new=1,
             namespace=namespace_of(self.cfg.model, task.cache_salt),
         )
-        await self.worker.call(lambda e: e.add(seq))
+        # Acked now, not once the engine took it: the engine takes it at its next step boundary,
+        # and a step may be a prefill chunk of seconds on a busy CPU; an ack behind it would
+        # outlast the scheduler's control-plane timeout and look like a dead instance. An abort
+        # of this request is queued after this command, so it finds the sequence.
+        self.worker.submit(lambda e: e.add(seq)).add_done_callback(lambda f: self._added(rid, f))
         return Ack(rid)
+
+    def _added(self, rid: str, done: asyncio.Future) -> None:
+        if not done.cancelled() and (error := done.exception()) is not None:
+            self.spawn(self._fail(rid, f"the engine refused the request: {error}"))
 
     def _spawn_for(self, state: PrefillState, coro) -> asyncio.Task:
         task = self.spawn(coro)

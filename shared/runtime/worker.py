@@ -87,13 +87,18 @@ class EngineWorker:
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
+        return await self.submit(fn)
+
+    def submit(self, fn: Callable[[Engine], T]) -> asyncio.Future[T]:
+        """Queue `fn(engine)` now, without waiting for it: commands run in the order they were
+        queued, at the next step boundary. The future holds its result."""
         future = self._loop.create_future()
         with self._cond:
             if self._stopped:
                 raise RuntimeError("engine worker is stopped")
             self._commands.append((fn, future))
             self._cond.notify()
-        return await future
+        return future
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)

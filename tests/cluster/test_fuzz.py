@@ -101,34 +101,32 @@ def test_a_fuzzed_main_decode_refuses_everything_and_keeps_serving(cluster, oper
     ctx.load_cert_chain(*map(str, cluster.secrets.cert("kv", "prefill-0")))
     port = cluster.cfg.instance("md-0").kv_port
     body = {"max_tokens": 48, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # warm-up: the engine's buffers for 8 at once settle
-        for round_ in range(3):  # (the first requests of a process grow its heap by ~100 MiB, then it plateaus)
-            list(
-                pool.map(
-                    lambda i, r=round_: stream_completion(
-                        cluster.url + "/v1/completions", {**body, "prompt": fresh_prompt(20, f"warm{r}{i}")}
-                    ),
-                    range(8),
-                )
-            )
-    for payload in CASES.values():  # and the listener's
-        _refused_within(port, ctx, payload)
-    rss_before = md.memory_info().rss
     prompts = [fresh_prompt(20, f"fuzzed{i}") for i in range(8)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        running = [
-            pool.submit(stream_completion, cluster.url + "/v1/completions", {**body, "prompt": p}) for p in prompts
-        ]
-        times = {}
-        for _ in range(5):
+    times: dict[str, float] = {}
+
+    def fuzz(rounds: int) -> None:
+        for _ in range(rounds):
             for name, payload in CASES.items():
                 times[name] = max(times.get(name, 0.0), _refused_within(port, ctx, payload))
             _garbage_on_every_subject(cluster)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # fuzzed while it serves
+        running = [
+            pool.submit(stream_completion, cluster.url + "/v1/completions", {**body, "prompt": p}) for p in prompts
+        ]
+        fuzz(5)
         outputs = [f.result()[0] for f in running]
+    # Memory is measured over fuzz alone, on the idle instance: across a round of requests the
+    # heap's high-water mark moves with how their transfers and steps overlapped (a slow fresh
+    # clone's round grew it 56 MiB after three warm-up rounds, others under 10), which says
+    # nothing about what the fuzz leaves behind.
+    assert all(s.requests == [] for s in operator.idle(timeout=5).values())
+    rss_before = md.memory_info().rss
+    fuzz(5)
     grown = (md.memory_info().rss - rss_before) / 2**20
     print(
-        f"\nslowest refusal {max(times.values()):.3f} s; md-0 RSS grew {grown:.1f} MiB; "
-        + ", ".join(f"{k}: {v * 1000:.0f} ms" for k, v in times.items())
+        f"\nslowest refusal {max(times.values()):.3f} s; md-0 RSS grew {grown:.1f} MiB over "
+        f"{5 * len(CASES)} fuzzed connections; " + ", ".join(f"{k}: {v * 1000:.0f} ms" for k, v in times.items())
     )
     assert all(t < cluster.cfg.timeouts.kv_stall_s / 2 for t in times.values()), times  # 5 s here
     assert grown < 10

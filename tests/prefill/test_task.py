@@ -1,0 +1,66 @@
+"""Prefill's task handler against a real engine thread (`EngineWorker`) on an in-memory bus.
+
+A task is acked on the event loop, not once the engine took it: the engine takes new work only
+at a step boundary, and on a busy CPU a step (a prefill chunk) can outlast the scheduler's
+control-plane timeout, which would then take a busy prefill for a dead one and plan around it
+(a fresh clone's burst test saw five requests refused that way). Here the engine thread is held
+in a long "step" by a command that waits on an event; the test releases it only after the ack
+came, so without the fix the ack never comes and the test fails at its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from services.prefill.service import Prefiller
+from shared import subjects
+from shared.config import config_from_dict
+from shared.instance import engine_load
+from shared.messages import Abort, Ack, KVTarget, Plan, PrefillTask, Sampling
+from shared.runtime.worker import EngineWorker
+from tests.decoder.harness import CONFIG, engine, idle
+from tests.fakes import InMemoryNats
+
+DEADLINE_S = 30.0  # a failure guard: the ack comes at once, or never (without the fix)
+
+
+def _task(rid: str) -> PrefillTask:
+    target = KVTarget("md-0", "md", "127.0.0.1", 9, token="t")  # never reached: aborted before it runs
+    return PrefillTask(
+        rid, list(range(3, 40)), Sampling(max_tokens=4), [target], Plan(rid, prefill="prefill-0", md="md-0")
+    )
+
+
+async def _until(predicate, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_task_is_acked_while_the_engine_is_in_a_long_step_and_an_abort_after_it_still_lands(tiny):
+    cfg = config_from_dict(CONFIG)
+    nats = InMemoryNats()
+    prefill = Prefiller(cfg, cfg.instance("prefill-0"))
+    worker = EngineWorker(engine(tiny), prefill.on_outputs, observe=engine_load)
+    await prefill.start(nats.client("prefill-0"), worker)
+    scheduler = nats.client("scheduler")
+    step = threading.Event()
+    in_step = worker.submit(lambda e: step.wait(DEADLINE_S))  # the engine thread is busy until released
+    try:
+        ack = await asyncio.wait_for(
+            scheduler.request(subjects.prefill_task("prefill-0"), _task("r1"), Ack, DEADLINE_S), DEADLINE_S
+        )
+        assert ack.ok, ack
+        assert not in_step.done()  # acked while the engine was still in its step
+        assert prefill.held_requests() == ["r1"]
+        await scheduler.publish(subjects.ABORT, Abort("r1", reason="the client left"))  # queued after the add
+        await _until(lambda: not prefill.held_requests(), "prefill to let go of r1")
+    finally:
+        step.set()
+    await in_step
+    await worker.call(lambda e: None)  # every command queued so far (the add, then the abort) has run
+    assert await worker.call(lambda e: e.find("r1") is None and idle(e))  # the abort found it: nothing held
+    await prefill.shutdown()
+    worker.stop()
