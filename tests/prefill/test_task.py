@@ -62,5 +62,4 @@ async def test_a_task_is_acked_while_the_engine_is_in_a_long_step_and_an_abort_a
     await in_step
     await worker.call(lambda e: None)  # every command queued so far (the add, then the abort) has run
     assert await worker.call(lambda e: e.find("r1") is None and idle(e))  # the abort found it: nothing held
-    await prefill.shutdown()
-    worker.stop()
+    await prefill.shutdown()  # stops the engine thread too
