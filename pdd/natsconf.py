@@ -24,7 +24,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "subscribe": ["pdd.tokens.>"],
     },
     "scheduler": {
-        "publish": ["pdd.prefill.*.task", "pdd.decode.*.task", "pdd.decode.*.drop", "pdd.abort"],
+        "publish": ["pdd.prefill.*.task", "pdd.prefill.*.drop", "pdd.decode.*.task", "pdd.decode.*.drop", "pdd.abort"],
         "subscribe": [
             "pdd.scheduler.submit",
             "pdd.scheduler.wan_sample",
@@ -35,7 +35,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "prefill": {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],
-        "subscribe": ["pdd.prefill.*.task", *_OPERATED],
+        "subscribe": ["pdd.prefill.*.task", "pdd.prefill.*.drop", *_OPERATED],
     },
     "rld": {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.chunk", *_REPORT],

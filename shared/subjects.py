@@ -10,7 +10,8 @@ pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has 
 pdd.handoff.<rld>.finish        prefill, md -> rld     FinishOnRelay (main-decode will not get it)
 pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
 pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
-pdd.decode.<instance>.drop      prefill -> a decoder   Abort (this decoder only: its copy failed)
+pdd.decode.<instance>.drop      prefill, scheduler     Abort (this decoder only: its copy failed, or re-planned)
+pdd.prefill.<instance>.drop     scheduler -> prefill   Abort (this prefill only: it did not ack, re-planned)
 pdd.registry.heartbeat          instances -> registrar InstanceInfo -> HeartbeatReply (load, liveness)
 pdd.registry.index              instances -> registrar IndexUpdate -> Ack (prefix-cache block events)
 pdd.registry.leave              instances -> registrar Leave (shutting down)
@@ -50,6 +51,10 @@ def handoff_chunk(md_id: str) -> str:
 
 def decode_drop(instance_id: str) -> str:
     return f"pdd.decode.{instance_id}.drop"
+
+
+def prefill_drop(instance_id: str) -> str:
+    return f"pdd.prefill.{instance_id}.drop"
 
 
 def tokens(request_id: str) -> str:

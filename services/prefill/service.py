@@ -65,6 +65,10 @@ class Prefiller(InstanceService):
         secrets = Secrets.of(self.cfg)
         self._tls = secrets.kv_client_context(self.inst.id) if secrets else None  # mutual TLS on the KV plane
         await self.bus.serve(subjects.prefill_task(self.inst.id), PrefillTask, self.on_task)
+        # The scheduler took this instance for dead (no ack in time) and planned the request again
+        # elsewhere under the same id: let go of it, and refuse its task if that comes later. Not the
+        # broadcast abort, which would end the new plan too.
+        await self.bus.serve(subjects.prefill_drop(self.inst.id), Abort, self.on_abort)
 
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
@@ -103,7 +107,7 @@ class Prefiller(InstanceService):
         return Ack(rid)
 
     def _added(self, rid: str, done: asyncio.Future) -> None:
-        if not done.cancelled() and (error := done.exception()) is not None:
+        if not done.cancelled() and (error := done.exception()) is not None and rid in self.requests:
             self.spawn(self._fail(rid, f"the engine refused the request: {error}"))
 
     def _spawn_for(self, state: PrefillState, coro) -> asyncio.Task:

@@ -274,9 +274,12 @@ class Scheduler:
             task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan, sub.cache_salt)
             await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
         except BaseException as e:
-            if isinstance(e, Unreachable):  # planned again: its decoders let go (not an abort, which sticks)
+            if isinstance(e, Unreachable):  # planned again: its stages let go (not an abort, which sticks)
+                dropped = Abort(sub.request_id, reason="re-planned")
                 for inst in decoders:
-                    await self.bus.publish(subjects.decode_drop(inst.id), Abort(sub.request_id, reason="re-planned"))
+                    await self.bus.publish(subjects.decode_drop(inst.id), dropped)
+                if e.instance_id == prefill.id:  # slow, not dead? its late push and failure must not end the new plan
+                    await self.bus.publish(subjects.prefill_drop(prefill.id), dropped)
             await self._unrecord(plan.request_id)  # a re-plan records itself again; an error plan leaves nothing
             raise
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from services.prefill.service import Prefiller
 from shared import subjects
 from shared.config import config_from_dict
@@ -39,13 +41,21 @@ async def _until(predicate, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_task_is_acked_while_the_engine_is_in_a_long_step_and_an_abort_after_it_still_lands(tiny):
+@pytest.fixture
+async def prefill(tiny):
+    """prefill-0 on a real engine thread, answering on an in-memory bus; `.nats` is that bus."""
     cfg = config_from_dict(CONFIG)
-    nats = InMemoryNats()
-    prefill = Prefiller(cfg, cfg.instance("prefill-0"))
-    worker = EngineWorker(engine(tiny), prefill.on_outputs, observe=engine_load)
-    await prefill.start(nats.client("prefill-0"), worker)
-    scheduler = nats.client("scheduler")
+    service = Prefiller(cfg, cfg.instance("prefill-0"))
+    service.nats = InMemoryNats()
+    await service.start(
+        service.nats.client("prefill-0"), EngineWorker(engine(tiny), service.on_outputs, observe=engine_load)
+    )
+    yield service
+    await service.shutdown()  # stops the engine thread too
+
+
+async def test_a_task_is_acked_while_the_engine_is_in_a_long_step_and_an_abort_after_it_still_lands(prefill):
+    scheduler, worker = prefill.nats.client("scheduler"), prefill.worker
     step = threading.Event()
     in_step = worker.submit(lambda e: step.wait(DEADLINE_S))  # the engine thread is busy until released
     try:
@@ -62,4 +72,22 @@ async def test_a_task_is_acked_while_the_engine_is_in_a_long_step_and_an_abort_a
     await in_step
     await worker.call(lambda e: None)  # every command queued so far (the add, then the abort) has run
     assert await worker.call(lambda e: e.find("r1") is None and idle(e))  # the abort found it: nothing held
-    await prefill.shutdown()  # stops the engine thread too
+
+
+async def test_the_schedulers_drop_lets_go_of_a_late_task_and_ends_nothing_else(prefill):
+    """The scheduler gave up on this prefill's ack and planned the request again elsewhere under
+    the same id. The task it still holds must go quietly: computed and pushed to decoders that let
+    go of it, its failed push would publish the broadcast abort and end the new plan too."""
+    scheduler = prefill.nats.client("scheduler")
+    assert (await scheduler.request(subjects.prefill_task("prefill-0"), _task("r1"), Ack, DEADLINE_S)).ok
+    await scheduler.publish(subjects.prefill_drop("prefill-0"), Abort("r1", reason="re-planned"))
+    await _until(lambda: not prefill.held_requests(), "prefill to let go of r1")
+    await prefill.worker.call(lambda e: None)  # the add, then the abort, have run
+    assert await prefill.worker.call(lambda e: e.find("r1") is None and idle(e))
+    # the drop came before the task (they travel on two subjects): the task is refused
+    await scheduler.publish(subjects.prefill_drop("prefill-0"), Abort("r2", reason="re-planned"))
+    late = await scheduler.request(subjects.prefill_task("prefill-0"), _task("r2"), Ack, DEADLINE_S)
+    assert not late.ok and "aborted" in late.error
+    assert prefill.held_requests() == []
+    # nothing of either went out: no abort to every stage, no error to the user's stream
+    assert [s for s, _ in prefill.nats.published if s == subjects.ABORT or s.startswith("pdd.tokens.")] == []

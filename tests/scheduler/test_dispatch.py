@@ -87,7 +87,23 @@ async def test_an_unreachable_prefill_leaves_no_record(scheduler, registry):
     plan = await scheduler.on_submit(submit("cmpl-4"))
     assert plan.status == 503 and "prefill" in plan.error
     assert [m.request_id for m in scheduler.bus.server.sent(subjects.decode_drop("md-0"))] == ["cmpl-4"]
+    assert [m.request_id for m in scheduler.bus.server.sent(subjects.prefill_drop("prefill-0"))] == ["cmpl-4"]
     assert await registry.request_ids() == []
+
+
+async def test_a_prefill_that_did_not_ack_in_time_is_told_to_let_go_of_the_re_planned_request(scheduler, registry):
+    """A prefill busy, not dead, may take its task after the scheduler gave up waiting. Planned
+    again under the same id, the request must not be ended by that late copy: its KV push to
+    decoders that let go of it fails, and a failed push ends the request everywhere."""
+    await registry.heartbeat(instance("prefill-1", "prefill", "A"))
+    await answer(scheduler, "md-0", DecodeTask, Ack(""))
+    await answer(scheduler, "prefill-1", PrefillTask, Ack(""))  # prefill-0 has no responder
+    plan = await scheduler.on_submit(submit("cmpl-9"))  # prefill-0 first: equal costs go by id
+    assert (plan.error, plan.prefill, plan.md) == ("", "prefill-1", "md-0")
+    assert [m.request_id for m in scheduler.bus.server.sent(subjects.prefill_drop("prefill-0"))] == ["cmpl-9"]
+    assert [m.request_id for m in scheduler.bus.server.sent(subjects.decode_drop("md-0"))] == ["cmpl-9"]
+    assert [m.request_id for m in scheduler.bus.server.sent(subjects.decode_task("md-0"))] == ["cmpl-9"] * 2
+    assert not scheduler.bus.server.sent(subjects.prefill_drop("prefill-1"))
 
 
 async def test_an_abort_during_the_dispatch_removes_the_record_after_it(scheduler, registry):

@@ -5,13 +5,15 @@ factory for started links. Times are the event loop's clock."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from pdd.certs import make_secrets
+from pdd.natsconf import server_conf
+from pdd.servers import EmbeddedServer, free_port
 from services.wanlink import Forward, WanLink
 from shared.bus import Bus
 from shared.config import WanConfig, config_from_dict
@@ -182,3 +184,17 @@ def cluster(**extra: Any) -> dict[str, Any]:
 def secrets(tmp_path_factory) -> Secrets:
     """The cluster's CA, instance certificates and NATS credentials (pdd certs)."""
     return Secrets(make_secrets(config_from_dict(cluster()), tmp_path_factory.mktemp("wan") / "secrets"))
+
+
+@pytest.fixture(scope="module")
+def nats_a(secrets, tmp_path_factory) -> Iterator[tuple[str, int]]:
+    """Datacenter A's nats-server, configured as the launcher does: users per role, TLS leaf port.
+    Yields its client URL and its leaf port."""
+    run = tmp_path_factory.mktemp("nats")
+    dcs = {"A": {"nats_port": free_port(), "leaf_port": free_port()}, "B": {}}
+    cfg = config_from_dict(cluster(secrets_dir=str(secrets.directory), datacenters=dcs))
+    conf = run / "nats-A.conf"
+    conf.write_text(server_conf(cfg, cfg.datacenter("A"), secrets))
+    server = EmbeddedServer.nats("nats-A", conf, dcs["A"]["nats_port"], run).start()
+    yield f"nats://127.0.0.1:{dcs['A']['nats_port']}", dcs["A"]["leaf_port"]
+    server.close()

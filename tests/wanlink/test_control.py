@@ -11,7 +11,6 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -19,11 +18,9 @@ import nats.errors
 import pytest
 import yaml
 
-from pdd.natsconf import server_conf
-from pdd.servers import EmbeddedServer, free_port
+from pdd.servers import free_port
 from shared import subjects
 from shared.bus import Bus
-from shared.config import config_from_dict
 from shared.messages import WanControl, WanState
 from tests.wanlink.conftest import Sink, cluster, dial, read_n, until
 
@@ -66,19 +63,6 @@ async def test_a_control_changes_only_its_direction(make_link):
     assert (lines["b-a"].delay_ms, lines["b-a"].jitter_ms) == (0.0, 0.0)
     lines = link.control(WanControl(bandwidth_mbps=50.0)).lines
     assert lines["a-b"].bandwidth_mbps == lines["b-a"].bandwidth_mbps == 50.0
-
-
-@pytest.fixture(scope="module")
-def nats_a(secrets, tmp_path_factory) -> Iterator[str]:
-    """Datacenter A's nats-server, configured as the launcher does: users per role, TLS leaf port."""
-    run = tmp_path_factory.mktemp("nats")
-    dcs = {"A": {"nats_port": free_port(), "leaf_port": free_port()}, "B": {}}
-    cfg = config_from_dict(cluster(secrets_dir=str(secrets.directory), datacenters=dcs))
-    conf = run / "nats-A.conf"
-    conf.write_text(server_conf(cfg, cfg.datacenter("A"), secrets))
-    server = EmbeddedServer.nats("nats-A", conf, dcs["A"]["nats_port"], run).start()
-    yield f"nats://127.0.0.1:{dcs['A']['nats_port']}", dcs["A"]["leaf_port"]
-    server.close()
 
 
 async def test_control_over_nats_with_credentials(make_link, secrets, nats_a):
