@@ -44,6 +44,8 @@ def stub_app(seen: dict[str, Any]) -> FastAPI:
             seen["in_flight"] += 1
             seen["max_in_flight"] = max(seen["max_in_flight"], seen["in_flight"])
             try:
+                if isinstance(body["prompt"], list):
+                    await together(seen)
                 n = body["max_tokens"]
                 for i in range(n):
                     await asyncio.sleep(TOKEN_GAP_S)
@@ -60,9 +62,21 @@ def stub_app(seen: dict[str, Any]) -> FastAPI:
     return app
 
 
+async def together(seen: dict[str, Any]) -> None:
+    """Hold a request until `seen["together"]` are in flight or every request has come: how many
+    the bench keeps in flight is then what it sends at once, not how much of a short stream the
+    next request happened to overlap on a busy machine. A bench that sends fewer at once is held
+    for the deadline and shows it."""
+    deadline = time.monotonic() + 10
+    while seen["in_flight"] < seen["together"] and len(seen["bodies"]) < seen["requests"]:
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.005)
+
+
 @pytest.fixture
 def stub_server():
-    seen: dict[str, Any] = {"bodies": [], "auth": [], "in_flight": 0, "max_in_flight": 0}
+    seen: dict[str, Any] = {"bodies": [], "auth": [], "in_flight": 0, "max_in_flight": 0, "together": 1, "requests": 1}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -87,6 +101,7 @@ def bench_args(*argv: str) -> argparse.Namespace:
 
 def test_base_url_run_against_a_server_that_is_not_pdd(stub_server, tmp_path, monkeypatch) -> None:
     url, seen = stub_server
+    seen |= {"together": 2, "requests": 6}
     monkeypatch.setenv("PDD_STATE_DIR", str(tmp_path / "state"))  # no `pdd up` cluster of ours here
     flags = "--workload random --requests 6 --rate 0 --random-input-len 20 --random-output-len 5 --max-concurrency 2"
     flags += " --ignore-eos --goodput ttft:60000 tpot:1 --label stub --api-key sk-test"
@@ -120,6 +135,7 @@ def test_base_url_run_against_a_server_that_is_not_pdd(stub_server, tmp_path, mo
 
 def test_replay_without_a_cap_sends_open_loop(stub_server) -> None:
     url, seen = stub_server
+    seen |= {"together": 4, "requests": 4}
     workload = random_workload(4, seed=3, rate_rps=0, input_tokens=8, output_tokens=3)
     records, _ = asyncio.run(replay(Target(url), workload, "open"))
     assert seen["max_in_flight"] == 4 and seen["auth"] == [None] * 4

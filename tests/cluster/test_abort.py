@@ -65,13 +65,15 @@ def _until(predicate, timeout: float, what: str):
 
 def _assert_dropped(operator, request_id: str, left: float) -> None:
     """Every stage let go of the request within DROP_S of the disconnect, and nothing leaked: its
-    blocks came back by the end of the engine step that was running then (an abort reaches the
-    engine between two steps, and a prefill chunk on a slow CPU takes seconds)."""
+    blocks came back once the engine step running then ended (an abort reaches the engine between
+    two steps, and a prefill chunk on a slow CPU takes seconds). That is polled, for up to three
+    measured steps (a moving average) and 10 s more: a busy machine can stretch one step well past
+    its average, and a request whose blocks never come back still fails."""
     while (held := _holders(operator, request_id)) and time.monotonic() - left < DROP_S:
         time.sleep(0.05)
     print(f"\n{request_id}: dropped everywhere {time.monotonic() - left:.2f}s after the disconnect")
     assert held == {}
-    states = operator.idle(timeout=DROP_S + 3 * _longest_step_s(operator))
+    states = operator.idle(timeout=DROP_S + 3 * _longest_step_s(operator) + 10.0)
     for iid, s in states.items():
         assert s.requests == [] and s.free_blocks + s.extra["cached_blocks"] == s.total_blocks, (iid, s)
     assert operator.request_keys() == []
@@ -121,7 +123,6 @@ def test_abort_while_queued_behind_another_prompt(cluster, model_id, operator):
 def test_abort_while_prefilling(cluster, model_id, operator):
     s = Stream(cluster.url, _body(model_id, fresh_prompt(900, "prefilling")))
     _until(lambda: operator.inspect("prefill-0").extra["running"], 30, "prefill to start computing")
-    time.sleep(0.3)
     assert "prefill-0" in _holders(operator, s.request_id)  # still computing its prompt when the client goes
     _assert_dropped(operator, s.request_id, s.disconnect())
 
