@@ -30,6 +30,7 @@ import secrets
 import signal
 import time
 from collections import Counter
+from collections.abc import Collection
 
 from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.inputs import Dispatched, WanBacklog, cluster_policy_config, instance_view, wan_kv_bytes
@@ -191,13 +192,17 @@ class Scheduler:
 
     async def _plan_around_the_dead(self, sub: Submit, tries: int = 3) -> Plan:
         """An instance killed a moment ago is still in the registry until its heartbeat expires:
-        one that does not answer its task is left out and the request planned again."""
+        one that does not answer its task is left out and the request planned again. It stays
+        out of this request's plans even if it heartbeats meanwhile: it was told to drop the request
+        and would refuse it now."""
+        failed: set[str] = set()
         for attempt in range(tries):
             try:
-                return await self._plan_and_dispatch(sub)
+                return await self._plan_and_dispatch(sub, failed)
             except Unreachable as e:
                 log.warning("%s: %s; planning %s again without it", e.instance_id, e, sub.request_id)
                 self.unreachable[e.instance_id] = time.time()
+                failed.add(e.instance_id)
                 if attempt == tries - 1:
                     raise
 
@@ -209,8 +214,8 @@ class Scheduler:
             return True
         return failed_at is None
 
-    async def _plan_and_dispatch(self, sub: Submit) -> Plan:
-        alive = {i.id: i for i in await self.registry.alive() if self._answering(i)}
+    async def _plan_and_dispatch(self, sub: Submit, failed: Collection[str] = ()) -> Plan:
+        alive = {i.id: i for i in await self.registry.alive() if self._answering(i) and i.id not in failed}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids, sub.cache_salt)
         views = [
             instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()

@@ -155,3 +155,26 @@ async def test_an_abort_after_the_dispatch_removes_the_record(scheduler, registr
     await scheduler.on_abort(Abort("cmpl-6", keep_kv=True))  # finished on the relay: md still takes its KV
     await scheduler.on_abort(Abort("cmpl-7"))
     assert await registry.request_ids() == ["cmpl-6"]
+
+
+async def test_a_prefill_that_missed_its_ack_stays_out_of_the_re_plan_even_if_it_heartbeats(
+    scheduler, registry, monkeypatch
+):
+    """prefill-0 heartbeats between its missed ack and the re-plan (a busy instance, alive): the
+    scheduler would take it back, but it was told to drop this request and would refuse it."""
+    await registry.heartbeat(instance("prefill-1", "prefill", "A"))
+    await answer(scheduler, "md-0", DecodeTask, Ack(""))
+    await answer(scheduler, "prefill-1", PrefillTask, Ack(""))  # prefill-0 has no responder
+    read_fleet, reads = registry.alive, []
+
+    async def prefill_0_heartbeats_after_its_miss():
+        if reads:  # the re-plan's read: prefill-0's heartbeat is newer than its miss
+            await registry.heartbeat(instance("prefill-0", "prefill", "A"))
+        reads.append(1)
+        return await read_fleet()
+
+    monkeypatch.setattr(registry, "alive", prefill_0_heartbeats_after_its_miss)
+    plan = await scheduler.on_submit(submit("cmpl-10"))
+    assert (plan.error, plan.prefill) == ("", "prefill-1") and len(reads) == 2
+    assert [m.request_id for m in scheduler.bus.server.sent(subjects.prefill_drop("prefill-0"))] == ["cmpl-10"]
+    assert scheduler._answering(next(i for i in await read_fleet() if i.id == "prefill-0"))  # back for others
