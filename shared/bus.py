@@ -84,6 +84,16 @@ class Bus:
             task.add_done_callback(self._tasks.discard)
 
         await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        await self.sync()
+
+    async def sync(self) -> None:
+        """Return once the server has processed everything this client sent so far (a SUB, so
+        other clients' messages reach it). nats-py's `flush()` writes its PING straight to the
+        socket, ahead of commands still queued for its flusher task, so one PONG can come back
+        before the server saw a SUB just made: a request to it from another client was then
+        answered "no responders" (about one subscription in thirty here). The first flush has the
+        flusher write the queue before its own PONG is read; the second PING follows it."""
+        await self.nc.flush()
         await self.nc.flush()
 
     async def subscribe(self, subject: str, msg_type: type[M], callback: Callable[[M], None]) -> Subscription:

@@ -7,12 +7,11 @@ did not ack in time would never have arrived there."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from shared import subjects
 from shared.bus import Bus
+from shared.messages import WanControl, WanState
 from tests.helpers import until
 
 INSTANCES = ["prefill", "rld", "md"]
@@ -57,23 +56,16 @@ async def test_each_flow_reaches_its_subscribers_from_each_publisher(buses, subj
             got[role].add(msg.data)
 
         await buses[role].nc.subscribe(subject, cb=deliver)
-        await buses[role].nc.flush()  # the server has the subscription (or has refused it)
+        await buses[role].sync()  # the server has the subscription (or has refused it)
+    for role in publishers:
+        await buses[role].nc.publish(subject, role.encode())
+        await buses[role].nc.flush()
     want = {role.encode() for role in publishers}
-
-    async def delivered() -> bool:
-        # Published again until seen: another connection's publish can miss a subscription in its
-        # first moment, even after the subscriber's PONG (a first message was lost in about one
-        # flow of twenty here when sent at once, none 2 ms later). A refused flow never arrives.
-        for role in publishers:
-            await buses[role].nc.publish(subject, role.encode())
-            await buses[role].nc.flush()
-        return all(got[role] == want for role in subscribers)
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10.0
-    while not await delivered():
-        assert loop.time() < deadline, f"{subject}: from {sorted(publishers)}, {got} arrived"
-        await asyncio.sleep(0.01)
+    await until(
+        lambda: all(got[role] == want for role in subscribers),
+        timeout=10.0,
+        what=f"{subject} from {publishers} at {subscribers}",
+    )
     assert all(buses[role].nc.last_error is None for role in publishers + subscribers)
 
 
@@ -84,3 +76,27 @@ async def test_a_role_may_not_send_what_another_role_sends(buses):
     await md.flush()
     await until(lambda: md.last_error is not None, timeout=10.0, what="the server's -ERR")
     assert "permissions violation" in str(md.last_error).lower()
+
+
+async def test_a_service_is_reachable_once_serve_returns(nats_a, secrets):
+    """`Bus.serve` returns once the server routes to the new subscription: a request from another
+    client right after it is answered, never "no responders". A plain flush after subscribing did
+    not promise that (nats-py's PING can overtake the SUB on a new connection), and a wanlink test
+    on a fresh clone met "no responders" that way; 300 new services catch it with near certainty."""
+    url, _ = nats_a
+    client = await Bus.connect(url, "request-test", "operator", secrets)
+    try:
+        for i in range(300):
+            server = await Bus.connect(url, f"serve-test-{i}", "operator", secrets)
+            subject = subjects.inspect(f"fresh-{i}")
+            await server.serve(subject, WanControl, lambda msg: _state())
+            try:
+                await client.request(subject, WanControl(), WanState, 5.0)  # BusTimeout on "no responders"
+            finally:
+                await server.close()
+    finally:
+        await client.close()
+
+
+async def _state() -> WanState:
+    return WanState("serve-test")
