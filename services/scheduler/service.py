@@ -193,8 +193,9 @@ class Scheduler:
     async def _plan_around_the_dead(self, sub: Submit, tries: int = 3) -> Plan:
         """An instance killed a moment ago is still in the registry until its heartbeat expires:
         one that does not answer its task is left out and the request planned again. It stays
-        out of this request's plans even if it heartbeats meanwhile: it was told to drop the request
-        and would refuse it now."""
+        out of this request's re-plans even if it heartbeats meanwhile: a prefill was told to drop
+        the request and would refuse it now, and any instance that just missed an ack may miss
+        the next."""
         failed: set[str] = set()
         for attempt in range(tries):
             try:
