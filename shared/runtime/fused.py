@@ -19,9 +19,14 @@ On CPU the projections go through oneDNN with weights reordered once for it ("pa
 AMD EPYC (AVX-512) machines this project runs on, MKL's fp32 GEMM reads weights at about a third
 of the memory bandwidth and slows further as the batch grows (a batch-8 LM head took 1.7x the
 batch-1 one), while oneDNN reads them near full bandwidth at batch 1..16 and runs prefill 2x
-faster. The packed weights are a second copy: the model keeps its own for transformers' forward.
-On a GPU the fused projections' weights are concatenated once and the model's modules are pointed
-at slices of them, so nothing is duplicated there.
+faster. Not on every CPU: on an Intel Xeon (AVX-512, AMX) host MKL's one-row GEMM was the faster
+(a SmolLM2 step's projections at 1 / 2 / 3 / 4 rows: MKL 20.3 / 23.0 / 24.8 / 37.9 ms, oneDNN
+packed 26.2 / 27.4 / 27.7 / 28.0 ms). So each decoder times both kernels on its own weights when
+it is built (`_choose_small_step_kernel`, under a second) and runs steps of up to
+`Dense.plain_rows` rows (0..3) through plain `F.linear`, the others through the packed weights.
+The packed weights are a second copy; the concatenated ones are the first, and the model's modules
+are pointed at slices of them (transformers' forward and the plain kernel share them), as on a
+GPU, where nothing else is kept.
 
 `FusedDecoder.for_model` caches one decoder per model, since engines come and go around a model.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +45,8 @@ from shared.runtime.attention import StepAttention, attend
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at load
 PACK_BATCH_HINT = 16  # oneDNN picks its weight layout for this many rows; fine from 1 to prefill sizes
+SMALL_STEPS = (1, 2, 3)  # step sizes at which plain F.linear may beat the packed weights
+PROBE_LIMIT_S = 0.25  # a model whose projections take longer per step keeps the packed weights untimed
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -71,16 +79,21 @@ class Dense:
         if any(b is not None for b in biases):
             parts = [b.detach() if b is not None else weight.new_zeros(n) for b, n in zip(biases, self.sizes)]
             self.bias = torch.cat(parts)
-        self.packed = _pack(weight)
-        self.weight = None if self.packed is not None else weight
-        if self.packed is None and len(linears) > 1:  # share storage with the model's modules
+        self.weight = weight
+        if len(linears) > 1:  # the model's modules become views of the concatenation: one copy
             for lin, part in zip(linears, weight.split(self.sizes)):
                 lin.weight.data = part
+        self.packed = _pack(weight)
+        self.plain_rows = 0  # inputs of at most this many rows skip the packed weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and x.shape[0] > self.plain_rows:
+            return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -93,6 +106,38 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
     except (RuntimeError, AttributeError):  # a torch build without the op: plain F.linear
         return None
+
+
+def _choose_small_step_kernel(denses: list[Dense]) -> None:
+    """Set on every `Dense` the most rows (0..3) up to which a step's projections ran faster
+    through plain `F.linear` than through the packed weights, timed here on these weights (the best
+    of three alternating runs each way; plain must win by 5%). 0 where nothing is packed, or where
+    one step's projections take longer than `PROBE_LIMIT_S` (they stay packed, untimed)."""
+    if any(d.packed is None for d in denses):
+        return
+    dtype = denses[0].weight.dtype
+    inputs = {n: torch.full((SMALL_STEPS[-1], n), 0.01, dtype=dtype) for n in {d.weight.shape[1] for d in denses}}
+
+    def step(rows: int, plain: bool) -> float:
+        for d in denses:
+            d.plain_rows = rows if plain else 0
+        start = perf_counter()
+        for d in denses:
+            d(inputs[d.weight.shape[1]][:rows])
+        return perf_counter() - start
+
+    chosen = 0
+    step(1, False)  # warm-up
+    if step(1, False) <= PROBE_LIMIT_S:
+        step(1, True)  # warm-up
+        for rows in SMALL_STEPS:
+            runs = [(plain, step(rows, plain)) for _ in range(3) for plain in (True, False)]
+            plain, packed = (min(t for p, t in runs if p == side) for side in (True, False))
+            if plain > 0.95 * packed:
+                break
+            chosen = rows
+    for d in denses:
+        d.plain_rows = chosen
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,11 +174,24 @@ class FusedDecoder:
         with torch.no_grad():
             self.layers = [_layer(layer) for layer in inner.layers]
             self.lm_head = Dense([model.lm_head])
+            self._denses = [d for layer in self.layers for d in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            self._denses.append(self.lm_head)
+            _choose_small_step_kernel(self._denses)
         self.rotary = inner.rotary_emb
         self.source = _source(model)
         self.cos: torch.Tensor | None = None  # [positions, D]
         self.sin: torch.Tensor | None = None  # sin with its first half negated (see `_rope`)
         self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def plain_rows(self) -> int:
+        """Steps of at most this many rows run their projections through plain `F.linear`."""
+        return self.lm_head.plain_rows
+
+    @plain_rows.setter
+    def plain_rows(self, rows: int) -> None:
+        for d in self._denses:
+            d.plain_rows = rows
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecoder:

@@ -1,7 +1,8 @@
 """The runtime's fast paths compute what the plain ones do.
 
 - the fused layer loop (fused.py) against transformers' forward with the paged attention, for
-  Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms), over mixed prefill/extend/decode;
+  Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms), over mixed prefill/extend/decode,
+  with either kernel for small steps; which kernel a decoder picks for them, and that steps take it;
 - a decode step from a CUDA-graph bucket (padded batch, scratch slots; captured on a GPU, run
   eagerly on CPU) against the eager step, KV included;
 - the engine on each path against `generate()`, token for token.
@@ -15,11 +16,14 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from shared.runtime import fused
 from shared.runtime.attention import ATTN_IMPLEMENTATION
 from shared.runtime.cuda_graphs import CONTEXT_STEP, DecodeGraphs
 from shared.runtime.engine import Engine
+from shared.runtime.fused import FusedDecoder
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.models import kv_layout, tiny_llama
 from shared.runtime.runner import ModelRunner
@@ -89,14 +93,81 @@ def _mixed_steps(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Te
     return out
 
 
+@pytest.mark.parametrize("plain_rows", [0, 3], ids=["packed", "plain-small-steps"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_fused_loop_matches_transformers_forward(kind):
+def test_fused_loop_matches_transformers_forward(kind, plain_rows):
+    """With the packed weights for every step, and with plain F.linear for the 3-row decodes."""
     model = _tiny(kind)
     prompts = random_prompts(model.config.vocab_size, [20, 30, 25], seed=5)
-    fused = _mixed_steps(_runner(model, fused=True), prompts)
+    runner = _runner(model, fused=True)
+    runner.decoder.plain_rows = plain_rows
+    fused = _mixed_steps(runner, prompts)
     plain = _mixed_steps(_runner(model, fused=False, mirror_bytes=0), prompts)
     for i, (x, y) in enumerate(zip(fused, plain)):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
+
+
+class _KernelClock:
+    """Counts the projections each kernel runs and advances a fake clock by their given cost."""
+
+    def __init__(self, monkeypatch, plain_cost, packed_cost) -> None:
+        self.now, self.calls = 0.0, {"plain": [], "packed": []}
+        linear, packed_linear = F.linear, fused._packed_linear
+
+        def plain(x, weight, bias=None):
+            self.calls["plain"].append(x.shape[0])
+            self.now += plain_cost(x.shape[0])
+            return linear(x, weight, bias)
+
+        def packed(x, weight, bias):
+            self.calls["packed"].append(x.shape[0])
+            self.now += packed_cost(x.shape[0])
+            return packed_linear(x, weight, bias)
+
+        monkeypatch.setattr(fused.F, "linear", plain)
+        monkeypatch.setattr(fused, "_packed_linear", packed)
+        monkeypatch.setattr(fused, "perf_counter", lambda: self.now)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the packed weights are oneDNN's, on CPU")
+@pytest.mark.parametrize(
+    ("plain_cost", "expected"),
+    [
+        (lambda rows: 1e-4 * rows, 2),  # plain faster up to 2 rows (packed: 2.5e-4)
+        (lambda rows: 2.4e-4, 0),  # within 5% of packed: not worth a second kernel
+        (lambda rows: 1e-5, 3),  # faster at every probed size: still only up to 3 rows
+    ],
+)
+def test_small_steps_take_the_kernel_that_timed_faster(monkeypatch, plain_cost, expected):
+    clock = _KernelClock(monkeypatch, plain_cost, lambda rows: 2.5e-4)
+    decoder = FusedDecoder(_tiny("llama"))
+    assert decoder.plain_rows == expected
+    assert {d.plain_rows for d in decoder._denses} == {expected}
+    assert set(clock.calls["plain"]) <= {1, 2, 3} and max(clock.calls["packed"]) <= 3
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the packed weights are oneDNN's, on CPU")
+def test_a_model_too_large_to_time_keeps_the_packed_weights(monkeypatch):
+    clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: fused.PROBE_LIMIT_S)
+    decoder = FusedDecoder(_tiny("llama"))
+    assert decoder.plain_rows == 0
+    assert clock.calls["plain"] == []  # not timed
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the packed weights are oneDNN's, on CPU")
+def test_steps_up_to_plain_rows_skip_the_packed_weights(monkeypatch):
+    model = _tiny("llama")
+    runner = _runner(model)
+    runner.decoder.plain_rows = 2
+    clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: 0.0)
+    seqs = [_seq(runner, n, p) for n, p in zip("abc", random_prompts(model.config.vocab_size, [9, 12, 7], seed=2))]
+    _step(runner, [(s, s.num_tokens) for s in seqs])
+    assert clock.calls["plain"] == [] and min(clock.calls["packed"]) == 3  # 28 prompt rows; 3 sampled
+    per_step = 4 * model.config.num_hidden_layers + 1  # q|k|v, o, gate|up, down; the LM head
+    for rows, kernel in ((2, "plain"), (3, "packed"), (1, "plain")):
+        clock.calls = {"plain": [], "packed": []}
+        _step(runner, [(s, 1) for s in seqs[:rows]])
+        assert clock.calls[kernel] == [rows] * per_step, f"{rows} rows"
 
 
 def test_unsupported_model_runs_transformers_forward():
