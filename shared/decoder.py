@@ -139,7 +139,15 @@ class DecoderService(InstanceService):
             return Ack(rid, ok=False, error="request was aborted")
         if problem := self.task_problem(task.prompt_ids, task.sampling) or _start_problem(task, self.cfg.block_size):
             return Ack(rid, ok=False, error=f"{self.inst.id} refused the task: {problem}")
-        if rid not in self.requests:
+        held = self.requests.get(rid)
+        if held is not None and held.task.kv_token != task.kv_token and held.phase == Phase.PENDING:
+            # the request was planned again and this task came before the earlier copy's drop
+            # (two subjects: nothing orders them): the new copy replaces it, and the drop, naming
+            # the earlier copy's token, will find nothing of its own to drop
+            self.receiver.cancel(rid)
+            self.end(rid, End.DROPPED)
+            held = None
+        if held is None:
             if (full := self.refuse_if_full(rid)) is not None:
                 return full
             self.requests[rid] = DecodeRequest(task, time.monotonic())
@@ -325,6 +333,9 @@ class DecoderService(InstanceService):
         unless it runs: its KV did land (only the push's ACK was late) and, on main-decode after
         the handoff, it is the one copy the user's stream comes from."""
         req = self.requests.get(msg.request_id)
+        if req is not None and msg.kv_token and msg.kv_token != req.task.kv_token:
+            log.info("%s: %s: the drop is for an earlier plan's copy; kept (%s)", self.inst.id, req.id, msg.reason)
+            return
         if req is not None and req.phase == Phase.RUNNING:
             log.warning("%s: %s runs here; not dropped (%s)", self.inst.id, req.id, msg.reason)
             return

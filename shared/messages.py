@@ -224,6 +224,9 @@ class Abort(Message):
     # the request is over (it finished on the relay), but main-decode's copy of its prompt KV may
     # still land, into main-decode's prefix cache only: the session's next turn will hit it
     keep_kv: bool = False
+    # a drop (pdd.decode.<instance>.drop) names the copy it abandons by its transfer token: a
+    # decoder that holds another copy (a re-plan's task came first) keeps it. Empty: any copy
+    kv_token: str = ""
 
 
 # -- what a request measured ----------------------------------------------------------------

@@ -10,7 +10,7 @@ pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has 
 pdd.handoff.<rld>.finish        prefill, md -> rld     FinishOnRelay (main-decode will not get it)
 pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
 pdd.abort                       anyone -> everyone     Abort (broadcast, idempotent)
-pdd.decode.<instance>.drop      prefill, scheduler     Abort (this decoder only: its copy failed, or re-planned)
+pdd.decode.<instance>.drop      prefill, scheduler     Abort (this decoder's copy, by its kv_token: failed, re-planned)
 pdd.prefill.<instance>.drop     scheduler -> prefill   Abort (this prefill only: it did not ack, re-planned)
 pdd.registry.heartbeat          instances -> registrar InstanceInfo -> HeartbeatReply (load, liveness)
 pdd.registry.index              instances -> registrar IndexUpdate -> Ack (prefix-cache block events)

@@ -157,7 +157,8 @@ class Prefiller(InstanceService):
             log.warning("%s: %s: WAN push failed (%s); relay finishes it", self.inst.id, rid, failed[0][1])
             msg = FinishOnRelay(rid, reason=f"KV push to main-decode failed: {failed[0][1]}")
             await self.bus.publish(subjects.finish_on_relay(task.plan.rld), msg)
-            await self.bus.publish(subjects.decode_drop(task.plan.md), Abort(rid, reason="KV push failed"))
+            md_token = next(t.token for t in task.targets if t.role == "md")
+            await self.bus.publish(subjects.decode_drop(task.plan.md), Abort(rid, "KV push failed", kv_token=md_token))
             return
         await self._fail(rid, "; ".join(str(e) for _, e in failed), blame=failed[0][0].instance_id)
 

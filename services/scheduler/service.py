@@ -281,11 +281,12 @@ class Scheduler:
             await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
         except BaseException as e:
             if isinstance(e, Unreachable):  # planned again: its stages let go (not an abort, which sticks)
-                dropped = Abort(sub.request_id, reason="re-planned")
-                for inst in decoders:
+                rid = sub.request_id
+                for inst, target in zip(decoders, targets):  # the re-plan may pick it again: name this copy
+                    dropped = Abort(rid, reason="re-planned", kv_token=target.token)
                     await self.bus.publish(subjects.decode_drop(inst.id), dropped)
                 if e.instance_id == prefill.id:  # slow, not dead? its late push and failure must not end the new plan
-                    await self.bus.publish(subjects.prefill_drop(prefill.id), dropped)
+                    await self.bus.publish(subjects.prefill_drop(prefill.id), Abort(rid, reason="re-planned"))
             await self._unrecord(plan.request_id)  # a re-plan records itself again; an error plan leaves nothing
             raise
 

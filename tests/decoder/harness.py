@@ -92,6 +92,7 @@ class DecoderPair:
         pipeline: str,
         handoff: str = "none",
         roles: tuple[str, ...] = (),
+        token: str = "",
         **sampling,
     ) -> list[Ack]:
         plan = Plan(
@@ -103,7 +104,7 @@ class DecoderPair:
             md="md-0" if pipeline.endswith("md") else "",
         )
         task = DecodeTask(
-            rid, prompt, Sampling(max_tokens=n, ignore_eos=True, **sampling), plan, kv_token=f"token-{rid}"
+            rid, prompt, Sampling(max_tokens=n, ignore_eos=True, **sampling), plan, kv_token=token or f"token-{rid}"
         )
         self.sampling[rid] = task.sampling
         self.chunks[rid] = []
@@ -111,7 +112,9 @@ class DecoderPair:
         roles = roles or tuple(r for r in ("rld", "md") if getattr(plan, r))
         return [await self.bus.request(subjects.decode_task(getattr(plan, r)), task, Ack, 5) for r in roles]
 
-    def transfer(self, rid: str, prompt: list[int], via_wan: bool, start: int = 0, wire: str = "native") -> Transfer:
+    def transfer(
+        self, rid: str, prompt: list[int], via_wan: bool, start: int = 0, wire: str = "native", token: str = ""
+    ) -> Transfer:
         """Prefill's push: the KV of [start, prompt) and the first token, as the receiver gets it."""
         e = self.prefill_engine
         params = to_params(self.sampling[rid]) if rid in self.sampling else greedy(1)
@@ -129,7 +132,7 @@ class DecoderPair:
             rid,
             "prefill-0",
             header,
-            token=f"token-{rid}",
+            token=token or f"token-{rid}",
             layers=layers,
             done=done,
             wire_bytes=sum(map(len, layers)),

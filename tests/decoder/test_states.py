@@ -336,6 +336,36 @@ async def test_duplicates_and_late_messages_change_nothing(pair, prompt, tiny_re
     pair.assert_gone("r1")
 
 
+@pytest.mark.parametrize("order", ["drop-first", "task-first"])
+async def test_a_re_plan_onto_the_same_decoder_keeps_the_new_copy_whatever_the_order(pair, prompt, tiny_ref, order):
+    """Prefill missed its ack, so the scheduler dropped the plan's copies and planned again, onto
+    the same main-decoder: a new task with a new transfer token. The drop and the new task travel
+    on two subjects, so either may come first; both ways only the new copy remains."""
+    drop = Abort("r1", reason="re-planned", kv_token="old")
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD, token="old")
+    if order == "drop-first":
+        await pair.bus.publish(subjects.decode_drop("md-0"), drop)
+        await pair.settle()
+    (ack,) = await pair.dispatch("r1", prompt, N, Pipeline.P_MD, token="new")
+    assert ack.ok and pair.md.requests["r1"].task.kv_token == "new"
+    if order == "task-first":
+        await pair.bus.publish(subjects.decode_drop("md-0"), drop)
+        await pair.settle()
+    old_push = pair.transfer("r1", prompt, via_wan=True, token="old")
+    assert "wrong transfer token" in await pair.land("md", "r1", prompt, old_push)
+    assert await pair.land("md", "r1", prompt, pair.transfer("r1", prompt, via_wan=True, token="new")) == ""
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("r1")
+
+
+async def test_a_drop_naming_the_held_copy_drops_it(pair, prompt):
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD, token="this")
+    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="re-planned", kv_token="this"))
+    await pair.settle()
+    pair.assert_gone("r1")
+
+
 async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):
     await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
     await pair.land("md", "r1", prompt)

@@ -91,3 +91,17 @@ async def test_the_schedulers_drop_lets_go_of_a_late_task_and_ends_nothing_else(
     assert prefill.held_requests() == []
     # nothing of either went out: no abort to every stage, no error to the user's stream
     assert [s for s, _ in prefill.nats.published if s == subjects.ABORT or s.startswith("pdd.tokens.")] == []
+
+
+async def test_a_failed_wan_push_drops_main_decodes_copy_by_its_token(prefill):
+    """Only main-decode's push failed: the relay finishes the request, and main-decode is told to
+    drop the copy this task pushed to, named by its token (a re-plan's copy would be kept)."""
+    rld = KVTarget("rld-0", "rld", "127.0.0.1", 9, token="relay-token")
+    md = KVTarget("md-0", "md", "127.0.0.1", 9, token="md-token", wan=True)
+    plan = Plan("r1", pipeline="p-rld-md", handoff="oneshot", prefill="prefill-0", rld="rld-0", md="md-0")
+    task = PrefillTask("r1", list(range(3, 40)), Sampling(max_tokens=4), [rld, md], plan)
+    await prefill._degrade(task, [(md, ConnectionError("the line dropped"))])
+    (finish,) = prefill.nats.sent(subjects.finish_on_relay("rld-0"))
+    (drop,) = prefill.nats.sent(subjects.decode_drop("md-0"))
+    assert (finish.request_id, drop.request_id, drop.kv_token) == ("r1", "r1", "md-token")
+    assert not prefill.nats.sent(subjects.ABORT)
