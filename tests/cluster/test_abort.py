@@ -158,7 +158,10 @@ def test_abort_while_the_relay_streams(cluster, model_id, operator, slow_wan):
 
 def test_abort_in_the_middle_of_a_catch_up_handoff(cluster, model_id, operator, slow_wan):
     slow_wan(8.0)  # ~3 s on the wire: the relay builds a backlog of dozens of tokens, handed in chunks
-    s = Stream(cluster.url, _body(model_id, fresh_prompt(60, "handoff"), 400, pipeline="p-rld-md", handoff="catchup"))
+    # the stream is cut as the handoff begins; 2000 tokens leave the relay busy for a minute here,
+    # so a machine many times faster still reaches the handoff before the request ends
+    body = _body(model_id, fresh_prompt(60, "handoff"), 2000, pipeline="p-rld-md", handoff="catchup")
+    s = Stream(cluster.url, body)
     handing = threading.Event()
 
     def watch() -> None:
