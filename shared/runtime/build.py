@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from shared.config import ClusterConfig, InstanceConfig
 from shared.model_info import model_path
 from shared.runtime.engine import Engine
@@ -14,7 +16,18 @@ from shared.security import Secrets
 
 
 def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
-    """The instance's model, KV pool and engine, as its config says."""
+    """The instance's model, KV pool and engine, as its config says. Built with the engine's
+    thread count (the caller's is restored): the runner times its small-step kernels on the
+    weights as the engine thread will run them (shared/runtime/fused.py)."""
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(inst.threads)
+    try:
+        return _build(cfg, inst)
+    finally:
+        torch.set_num_threads(caller_threads)
+
+
+def _build(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
     path = provision_default_model() if cfg.model == "default" else model_path(cfg.model)
     model = load_model(path, dtype=inst.dtype, device=cfg.device or inst.device)
     tokenizer = load_tokenizer(path)  # stop strings are checked on decoded text
