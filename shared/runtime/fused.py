@@ -22,7 +22,7 @@ batch-1 one), while oneDNN reads them near full bandwidth at batch 1..16 and run
 faster. Not on every CPU: on an Intel Xeon (AVX-512, AMX) host MKL's one-row GEMM was the faster
 (a SmolLM2 step's projections at 1 / 2 / 3 / 4 rows: MKL 20.3 / 23.0 / 24.8 / 37.9 ms, oneDNN
 packed 26.2 / 27.4 / 27.7 / 28.0 ms). So each decoder times both kernels on its own weights when
-it is built (`_choose_small_step_kernel`, under a second) and runs steps of up to
+it is built (`_choose_small_step_kernel`, about a second) and runs steps of up to
 `Dense.plain_rows` rows (0..3) through plain `F.linear`, the others through the packed weights.
 The packed weights are a second copy; the concatenated ones are the first, and the model's modules
 are pointed at slices of them (transformers' forward and the plain kernel share them), as on a
