@@ -2,7 +2,9 @@
 
 Lifecycle of a request here:
 1. PrefillTask from the scheduler (idempotent by request id) -> acked, queued in the engine as
-   a sequence that samples one token and keeps its blocks (`hold_kv`).
+   a sequence that samples one token and keeps its blocks (`hold_kv`). The KV connection to a
+   target across the WAN is dialed now (`EarlyConnection`): its TCP and TLS handshakes overlap
+   the prefill instead of delaying the first KV byte.
 2. The engine prefills it, chunked and batched with other prompts, and samples the first token.
 3. On the engine thread, the KV each target lacks ([target.start, prompt_len)) is exported and
    the blocks are released at once: transfers never pin the pool.
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.instance import InstanceService, service_main, to_params
-from shared.kv_transport import KVPush, KVTransferError, send_kv
+from shared.kv_transport import EarlyConnection, KVPush, KVTransferError, send_kv
 from shared.messages import Abort, Ack, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
 from shared.model_info import WIRE_FORMATS
 from shared.pipelines import hands_off
@@ -39,12 +41,18 @@ from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
+# KV connections across the WAN are dialed when the task arrives (`EarlyConnection`): the TCP and
+# TLS handshakes then overlap the prefill. At most this many wait unused per decoder at once, well
+# under the receiver's cap on connections per peer; later tasks dial when their KV is ready.
+EARLY_CONNECTIONS_PER_DECODER = 4
+
 
 @dataclass(eq=False)
 class PrefillState:
     task: PrefillTask
     accepted_at: float
     tasks: set[asyncio.Task] = field(default_factory=set)  # its push and transfers; cancelled on abort
+    early: dict[str, EarlyConnection] = field(default_factory=dict)  # decoder id -> its connection
 
 
 class Prefiller(InstanceService):
@@ -56,7 +64,10 @@ class Prefiller(InstanceService):
         self.seen = RecentIds()  # request ids already accepted or aborted (idempotence)
         self._tls = None
         self.kv_seconds = self.metrics.histogram(
-            "pdd:kv_transfer_seconds", "KV pushes, connect to ACK, by path", labels=("path",)
+            "pdd:kv_transfer_seconds", "KV pushes, KV ready to ACK, by path", labels=("path",)
+        )
+        self.early_connections = self.metrics.counter(
+            "pdd:kv_early_connections", "KV connections dialed as the task came, by outcome", ("outcome",)
         )
         self.kv_bytes = self.metrics.counter("pdd:kv_transfer_bytes", "KV bytes pushed, by path", ("path",))
         self.kv_failures = self.metrics.counter("pdd:kv_transfer_failures", "KV push attempts that failed", ("path",))
@@ -90,7 +101,8 @@ class Prefiller(InstanceService):
         if (full := self.refuse_if_full(rid)) is not None:
             return full
         self.seen.add(rid)
-        self.requests[rid] = PrefillState(task, time.monotonic())
+        self.requests[rid] = state = PrefillState(task, time.monotonic())
+        self._dial_early(state)
         seq = Sequence(
             rid,
             list(task.prompt_ids),
@@ -105,6 +117,25 @@ class Prefiller(InstanceService):
         # of this request is queued after this command, so it finds the sequence.
         self.worker.submit(lambda e: e.add(seq)).add_done_callback(lambda f: self._added(rid, f))
         return Ack(rid)
+
+    def _dial_early(self, state: PrefillState) -> None:
+        """Open the WAN targets' KV connections now, while the prompt waits and prefills."""
+        for t in state.task.targets:
+            waiting = sum(
+                1 for s in self.requests.values() if (e := s.early.get(t.instance_id)) is not None and not e.settled
+            )
+            if t.wan and waiting < EARLY_CONNECTIONS_PER_DECODER:
+                stall_s = self.cfg.timeouts.kv_stall_s
+                state.early[t.instance_id] = EarlyConnection(
+                    t.host, t.port, stall_s, self._tls, t.instance_id, spawn=self.spawn
+                )
+
+    def _settle_early(self, state: PrefillState) -> None:
+        """Close what the request did not use and count each connection's outcome (once)."""
+        for early in state.early.values():
+            early.close()
+            self.early_connections.labels(outcome=early.outcome or "unused").inc()
+        state.early.clear()
 
     def _added(self, rid: str, done: asyncio.Future) -> None:
         if not done.cancelled() and (error := done.exception()) is not None and rid in self.requests:
@@ -140,8 +171,14 @@ class Prefiller(InstanceService):
             return  # aborted between the first token and the export: nothing is held
         stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit)
         done = {"first_token": first_token, "stats": dataclasses.asdict(stats)}
-        sends = [self._spawn_for(state, self._send(t, rid, p, done)) for t, p in zip(task.targets, payloads)]
-        results = await asyncio.gather(*sends, return_exceptions=True)
+        sends = [
+            self._spawn_for(state, self._send(t, rid, p, done, state.early.get(t.instance_id)))
+            for t, p in zip(task.targets, payloads)
+        ]
+        try:
+            results = await asyncio.gather(*sends, return_exceptions=True)
+        finally:
+            self._settle_early(state)
         if self.requests.pop(rid, None) is None:
             return  # aborted meanwhile
         failed = [(t, r) for t, r in zip(task.targets, results) if isinstance(r, Exception)]
@@ -162,8 +199,11 @@ class Prefiller(InstanceService):
             return
         await self._fail(rid, "; ".join(str(e) for _, e in failed), blame=failed[0][0].instance_id)
 
-    async def _send(self, target: KVTarget, rid: str, payload: KVPayload, done: dict) -> int:
-        """Push one target's KV; a dropped or stalled connection is retried from the start."""
+    async def _send(
+        self, target: KVTarget, rid: str, payload: KVPayload, done: dict, early: EarlyConnection | None
+    ) -> int:
+        """Push one target's KV (the first try on its early connection, if one is ready); a dropped
+        or stalled connection is retried from the start on a new one."""
         layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v, target.wire) for k, v in payload.layers])
         header = {**payload.header.to_dict(), "wire": target.wire}
         push = KVPush(rid, self.inst.id, target.token, header, layers, done, wan=target.wan)
@@ -172,7 +212,10 @@ class Prefiller(InstanceService):
         for attempt in range(t.kv_retries + 1):
             t0 = time.perf_counter()
             try:
-                sent = await send_kv(target.host, target.port, push, t.kv_stall_s, self._tls, target.instance_id)
+                conn = await early.take() if early is not None and attempt == 0 else None
+                sent = await send_kv(
+                    target.host, target.port, push, t.kv_stall_s, self._tls, target.instance_id, conn=conn
+                )
                 self.kv_seconds.labels(path=path).observe(time.perf_counter() - t0)
                 self.kv_bytes.labels(path=path).inc(sent)
                 log.info(
@@ -204,7 +247,8 @@ class Prefiller(InstanceService):
     # -- 5. failure and abort -----------------------------------------------------------
     async def _fail(self, rid: str, error: str, blame: str = "") -> None:
         log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
-        self.requests.pop(rid, None)
+        if (state := self.requests.pop(rid, None)) is not None:
+            self._settle_early(state)
         chunk = TokenChunk(
             rid, 0, [], role=self.role, instance_id=self.inst.id, finish_reason="error", error=error, blame=blame
         )
@@ -216,6 +260,7 @@ class Prefiller(InstanceService):
         state = self.requests.pop(msg.request_id, None)
         if state is None:
             return
+        self._settle_early(state)
         me = asyncio.current_task()
         for t in list(state.tasks):
             if t is not me and not msg.keep_kv:  # finished on the relay: md's push may still land

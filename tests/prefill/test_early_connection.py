@@ -1,0 +1,127 @@
+"""Prefill dials main-decode's KV connection when the task arrives, on a real engine stepped by
+hand (`ManualWorker`, so the KV is ready only when the test says) and a real KV receiver on
+loopback: the connection is open before any prefill step, the push then uses it (one
+connection in all), an abort closes it at once without a refusal on the receiver, in-DC targets
+are not dialed early, and at most `EARLY_CONNECTIONS_PER_DECODER` wait per decoder."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.prefill.service import EARLY_CONNECTIONS_PER_DECODER, Prefiller
+from shared import subjects
+from shared.config import config_from_dict
+from shared.kv_transport import KVReceiver, Transfer
+from shared.messages import Abort, Ack, KVTarget, Plan, PrefillTask, Sampling
+from tests.decoder.harness import CONFIG, engine, idle
+from tests.fakes import InMemoryNats, ManualWorker
+from tests.helpers import until
+
+DEADLINE_S = 30.0
+
+
+class Receiver(KVReceiver):
+    """main-decode's KV listener (any transfer accepted), counting the connections it took."""
+
+    def __init__(self) -> None:
+        super().__init__(self._handle, stall_s=10.0)
+        self.accepted = 0
+        self.got: list[Transfer] = []
+
+    async def _handle(self, transfer: Transfer) -> str:
+        self.got.append(transfer)
+        return ""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        await super()._serve(reader, writer)
+
+    @property
+    def open(self) -> int:
+        return sum(self._per_peer.values())
+
+
+class Rig:
+    def __init__(self, service: Prefiller, worker: ManualWorker, rx: Receiver) -> None:
+        self.service, self.worker, self.rx = service, worker, rx
+        self.scheduler = service.nats.client("scheduler")
+        self.baseline = self.task_names()  # the service's own loops (heartbeat, ...)
+
+    def task_names(self) -> list[str]:
+        return sorted(t.get_coro().__qualname__ for t in self.service._tasks if not t.done())
+
+    def task(self, rid: str, relay: bool = False) -> PrefillTask:
+        md = KVTarget("md-0", "md", "127.0.0.1", self.rx.port, token=f"md-{rid}", wan=True)
+        rld = KVTarget("rld-0", "rld", "127.0.0.1", self.rx.port, token=f"rld-{rid}")
+        plan = Plan(rid, pipeline="p-rld-md" if relay else "p-md", prefill="prefill-0", md="md-0")
+        targets = [rld, md] if relay else [md]
+        return PrefillTask(rid, list(range(3, 40)), Sampling(max_tokens=4), targets, plan)
+
+    async def submit(self, task: PrefillTask) -> None:
+        ack = await self.scheduler.request(subjects.prefill_task("prefill-0"), task, Ack, DEADLINE_S)
+        assert ack.ok, ack
+
+    def early(self, outcome: str) -> float:
+        labels = {**self.service.metrics.constant, "outcome": outcome}
+        return self.service.metrics.registry.get_sample_value("pdd:kv_early_connections_total", labels) or 0.0
+
+    async def settled(self) -> None:
+        """No request, task or connection left on either side."""
+        service = self.service
+        await until(lambda: not service.held_requests() and self.task_names() == self.baseline, DEADLINE_S, "no task")
+        await until(lambda: not self.rx.open, DEADLINE_S, "the receiver's connections to close")
+        assert await self.worker.call(idle)
+
+
+@pytest.fixture
+async def rig(tiny):
+    cfg = config_from_dict(CONFIG)
+    service = Prefiller(cfg, cfg.instance("prefill-0"))
+    service.nats = InMemoryNats()
+    worker = ManualWorker(engine(tiny), service.on_outputs)
+    await service.start(service.nats.client("prefill-0"), worker)
+    rx = Receiver()
+    await rx.start()
+    yield Rig(service, worker, rx)
+    await service.shutdown()
+    await rx.stop()
+
+
+async def test_main_decodes_connection_is_open_before_prefill_and_carries_the_push(rig):
+    await rig.submit(rig.task("r1"))
+    await until(lambda: rig.rx.open == 1, DEADLINE_S, "main-decode to accept the early connection")
+    assert rig.worker.engine.find("r1") is not None and rig.rx.got == []  # not one prefill step yet
+    assert rig.worker.step()  # the prefill: first token, then the push
+    await until(lambda: rig.rx.got, DEADLINE_S, "the KV to arrive")
+    (transfer,) = rig.rx.got
+    assert (transfer.request_id, transfer.token, transfer.via_wan) == ("r1", "md-r1", True)
+    assert rig.rx.accepted == 1  # the push went on the early connection
+    await rig.settled()
+    assert (rig.early("used"), rig.early("unused")) == (1, 0) and rig.rx.refused == 0
+
+
+async def test_an_abort_before_the_kv_closes_the_early_connection_quietly(rig):
+    await rig.submit(rig.task("r1"))
+    await until(lambda: rig.rx.open == 1, DEADLINE_S, "main-decode to accept the early connection")
+    await rig.scheduler.publish(subjects.ABORT, Abort("r1", reason="the client left"))
+    await until(lambda: not rig.rx.open, 5.0, "the connection to close (unused, it would last 15 s)")
+    await rig.settled()
+    assert rig.rx.refused == 0 and rig.rx.got == []
+    assert (rig.early("used"), rig.early("unused")) == (0, 1)
+
+
+async def test_only_wan_targets_dial_early_and_at_most_a_few_per_decoder(rig):
+    n = EARLY_CONNECTIONS_PER_DECODER + 2
+    for i in range(n):
+        await rig.submit(rig.task(f"r{i}", relay=True))
+    early = [sorted(s.early) for s in rig.service.requests.values()]
+    assert early == [["md-0"]] * EARLY_CONNECTIONS_PER_DECODER + [[]] * 2  # the relay's, in-DC: none
+    await until(lambda: rig.rx.open == EARLY_CONNECTIONS_PER_DECODER, DEADLINE_S, "the early connections")
+    while len(rig.rx.got) < 2 * n:  # every request prefills and pushes to both decoders
+        rig.worker.step()
+        await until(lambda: rig.task_names() == rig.baseline or len(rig.rx.got) == 2 * n, DEADLINE_S, "the pushes")
+    await rig.settled()
+    assert rig.rx.accepted == 2 * n  # one connection per push: the early ones carried theirs
+    assert rig.early("used") == EARLY_CONNECTIONS_PER_DECODER and rig.rx.refused == 0
