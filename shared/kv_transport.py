@@ -228,10 +228,10 @@ class EarlyConnection:
     trips: ~40 ms at 10 ms one way) overlap the prefill rather than delay the first KV byte.
 
     The receiver waits `stall_s` for a connection's HEADER, so the connection is handed out
-    (`take`) only within `stall_s / 2` of being asked for; past that, or when `close`d unused, it
-    is closed cleanly, which the receiver takes for what it is (`ConnectionUnused`), not a failed
-    transfer. `take` returns None when the dial failed or the connection went unused too long:
-    the push then dials its own, as without one."""
+    (`take`) only within `hold_s` (default `stall_s / 2`) of its creation; past that, or when
+    `close`d unused, it is closed cleanly, which the receiver takes for what it is
+    (`ConnectionUnused`), not a failed transfer. `take` returns None when the dial failed or the
+    connection went unused too long: the push then dials its own, as without one."""
 
     def __init__(
         self,
@@ -241,9 +241,10 @@ class EarlyConnection:
         tls: ssl.SSLContext | None = None,
         server_name: str | None = None,
         spawn: Callable[[Coroutine], asyncio.Task] = asyncio.ensure_future,
+        hold_s: float | None = None,
     ) -> None:
         self._wanted = asyncio.Event()
-        self._deadline = asyncio.get_running_loop().time() + stall_s / 2
+        self._deadline = asyncio.get_running_loop().time() + (stall_s / 2 if hold_s is None else hold_s)
         self._task = spawn(self._hold(dial(host, port, stall_s, tls, server_name)))
         self.outcome = ""  # "used", "unused" (expired or closed) or "failed" (the dial), once settled
 

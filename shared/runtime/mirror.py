@@ -22,11 +22,14 @@ sequence's block table changed, or when `KVPool.write` (KV imported from elsewhe
 of its blocks. The runner clears the mirror when a step fails half-way.
 
 Cost: memory, `rows x capacity` tokens of KV in float32, bounded by `budget_bytes` (the pool's
-own capacity does not count it); a step that does not fit falls back to the gather path.
+own capacity does not count it); a step that does not fit falls back to the gather path. The
+memory is advised for huge pages (`zeros`): a step's K writes land 4 x capacity bytes apart.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,23 @@ from shared.runtime.sequence import Sequence
 CAPACITY_STEP = 128  # rows grow by whole multiples of this many tokens
 IDLE_STEPS = 8  # a row unused for this many steps is freed
 MIRROR_DTYPE = torch.float32  # keeps softmax and both matmuls in fp32 whatever the pool holds
+HUGE_PAGE = 2 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor, on a CPU in memory the kernel may back with 2 MB pages (transparent huge
+    pages, `madvise` mode). A step writes one position of every row's transposed K: one float
+    per (row, head, dim), each 4 bytes x capacity apart, so on 4 KB pages every one of them is a
+    TLB miss (at batch 16, 3072 per layer). Where that is not available: `torch.zeros`."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled, private:
+    try:  # (shared anonymous memory would follow shmem's huge page setting instead)
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: plain pages, as torch's
+        pass
+    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 @dataclass
@@ -171,8 +191,8 @@ class DecodeMirror:
                 return False
         shape = (layout.num_layers, new_rows, layout.kv_heads)
         # zeros, not empty: keys past a row's length are read (then masked) and must be finite
-        kt = torch.zeros(*shape, layout.head_dim, new_tokens, dtype=MIRROR_DTYPE, device=self.pool.device)
-        v = torch.zeros(*shape, new_tokens, layout.head_dim, dtype=MIRROR_DTYPE, device=self.pool.device)
+        kt = zeros((*shape, layout.head_dim, new_tokens), MIRROR_DTYPE, self.pool.device)
+        v = zeros((*shape, new_tokens, layout.head_dim), MIRROR_DTYPE, self.pool.device)
         if self.kt is not None:
             kt[:, :have_rows, :, :, :have_tokens] = self.kt
             v[:, :have_rows, :, :have_tokens] = self.v

@@ -4,6 +4,7 @@ flooded. Nothing is lost (outputs stay exact, no token duplicated or missing) an
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import threading
 import time
 
@@ -27,11 +28,20 @@ def _body(model_id: str, prompt: str, n: int, pipeline: str) -> dict:
     }
 
 
+def _unused_early_connections(cluster) -> int:
+    """prefill-0's KV connections dialed as a task came and closed unused (its prefill outlasted
+    half the stall deadline): the line counted them, but no push went on them."""
+    port = cluster.cfg.instance("prefill-0").metrics_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    found = re.search(r'^pdd:kv_early_connections_total\{[^}]*outcome="unused"[^}]*\} (\S+)$', text, re.M)
+    return int(float(found.group(1))) if found else 0
+
+
 def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 15.0) -> tuple[str, dict, int]:
     """Run a request with a slow line and inject `fault` on md-0's KV forward once its KV is on
-    the wire. Returns (text, pdd, connections the line accepted for md-0's KV meanwhile)."""
+    the wire. Returns (text, pdd, connections the line accepted for md-0's KV pushes meanwhile)."""
     result: dict = {}
-    accepted = operator.wan().accepted.get("md-0", 0)
+    accepted, unused = operator.wan().accepted.get("md-0", 0), _unused_early_connections(cluster)
     before = operator.line_bytes("md-0")
     try:
         operator.wan(bandwidth_mbps=mbps)
@@ -46,7 +56,8 @@ def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 1
         operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
         operator.wan(forward="md-0", down=False)
     text, pdd, _ = result["out"]
-    return text, pdd, operator.wan().accepted.get("md-0", 0) - accepted
+    unused = _unused_early_connections(cluster) - unused
+    return text, pdd, operator.wan().accepted.get("md-0", 0) - accepted - unused
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])

@@ -8,9 +8,13 @@ import KV into a decoding sequence's blocks, move a sequence to other blocks, an
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
 import torch
 
+from shared.runtime import mirror
 from shared.runtime.kv_payload import export_kv, import_kv
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.mirror import IDLE_STEPS
@@ -66,7 +70,10 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return random_prompts(MODEL.config.vocab_size, [7 + 13 * i for i in range(n)], seed=seed)
 
 
-def test_decode_sets_that_change_every_step():
+@pytest.mark.parametrize("mapped", [False, True], ids=["torch-memory", "mapped-memory"])
+def test_decode_sets_that_change_every_step(monkeypatch, mapped):
+    if mapped:  # this tiny model's rows stay under 2 MB: map them anyway, as a real model's are
+        monkeypatch.setattr(mirror, "HUGE_PAGE", 0)
     t = Twin()
     for i, p in enumerate(_prompts(5, seed=30)):
         t.add(f"s{i}", p)
@@ -78,6 +85,32 @@ def test_decode_sets_that_change_every_step():
     t.add("s5", _prompts(1, seed=31)[0])
     t.decode("s5", "s0", "s4", "s2")  # s2 comes back: its row is filled again from the pool
     t.decode("s0", "s2", "s4", "s5")
+    assert ("hg" in _vm_flags(t.mirror.kt)) == mapped
+
+
+def _vm_flags(tensor: torch.Tensor) -> list[str]:
+    """The kernel's flags for the mapping that holds `tensor` (/proc/self/smaps; "hg": madvised
+    MADV_HUGEPAGE)."""
+    address, inside = tensor.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+def test_a_large_mirror_tensor_is_zeroed_mapped_memory_advised_for_huge_pages():
+    t = mirror.zeros((4, 1 << 20), torch.float32, torch.device("cpu"))  # 16 MB
+    assert t.shape == (4, 1 << 20) and t.dtype == torch.float32 and not t.any()
+    assert "hg" in _vm_flags(t)
+    gc.collect()  # the mapping lives as long as the tensor, not as the function that made it
+    t[3, -1] = 1.0
+    assert t.sum().item() == 1.0
+    small = mirror.zeros((4, 4), torch.float32, torch.device("cpu"))
+    assert "hg" not in _vm_flags(small) and not small.any()
 
 
 def test_rows_stay_dense_when_rows_in_the_middle_leave():

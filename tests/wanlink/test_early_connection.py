@@ -54,11 +54,11 @@ async def test_the_push_runs_on_the_connection_dialed_before_its_kv(make_link, s
     await rx.stop()
 
 
-async def test_an_early_connection_unused_past_half_the_stall_deadline_is_closed_quietly(make_link, secrets, refusals):
+async def test_an_early_connection_unused_past_its_hold_is_closed_quietly(make_link, secrets, refusals):
     rx, got = await receiver(secrets)  # waits 10 s for a header
     link = await make_link({"md-0": ("A", rx.port)}, delay_ms=5.0)
     tls = secrets.kv_client_context("prefill-0")
-    early = EarlyConnection("127.0.0.1", link.ports["md-0"], 0.6, tls, "md-0")  # the sender's deadline: 0.3 s
+    early = EarlyConnection("127.0.0.1", link.ports["md-0"], 10.0, tls, "md-0", hold_s=0.3)
     await until(lambda: early.settled, what="the sender to give the unused connection up")
     assert early.outcome == "unused"
     await settle(rx, link)  # closed cleanly, well before the receiver's own 10 s: not a refusal
@@ -66,6 +66,18 @@ async def test_an_early_connection_unused_past_half_the_stall_deadline_is_closed
     assert await early.take() is None  # too late: the push dials its own
     await send_kv("127.0.0.1", link.ports["md-0"], push(), 10.0, tls=tls, server_name="md-0")
     assert len(got) == 1 and accepted(link) == 2
+    await rx.stop()
+
+
+async def test_by_default_the_sender_gives_up_before_the_receiver_would(make_link, secrets, refusals):
+    """Both sides run with the same stall deadline (the cluster's kv_stall_s): the receiver waits
+    that long for a header, the sender holds an unused connection for half of it."""
+    rx, got = await receiver(secrets, stall_s=0.6)
+    link = await make_link({"md-0": ("A", rx.port)})
+    early = EarlyConnection("127.0.0.1", link.ports["md-0"], 0.6, secrets.kv_client_context("prefill-0"), "md-0")
+    await until(lambda: early.settled, what="the sender to give the unused connection up")
+    await settle(rx, link)
+    assert rx.refused == 0 and refusals() == [] and got == []
     await rx.stop()
 
 

@@ -20,7 +20,7 @@ def push() -> KVPush:
     return KVPush("req-1", "prefill-0", "token-1", KV, layers, {"first_token": 7, "stats": {"n": 1}}, wan=True)
 
 
-async def receiver(secrets) -> tuple[KVReceiver, list[Transfer]]:
+async def receiver(secrets, stall_s: float = 10.0) -> tuple[KVReceiver, list[Transfer]]:
     """md-0's KV listener: mutual TLS with its instance certificate."""
     got: list[Transfer] = []
 
@@ -28,7 +28,7 @@ async def receiver(secrets) -> tuple[KVReceiver, list[Transfer]]:
         got.append(transfer)
         return ""
 
-    rx = KVReceiver(handler, stall_s=10.0, tls=secrets.kv_server_context("md-0"))
+    rx = KVReceiver(handler, stall_s=stall_s, tls=secrets.kv_server_context("md-0"))
     await rx.start()
     return rx, got
 
