@@ -5,8 +5,10 @@ Every connection between the two sites crosses it: prefill's KV pushes to the de
 forwards to the one endpoint the topology names for it (`Forward`), nothing else.
 
 Lifecycle of one connection through the line:
-1. The dialing site connects to the forward's listen port; the line connects to its upstream
-   (a refused or unreachable upstream resets the dialer).
+1. The dialing site connects to the forward's listen port; one round trip later (TCP's
+   handshake, which the line charges since it accepted the dialer at once) the line connects to
+   its upstream (a refused or unreachable upstream resets the dialer). Bytes the dialer sent
+   meanwhile wait in its socket.
 2. Each direction, chunk by chunk (<= 64 KiB): wait out a stall or an outage; take the bytes
    from that direction's ONE token bucket (its rate follows the swing: none / schedule /
    random_walk); add the one-way delay +- jitter (never reordering); write them on. Bytes are
@@ -168,6 +170,11 @@ class WanLink:
             self._handlers.discard(task)
 
     async def _proxy(self, fwd: Forward, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        out = "a-b" if fwd.dialer_dc == self.cfg.src_dc else "b-a"
+        back = "b-a" if out == "a-b" else "a-b"
+        # TCP's handshake: across a real WAN the dialer's connect returns one round trip after its
+        # SYN. Here it was accepted at once, so the connection opens a round trip later instead.
+        await asyncio.sleep((self.lines[out].delay_ms + self.lines[back].delay_ms) / 1e3)
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 up = await asyncio.open_connection(*fwd.upstream)
@@ -179,8 +186,6 @@ class WanLink:
             reset(writer)
             reset(up[1])
             return
-        out = "a-b" if fwd.dialer_dc == self.cfg.src_dc else "b-a"
-        back = "b-a" if out == "a-b" else "a-b"
         conn = Connection(fwd.name, self.lines[out], self.lines[back], self.gates[fwd.name], (reader, writer), up)
         conn.recorder = self.recorder
         self._conns.add(conn)

@@ -104,6 +104,20 @@ async def test_delay_one_way_and_round_trip(make_link):
     sink.close()
 
 
+async def test_a_new_connection_opens_a_round_trip_later(make_link):
+    """TCP's handshake: the dialer is accepted at once, so what it sends first (a TLS ClientHello)
+    waits the round trip a real WAN's SYN and SYN-ACK take, then crosses one way."""
+    sink = await Sink().start()
+    link = await make_link({"ab": ("A", sink.port)}, delay_ms=100.0, reverse={"delay_ms": 50.0})
+    start = now()
+    _, writer = await dial(link, "ab")
+    writer.write(b"hello")
+    arrival = await sink.arrival()
+    assert await arrival.wait(5) - start >= 0.9 * (0.150 + 0.100)
+    writer.close()
+    sink.close()
+
+
 async def test_jitter_varies_the_delay_and_never_reorders(make_link):
     sink = await Sink(echo=True).start()
     link = await make_link({"ab": ("A", sink.port)}, delay_ms=30.0, jitter_ms=25.0)
