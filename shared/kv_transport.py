@@ -276,6 +276,8 @@ class EarlyConnection:
         try:
             return await self._task  # at once unless the dial is still under way
         except asyncio.CancelledError:
+            if self._task.done() and not self._task.cancelled() and (conn := self._task.result()) is not None:
+                conn[1].close()  # it was ready just as the push was cancelled: nobody else closes it
             if asyncio.current_task().cancelling():
                 raise  # the push was cancelled (its task cancels the dial with it)
             return None  # closed meanwhile

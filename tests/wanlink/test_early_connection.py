@@ -111,3 +111,19 @@ async def test_a_push_cancelled_while_its_early_connection_dials_cancels_the_dia
     assert early.settled
     await settle(rx, link)
     await rx.stop()
+
+
+async def test_a_connection_ready_just_as_its_push_is_cancelled_is_closed(make_link, secrets, refusals):
+    rx, _ = await receiver(secrets, stall_s=30.0)  # it would hold an orphaned connection that long
+    link = await make_link({"md-0": ("A", rx.port)})
+    early = EarlyConnection("127.0.0.1", link.ports["md-0"], 10.0, secrets.kv_client_context("prefill-0"), "md-0")
+    taking: asyncio.Task | None = None
+    # the push is cancelled in the very turn the dial completes, before `take` resumes with the result
+    early._task.add_done_callback(lambda _: taking.cancel())
+    taking = asyncio.create_task(early.take())
+    with pytest.raises(asyncio.CancelledError):
+        await taking
+    assert early.outcome == "used"  # handed over, then its taker went away: `take` closes it
+    await settle(rx, link)
+    assert rx.refused == 0 and refusals() == []
+    await rx.stop()
