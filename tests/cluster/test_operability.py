@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.control import format_status, gather_status, write_state
 from tests.cluster.conftest import fresh_prompt, stream_completion
+from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,11 @@ def test_every_process_serves_prometheus_metrics(cluster, model_id):
     before = _metrics(urls["gateway"]).get("pdd:request_success", {})
     stop = (("finished_reason", "stop"), ("instance", "gateway"), ("model_name", model_id))
     used = (("instance", "prefill-0"), ("model_name", model_id), ("outcome", "used"))
-    early_before = _metrics(urls["prefill-0"]).get("pdd:kv_early_connections", {}).get(used, 0)
+
+    def early_used() -> float:
+        return _metrics(urls["prefill-0"]).get("pdd:kv_early_connections", {}).get(used, 0)
+
+    early_before = early_used()
     body = {
         "model": model_id,
         "prompt": "Count: one, two, three,",
@@ -111,9 +116,11 @@ def test_every_process_serves_prometheus_metrics(cluster, model_id):
     assert next(e for e in reversed(events) if e["choices"])["choices"][0]["finish_reason"] == "stop"
     body = {**body, "prompt": fresh_prompt(8, "gaps"), "max_tokens": 8, "stop": []}  # tokens apart: gaps
     assert stream_completion(cluster.url + "/v1/completions", body, timeout=60)[1]["tokens_by_role"]["md"] == 8
+    # the KV crossed the WAN on the connection prefill dialed when the task came (counted as its
+    # push ends, which may be after the user's stream: main-decode streams once it has the KV)
+    until(lambda: early_used() >= early_before + 2, 30, "prefill to count both early connections used")
     families = {name: _metrics(url) for name, url in urls.items()}
     assert families["gateway"]["pdd:request_success"][stop] == before.get(stop, 0) + 1
-    # the KV crossed the WAN on the connection prefill dialed when the task came
     assert families["prefill-0"]["pdd:kv_early_connections"][used] == early_before + 2
     zero_gaps = [v for k, v in families["gateway"]["pdd:inter_token_latency_seconds"].items() if ("le", "1e-06") in k]
     assert zero_gaps and max(zero_gaps) == 0  # no inter-token observation is (almost) zero
