@@ -22,7 +22,7 @@ up: setup
 	$(VENV)/bin/pdd up $(if $(CONFIG),--config $(CONFIG),)
 
 test: setup
-	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
+	$(PY) -m tests.halves -q -ra --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from shared.runtime.models import load_model, load_tokenizer, tiny_llama
 from shared.runtime.provision import provision_default_model
 from tests import background
+from tests.halves import HALVES
 from tests.helpers import reference_model
 
 torch.set_num_threads(2)
@@ -50,6 +51,21 @@ def smol_tokenizer(smol_dir):
     return load_tokenizer(smol_dir)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--half",
+        choices=HALVES,
+        help="run one half of the suite: the end-to-end tests on the shared `cluster` session cluster, "
+        "or the rest; `make test` runs both at once (tests/halves.py)",
+    )
+
+
+def half_of(clusters: list[str]) -> str:
+    """The tests on the `cluster` session cluster are one half (~40% of a run, most of it waiting
+    on one or two requests at a time); every other test is the other."""
+    return "cluster" if clusters[:1] == ["cluster"] else "rest"
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: launch only what the selected tests need
 def pytest_collection_modifyitems(session, config, items):
     """Unit tests first, then the slow end-to-end ones grouped by the session cluster they use
@@ -59,11 +75,18 @@ def pytest_collection_modifyitems(session, config, items):
     while the rest of the unit tests run, and each stops after the last test that uses it: the
     later tests share the machine with fewer idle ones. (On the 2-core VM this suite is timed
     on, the engines of a 3-engine cluster, started fresh rather than forked, took 4.7-4.9 s of
-    CPU each to boot alone and 7.6-9.9 s beside the three idle session clusters.)"""
+    CPU each to boot alone and 7.6-9.9 s beside the three idle session clusters.) With `--half`,
+    only that half's tests are kept, and only its clusters and processes start."""
     from tests.cluster.conftest import CLUSTERS, launch_after_background
 
     def clusters_of(item) -> list[str]:
         return [name for name in CLUSTERS if name in getattr(item, "fixturenames", ())]
+
+    if half := config.getoption("half"):
+        kept = [item for item in items if half_of(clusters_of(item)) == half]
+        if dropped := [item for item in items if half_of(clusters_of(item)) != half]:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
     def group(item) -> tuple[int, int]:
         if item.get_closest_marker("slow") is None:
