@@ -9,9 +9,10 @@ extra environment for a process that writes its files under `out`; the test take
 stderr) and `out`.
 
 The session clusters (tests/cluster/conftest.py) launch once every background process has
-ended, or when a test needs one, after waiting for them: no end-to-end test shares the machine
-with them, and their memory (a bench runs clusters of its own) never adds to the session's
-clusters'.
+ended, or when a test needs one, after waiting for them: no end-to-end test of the same pytest
+process shares the machine with them, and their memory (a bench runs clusters of its own) never
+adds to that process's clusters'. (`make test` runs a second process beside this one, the other
+half of the suite: tests/halves.py.)
 """
 
 from __future__ import annotations
