@@ -137,6 +137,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if session.config.option.collectonly:  # started nothing (tests/test_halves.py collects in a running session)
+        return
     from tests.cluster.conftest import _launched
 
     background.stop_all()

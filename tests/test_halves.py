@@ -4,40 +4,44 @@ split the suite exactly (no test in both, none in neither), the end-to-end tests
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import pytest
 
+from tests import background
 from tests.halves import NO_TESTS, ROOT, combined
 
 # a file with tests on the shared `cluster` and one on the fleet, and a file of unit tests
-FILES = ["tests/cluster/test_abort.py", "tests/test_layers.py"]
+FILES = [str(ROOT / "tests/cluster/test_abort.py"), str(ROOT / "tests/test_layers.py")]
 
 
-def _collected(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args, *FILES],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
+class _Collected:
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def pytest_collection_finish(self, session) -> None:
+        self.ids = {item.nodeid for item in session.items}
+
+
+def _collected(*args: str) -> set[str]:
+    """The test ids a run with `args` selects (collected here, in this process: nothing runs)."""
+    seen = _Collected()
+    code = pytest.main(
+        ["--collect-only", "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args, *FILES], plugins=[seen]
     )
+    assert code == 0, code
+    return seen.ids
 
 
-def test_the_halves_split_the_suite_exactly():
-    runs = {
-        name: _collected(*args)
-        for name, args in {"all": [], "rest": ["--half=rest"], "cluster": ["--half=cluster"]}.items()
-    }
-    ids = {}
-    for name, proc in runs.items():
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out
-        ids[name] = {line for line in out.splitlines() if "::" in line}
-    assert ids["rest"].isdisjoint(ids["cluster"])
-    assert ids["rest"] | ids["cluster"] == ids["all"]
+def test_the_halves_split_the_suite_exactly(monkeypatch):
+    stopped = []  # the inner sessions must not end this one's background jobs and clusters
+    monkeypatch.setattr(background, "stop_all", lambda: stopped.append(True))
+    everything, rest, cluster = _collected(), _collected("--half=rest"), _collected("--half=cluster")
+    assert not stopped
+    assert rest.isdisjoint(cluster)
+    assert rest | cluster == everything
     abort = "tests/cluster/test_abort.py::"
-    assert ids["cluster"] and all(i.startswith(abort) for i in ids["cluster"]), ids["cluster"]
-    assert abort + "test_a_stream_that_fails_ends_with_an_error_event" in ids["rest"]  # the fleet's
-    assert any(i.startswith("tests/test_layers.py::") for i in ids["rest"])
+    assert cluster and all(i.startswith(abort) for i in cluster), cluster
+    assert abort + "test_a_stream_that_fails_ends_with_an_error_event" in rest  # the fleet's
+    assert any(i.startswith("tests/test_layers.py::") for i in rest)
 
 
 def test_the_run_fails_when_either_half_fails():
