@@ -15,6 +15,7 @@ load on it. `python -m pytest` still runs the whole suite in one process.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -54,6 +55,7 @@ def main(args: list[str]) -> int:
             text=True,
             bufsize=1,
             cwd=ROOT,
+            start_new_session=True,  # a Ctrl-C reaches them once, from here (below)
             preexec_fn=die_with_parent,  # a killed `make test` takes its halves (and their servers) along
         )
         for half in HALVES
@@ -61,7 +63,12 @@ def main(args: list[str]) -> int:
     relays = [threading.Thread(target=relay, args=item, daemon=True) for item in procs.items()]
     for t in relays:
         t.start()
-    codes = {half: proc.wait() for half, proc in procs.items()}
+    try:
+        codes = {half: proc.wait() for half, proc in procs.items()}
+    except KeyboardInterrupt:  # pass it on, then let the halves stop their servers and report
+        for proc in procs.values():
+            proc.send_signal(signal.SIGINT)
+        codes = {half: proc.wait() for half, proc in procs.items()}
     for t in relays:
         t.join()
     status = combined(codes)
