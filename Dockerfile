@@ -14,6 +14,12 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PDD_MODEL_CACHE=/models
 
+# A C compiler: the runtime builds its decode-step GEMM (shared/runtime/skinny.c) for the CPU it
+# runs on, at first use (about a second). Without one it says so and keeps oneDNN's kernels.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin pdd \
     && mkdir -p /app /models \
     && chown pdd:pdd /app /models

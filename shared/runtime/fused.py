@@ -33,6 +33,7 @@ GPU, where nothing else is kept.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from time import perf_counter
@@ -40,6 +41,7 @@ from time import perf_counter
 import torch
 import torch.nn.functional as F
 
+from shared.runtime import skinny
 from shared.runtime.attention import StepAttention, attend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -47,7 +49,9 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequenci
 PACK_BATCH_HINT = 16  # oneDNN picks its weight layout for this many rows; fine from 1 to prefill sizes
 SMALL_STEPS = (1, 2, 3)  # step sizes at which plain F.linear may beat the packed weights
 PROBE_LIMIT_S = 0.25  # a model whose projections take longer per step keeps the packed weights untimed
+PROBE_LAYERS = 8  # layers whose weights time skinny.c against oneDNN
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+logger = logging.getLogger(__name__)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -83,17 +87,30 @@ class Dense:
         if len(linears) > 1:  # the model's modules become views of the concatenation: one copy
             for lin, part in zip(linears, weight.split(self.sizes)):
                 lin.weight.data = part
-        self.packed = _pack(weight)
+        self.kernel: str | None = None  # what `packed` is laid out for: "skinny", "onednn", None
+        self.packed: torch.Tensor | None = None
         self.plain_rows = 0  # inputs of at most this many rows skip the packed weights
+
+    def pack(self, kernel: str) -> None:
+        """Lay the weight out for `kernel` ("skinny" where it takes this weight, else "onednn"; the
+        layout of another kernel is dropped first, so at most one packed copy is held)."""
+        self.packed = self.kernel = None
+        if kernel == "skinny" and skinny.supports(self.weight):
+            self.packed, self.kernel = skinny.pack(self.weight), "skinny"
+            return
+        self.packed = _pack(self.weight)
+        self.kernel = None if self.packed is None else "onednn"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] > self.plain_rows:
-            return _packed_linear(x, self.packed, self.bias)
+            return _packed_linear(x, self)
         return F.linear(x, self.weight, self.bias)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _packed_linear(x: torch.Tensor, dense: Dense) -> torch.Tensor:
+    if dense.kernel == "skinny":
+        return skinny.linear(x, dense.packed, dense.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, dense.packed, dense.bias, "none", [], "")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -108,6 +125,50 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _probe(denses: list[Dense], rows: int) -> float:
+    """Seconds to run `rows` rows through every dense, each on its own input width."""
+    inputs = {n: torch.full((rows, n), 0.01, dtype=denses[0].weight.dtype) for n in {d.weight.shape[1] for d in denses}}
+    start = perf_counter()
+    for d in denses:
+        d(inputs[d.weight.shape[1]])
+    return perf_counter() - start
+
+
+def _choose_packed_kernel(layers: list[list[Dense]]) -> tuple[str, str]:
+    """The kernel for steps the plain weights do not take, and why: "skinny" where skinny.c builds
+    here and, on the first `PROBE_LAYERS` layers' own weights packed both ways, ran a batched decode
+    step (8 rows) 5% faster than oneDNN's packed weights and a prefill chunk (64 rows) no more than 5%
+    slower (the best of three alternating runs each way); else "onednn". Untimed ("onednn") where
+    one sample step takes longer than `PROBE_LIMIT_S`."""
+    sample = [d for layer in layers[:PROBE_LAYERS] for d in layer if skinny.supports(d.weight)]
+    if not sample:
+        return "onednn", "no weight the skinny kernel takes (fp32 on CPU, outputs a multiple of 32)"
+    reason = skinny.unavailable_reason()
+    if reason is not None:
+        return "onednn", f"skinny kernel unavailable: {reason}"
+    try:
+        times = {}
+        for kernel in ("onednn", "skinny"):
+            for d in sample:
+                d.pack(kernel)
+            if _probe(sample, 8) > PROBE_LIMIT_S:
+                return "onednn", "too large to time"
+        for rows in (8, 64):
+            runs = []
+            for _ in range(3):
+                for kernel in ("onednn", "skinny"):
+                    for d in sample:
+                        d.pack(kernel)
+                    runs.append((kernel, _probe(sample, rows)))
+            times[rows] = {k: min(t for kk, t in runs if kk == k) for k in ("onednn", "skinny")}
+    finally:
+        for d in sample:
+            d.packed = d.kernel = None
+    won = times[8]["skinny"] <= 0.95 * times[8]["onednn"] and times[64]["skinny"] <= 1.05 * times[64]["onednn"]
+    figures = ", ".join(f"{r} rows {t['skinny'] * 1e3:.1f} vs {t['onednn'] * 1e3:.1f} ms" for r, t in times.items())
+    return ("skinny" if won else "onednn"), f"skinny against oneDNN on {len(sample)} weights: {figures}"
+
+
 def _choose_small_step_kernel(denses: list[Dense]) -> None:
     """Set on every `Dense` the most rows (0..3) up to which a step's projections ran faster
     through plain `F.linear` than through the packed weights, timed here on these weights (the best
@@ -115,16 +176,11 @@ def _choose_small_step_kernel(denses: list[Dense]) -> None:
     one step's projections take longer than `PROBE_LIMIT_S` (they stay packed, untimed)."""
     if any(d.packed is None for d in denses):
         return
-    dtype = denses[0].weight.dtype
-    inputs = {n: torch.full((SMALL_STEPS[-1], n), 0.01, dtype=dtype) for n in {d.weight.shape[1] for d in denses}}
 
     def step(rows: int, plain: bool) -> float:
         for d in denses:
             d.plain_rows = rows if plain else 0
-        start = perf_counter()
-        for d in denses:
-            d(inputs[d.weight.shape[1]][:rows])
-        return perf_counter() - start
+        return _probe(denses, rows)
 
     chosen = 0
     step(1, False)  # warm-up
@@ -174,14 +230,25 @@ class FusedDecoder:
         with torch.no_grad():
             self.layers = [_layer(layer) for layer in inner.layers]
             self.lm_head = Dense([model.lm_head])
-            self._denses = [d for layer in self.layers for d in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            self._denses.append(self.lm_head)
-            _choose_small_step_kernel(self._denses)
+            per_layer = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in self.layers]
+            self._denses = [d for denses in per_layer for d in denses] + [self.lm_head]
+            self.kernel, self.kernel_note = _choose_packed_kernel(per_layer)
+            self.use_kernel(self.kernel)
+        logger.info("fused decoder: %s kernel for packed weights (%s)", self.kernel, self.kernel_note)
         self.rotary = inner.rotary_emb
         self.source = _source(model)
         self.cos: torch.Tensor | None = None  # [positions, D]
         self.sin: torch.Tensor | None = None  # sin with its first half negated (see `_rope`)
         self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def use_kernel(self, kernel: str) -> None:
+        """Pack every weight for `kernel` ("skinny" or "onednn"), then time plain `F.linear` against
+        it for small steps again (`plain_rows`)."""
+        with torch.no_grad():
+            for d in self._denses:
+                d.pack(kernel)
+            _choose_small_step_kernel(self._denses)
+        self.kernel = kernel
 
     @property
     def plain_rows(self) -> int:

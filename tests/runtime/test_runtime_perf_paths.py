@@ -2,7 +2,8 @@
 
 - the fused layer loop (fused.py) against transformers' forward with the paged attention, for
   Llama, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms), over mixed prefill/extend/decode,
-  with either kernel for small steps; which kernel a decoder picks for them, and that steps take it;
+  with oneDNN's or skinny.c's packed weights and plain F.linear for small steps; which kernels a
+  decoder picks, and that steps take them;
 - a decode step from a CUDA-graph bucket (padded batch, scratch slots; captured on a GPU, run
   eagerly on CPU) against the eager step, KV included;
 - the engine on each path against `generate()`, token for token.
@@ -93,13 +94,19 @@ def _mixed_steps(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Te
     return out
 
 
-@pytest.mark.parametrize("plain_rows", [0, 3], ids=["packed", "plain-small-steps"])
+KERNELS = [("onednn", 0), ("skinny", 0), ("onednn", 3)] if DEVICE == "cpu" else [("onednn", 0)]
+
+
+@pytest.mark.parametrize(("kernel", "plain_rows"), KERNELS, ids=lambda v: str(v))
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_fused_loop_matches_transformers_forward(kind, plain_rows):
-    """With the packed weights for every step, and with plain F.linear for the 3-row decodes."""
+def test_fused_loop_matches_transformers_forward(kind, kernel, plain_rows):
+    """With oneDNN's or skinny.c's packed weights for every step, and with plain F.linear for the
+    3-row decodes."""
     model = _tiny(kind)
     prompts = random_prompts(model.config.vocab_size, [20, 30, 25], seed=5)
     runner = _runner(model, fused=True)
+    runner.decoder.use_kernel(kernel)
+    assert {d.kernel for d in runner.decoder._denses} == ({kernel} if DEVICE == "cpu" else {None})
     runner.decoder.plain_rows = plain_rows
     fused = _mixed_steps(runner, prompts)
     plain = _mixed_steps(_runner(model, fused=False, mirror_bytes=0), prompts)
@@ -108,21 +115,24 @@ def test_fused_loop_matches_transformers_forward(kind, plain_rows):
 
 
 class _KernelClock:
-    """Counts the projections each kernel runs and advances a fake clock by their given cost."""
+    """Counts the projections each kernel runs and advances a fake clock by their given cost
+    (skinny.c's packed weights cost what oneDNN's do unless told otherwise)."""
 
-    def __init__(self, monkeypatch, plain_cost, packed_cost) -> None:
-        self.now, self.calls = 0.0, {"plain": [], "packed": []}
+    def __init__(self, monkeypatch, plain_cost, packed_cost, skinny_cost=None) -> None:
+        self.now, self.calls = 0.0, {"plain": [], "packed": [], "skinny": []}
         linear, packed_linear = F.linear, fused._packed_linear
+        skinny_cost = skinny_cost or packed_cost
 
         def plain(x, weight, bias=None):
             self.calls["plain"].append(x.shape[0])
             self.now += plain_cost(x.shape[0])
             return linear(x, weight, bias)
 
-        def packed(x, weight, bias):
-            self.calls["packed"].append(x.shape[0])
-            self.now += packed_cost(x.shape[0])
-            return packed_linear(x, weight, bias)
+        def packed(x, dense):
+            kernel = "skinny" if dense.kernel == "skinny" else "packed"
+            self.calls[kernel].append(x.shape[0])
+            self.now += (skinny_cost if kernel == "skinny" else packed_cost)(x.shape[0])
+            return packed_linear(x, dense)
 
         monkeypatch.setattr(fused.F, "linear", plain)
         monkeypatch.setattr(fused, "_packed_linear", packed)
@@ -143,7 +153,46 @@ def test_small_steps_take_the_kernel_that_timed_faster(monkeypatch, plain_cost, 
     decoder = FusedDecoder(_tiny("llama"))
     assert decoder.plain_rows == expected
     assert {d.plain_rows for d in decoder._denses} == {expected}
-    assert set(clock.calls["plain"]) <= {1, 2, 3} and max(clock.calls["packed"]) <= 3
+    assert set(clock.calls["plain"]) <= {1, 2, 3}
+    assert set(clock.calls["packed"]) <= {1, 2, 3, *PACKED_PROBE_ROWS}  # small steps; choosing the kernel
+
+
+PACKED_PROBE_ROWS = {8, 64}  # a batched decode step, a prefill chunk
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c and oneDNN's packed weights are for CPU")
+@pytest.mark.parametrize(
+    ("skinny_cost", "expected"),
+    [
+        (lambda rows: 2.0e-4, "skinny"),  # 20% faster at both
+        (lambda rows: 2.4e-4, "onednn"),  # within 5% at a decode step: not worth the switch
+        (lambda rows: 1e-4 if rows == 8 else 2.7e-4, "onednn"),  # faster decodes, 8% slower prefill
+        (lambda rows: 1e-4 if rows == 8 else 2.6e-4, "skinny"),  # prefill within 5%
+    ],
+)
+def test_packed_weights_take_the_kernel_that_timed_faster(monkeypatch, skinny_cost, expected):
+    if fused.skinny.unavailable_reason() is not None:
+        pytest.fail(f"skinny.c does not build here: {fused.skinny.unavailable_reason()}")
+    clock = _KernelClock(monkeypatch, lambda rows: 1.0, lambda rows: 2.5e-4, skinny_cost)
+    decoder = FusedDecoder(_tiny("llama"))
+    assert decoder.kernel == expected, decoder.kernel_note
+    assert {d.kernel for d in decoder._denses} == {expected}  # every weight packed for it, and only for it
+    assert PACKED_PROBE_ROWS <= set(clock.calls["skinny"]) <= {1, *PACKED_PROBE_ROWS}  # timed at both sizes
+    probed = [d for layer in decoder.layers[: fused.PROBE_LAYERS] for d in (layer.qkv, layer.o, layer.gate_up)]
+    assert all((d.packed.dim() == 3) == (expected == "skinny") for d in probed)  # skinny's [N/16, K, 16]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c is for CPU")
+def test_without_the_skinny_kernel_the_decoder_keeps_onednn(monkeypatch):
+    monkeypatch.setenv("PDD_SKINNY", "0")
+    fused.skinny._load.cache_clear()
+    try:
+        decoder = FusedDecoder(_tiny("llama"))
+    finally:
+        fused.skinny._load.cache_clear()
+    assert decoder.kernel == "onednn"
+    assert "PDD_SKINNY=0" in decoder.kernel_note
+    assert {d.kernel for d in decoder._denses} == {"onednn"}
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the packed weights are oneDNN's, on CPU")
@@ -158,6 +207,7 @@ def test_a_model_too_large_to_time_keeps_the_packed_weights(monkeypatch):
 def test_steps_up_to_plain_rows_skip_the_packed_weights(monkeypatch):
     model = _tiny("llama")
     runner = _runner(model)
+    runner.decoder.use_kernel("onednn")
     runner.decoder.plain_rows = 2
     clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: 0.0)
     seqs = [_seq(runner, n, p) for n, p in zip("abc", random_prompts(model.config.vocab_size, [9, 12, 7], seed=2))]
@@ -165,7 +215,7 @@ def test_steps_up_to_plain_rows_skip_the_packed_weights(monkeypatch):
     assert clock.calls["plain"] == [] and min(clock.calls["packed"]) == 3  # 28 prompt rows; 3 sampled
     per_step = 4 * model.config.num_hidden_layers + 1  # q|k|v, o, gate|up, down; the LM head
     for rows, kernel in ((2, "plain"), (3, "packed"), (1, "plain")):
-        clock.calls = {"plain": [], "packed": []}
+        clock.calls = {"plain": [], "packed": [], "skinny": []}
         _step(runner, [(s, 1) for s in seqs[:rows]])
         assert clock.calls[kernel] == [rows] * per_step, f"{rows} rows"
 

@@ -1,0 +1,136 @@
+"""The skinny fp32 GEMM (skinny.c): built for this CPU on first use, loaded with ctypes.
+
+Decode steps on CPU multiply a few rows by every weight of the model. MKL and oneDNN run those
+GEMMs at a fraction of the memory bandwidth once there are more than a few rows; skinny.c reads
+each weight once per step for up to 12 rows per pass (see its header). `FusedDecoder` uses it where
+it timed faster than oneDNN's packed weights on the model's own weights (fused.py).
+
+Building: `cc -O3 -march=native -fopenmp -shared` (about a second), into
+`$PDD_KERNEL_CACHE` (default `~/.cache/pdd/kernels`) under a name that hashes the source, the
+flags, the compiler and the CPU's flags, so a cache shared between machines never serves code
+built for another CPU. Processes that build at once each write their own temporary file and
+rename it into place. Without a C compiler, or with `PDD_SKINNY=0`, `load()` says why and the
+runtime keeps oneDNN and MKL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("skinny.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+BLOCK = 32  # output columns per block: N must be a multiple of it
+ABI = 1  # skinny_abi() of a library this module can call
+COMPILE_TIMEOUT_S = 120
+
+
+class Unavailable(RuntimeError):
+    """The kernel cannot run here; the message says why."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDD_KERNEL_CACHE") or Path.home() / ".cache" / "pdd" / "kernels")
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this weight `[N, K]`: fp32, on the CPU, N a multiple of 32."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.shape[0] % BLOCK == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` into the kernel's layout `[N / 16, K, 16]` (a copy)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T + bias` for x `[M, K]` fp32 and W packed by `pack`."""
+    fn = load()
+    x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    if packed.shape[1] != k:
+        raise ValueError(f"input has {k} features, the weight {packed.shape[1]}")
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m:
+        fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, torch.get_num_threads())
+    return y if bias is None else y.add_(bias)
+
+
+def load():
+    """The kernel's C function; raises `Unavailable` (the same one again on later calls) when it
+    cannot be built or loaded here."""
+    fn, reason = _load()
+    if fn is None:
+        raise Unavailable(reason)
+    return fn
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is ready, else why not (building it on the first call)."""
+    return _load()[1]
+
+
+@cache
+def _load():
+    if os.environ.get("PDD_SKINNY", "1") == "0":
+        return None, "turned off by PDD_SKINNY=0"
+    if platform.system() != "Linux":
+        return None, f"built only on Linux (this is {platform.system()})"
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return None, f"no C compiler ({compiler!r} is not on PATH)"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+        if lib.skinny_abi() != ABI:
+            return None, f"the built library has ABI {lib.skinny_abi()}, this module calls {ABI}"
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        return None, f"could not build or load {SOURCE.name}: {e}"
+    fn = lib.skinny_linear
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    return fn, None
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, flags, compiler and CPU; built once per cache."""
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
+    target = cache_dir() / f"skinny-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".skinny-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+        )
+        if done.returncode != 0:
+            raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: a process building at the same time wrote the same bytes
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()
