@@ -15,18 +15,23 @@ tokens of a step (`h [T, hidden]`):
 
 The final norm and LM head run only on the rows whose logits are wanted (`logits`).
 
-On CPU the projections go through oneDNN with weights reordered once for it ("packed"): on the
-AMD EPYC (AVX-512) machines this project runs on, MKL's fp32 GEMM reads weights at about a third
-of the memory bandwidth and slows further as the batch grows (a batch-8 LM head took 1.7x the
-batch-1 one), while oneDNN reads them near full bandwidth at batch 1..16 and runs prefill 2x
-faster. Not on every CPU: on an Intel Xeon (AVX-512, AMX) host MKL's one-row GEMM was the faster
-(a SmolLM2 step's projections at 1 / 2 / 3 / 4 rows: MKL 20.3 / 23.0 / 24.8 / 37.9 ms, oneDNN
-packed 26.2 / 27.4 / 27.7 / 28.0 ms). So each decoder times both kernels on its own weights when
-it is built (`_choose_small_step_kernel`, about a second) and runs steps of up to
-`Dense.plain_rows` rows (0..3) through plain `F.linear`, the others through the packed weights.
-The packed weights are a second copy; the concatenated ones are the first, and the model's modules
-are pointed at slices of them (transformers' forward and the plain kernel share them), as on a
-GPU, where nothing else is kept.
+On CPU the projections run on weights laid out once for one of two kernels ("packed"):
+
+- skinny.c (`skinny.py`), the runtime's own fp32 GEMM for the few rows of a decode step: it reads
+  each weight once per step for up to 12 rows. A SmolLM2 step's projections on the 2-core Intel
+  Xeon host, at 1 / 8 / 16 rows: skinny 18.2 / 20.6 / 24.9 ms, oneDNN packed 24.1 / 29.6 / 36.3,
+  MKL (`F.linear`) 20.0 / 47.3 / 46.5; at prefill sizes (512, 2048 rows) the three were equal.
+- oneDNN with its blocked layout: on the AMD EPYC hosts it read weights near full bandwidth at
+  1..16 rows where MKL read them at a third, and ran prefill 2x faster than MKL.
+
+Each decoder picks when it is built, on its own weights and at the engine's thread count
+(`_choose_packed_kernel`: skinny.c where it builds here and times faster on the first layers at a
+batched decode step, without losing at a prefill chunk), then times plain `F.linear` against the
+packed weights at 1-3 rows (`_choose_small_step_kernel`) and runs steps of up to `Dense.plain_rows`
+rows through it (MKL's one-row GEMM beat oneDNN's on the Intel host). Both take about a second.
+One packed copy is kept beside the concatenated weights; the model's modules are pointed at slices
+of those (transformers' forward and the plain kernel share them), as on a GPU, where nothing else
+is kept.
 
 `FusedDecoder.for_model` caches one decoder per model, since engines come and go around a model.
 """
@@ -50,6 +55,8 @@ PACK_BATCH_HINT = 16  # oneDNN picks its weight layout for this many rows; fine 
 SMALL_STEPS = (1, 2, 3)  # step sizes at which plain F.linear may beat the packed weights
 PROBE_LIMIT_S = 0.25  # a model whose projections take longer per step keeps the packed weights untimed
 PROBE_LAYERS = 8  # layers whose weights time skinny.c against oneDNN
+PROBE_ROWS = (8, 256)  # the step sizes they are timed at: a batched decode step, a prefill chunk
+SKINNY_MAX_ROWS = 128  # under skinny.c, bigger steps (prefill chunks) take plain F.linear (MKL)
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 logger = logging.getLogger(__name__)
 
@@ -102,9 +109,10 @@ class Dense:
         self.kernel = None if self.packed is None else "onednn"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > self.plain_rows:
-            return _packed_linear(x, self)
-        return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if self.packed is None or rows <= self.plain_rows or (self.kernel == "skinny" and rows > SKINNY_MAX_ROWS):
+            return F.linear(x, self.weight, self.bias)
+        return _packed_linear(x, self)
 
 
 def _packed_linear(x: torch.Tensor, dense: Dense) -> torch.Tensor:
@@ -135,37 +143,43 @@ def _probe(denses: list[Dense], rows: int) -> float:
 
 
 def _choose_packed_kernel(layers: list[list[Dense]]) -> tuple[str, str]:
-    """The kernel for steps the plain weights do not take, and why: "skinny" where skinny.c builds
-    here and, on the first `PROBE_LAYERS` layers' own weights packed both ways, ran a batched decode
-    step (8 rows) 5% faster than oneDNN's packed weights and a prefill chunk (64 rows) no more than 5%
-    slower (the best of three alternating runs each way); else "onednn". Untimed ("onednn") where
-    one sample step takes longer than `PROBE_LIMIT_S`."""
+    """The kernel for the packed weights, and why: "skinny" where skinny.c builds here and, on the
+    first `PROBE_LAYERS` layers' own weights packed both ways, ran a batched decode step 5% faster
+    than oneDNN's packed weights and a prefill chunk (`PROBE_ROWS`; under skinny.c it takes plain
+    `F.linear`) no more than 5% slower, the best of three alternating runs each way; else "onednn".
+    Untimed ("onednn") where one sample step takes longer than `PROBE_LIMIT_S`."""
     sample = [d for layer in layers[:PROBE_LAYERS] for d in layer if skinny.supports(d.weight)]
     if not sample:
         return "onednn", "no weight the skinny kernel takes (fp32 on CPU, outputs a multiple of 32)"
     reason = skinny.unavailable_reason()
     if reason is not None:
         return "onednn", f"skinny kernel unavailable: {reason}"
+    kernels = ("onednn", "skinny")
     try:
-        times = {}
-        for kernel in ("onednn", "skinny"):
+        for kernel in kernels:
             for d in sample:
                 d.pack(kernel)
-            if _probe(sample, 8) > PROBE_LIMIT_S:
+            if _probe(sample, PROBE_ROWS[0]) > PROBE_LIMIT_S:
                 return "onednn", "too large to time"
-        for rows in (8, 64):
-            runs = []
-            for _ in range(3):
-                for kernel in ("onednn", "skinny"):
-                    for d in sample:
-                        d.pack(kernel)
-                    runs.append((kernel, _probe(sample, rows)))
-            times[rows] = {k: min(t for kk, t in runs if kk == k) for k in ("onednn", "skinny")}
+        runs: dict[tuple[int, str], list[float]] = {(r, k): [] for r in PROBE_ROWS for k in kernels}
+        for _ in range(3):
+            for kernel in kernels:
+                for d in sample:
+                    d.pack(kernel)
+                for rows in PROBE_ROWS:
+                    runs[rows, kernel].append(_probe(sample, rows))
     finally:
         for d in sample:
             d.packed = d.kernel = None
-    won = times[8]["skinny"] <= 0.95 * times[8]["onednn"] and times[64]["skinny"] <= 1.05 * times[64]["onednn"]
-    figures = ", ".join(f"{r} rows {t['skinny'] * 1e3:.1f} vs {t['onednn'] * 1e3:.1f} ms" for r, t in times.items())
+    best = {key: min(times) for key, times in runs.items()}
+    decode, prefill = PROBE_ROWS
+    won = (
+        best[decode, "skinny"] <= 0.95 * best[decode, "onednn"]
+        and best[prefill, "skinny"] <= 1.05 * best[prefill, "onednn"]
+    )
+    figures = ", ".join(
+        f"{r} rows {best[r, 'skinny'] * 1e3:.1f} vs {best[r, 'onednn'] * 1e3:.1f} ms" for r in PROBE_ROWS
+    )
     return ("skinny" if won else "onednn"), f"skinny against oneDNN on {len(sample)} weights: {figures}"
 
 

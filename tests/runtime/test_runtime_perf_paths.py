@@ -153,33 +153,52 @@ def test_small_steps_take_the_kernel_that_timed_faster(monkeypatch, plain_cost, 
     decoder = FusedDecoder(_tiny("llama"))
     assert decoder.plain_rows == expected
     assert {d.plain_rows for d in decoder._denses} == {expected}
-    assert set(clock.calls["plain"]) <= {1, 2, 3}
-    assert set(clock.calls["packed"]) <= {1, 2, 3, *PACKED_PROBE_ROWS}  # small steps; choosing the kernel
+    assert set(clock.calls["plain"]) <= {1, 2, 3, *PACKED_PROBE_ROWS}  # small steps; choosing the packed kernel
+    assert set(clock.calls["packed"]) <= {1, 2, 3, *PACKED_PROBE_ROWS}
 
 
-PACKED_PROBE_ROWS = {8, 64}  # a batched decode step, a prefill chunk
+PACKED_PROBE_ROWS = set(fused.PROBE_ROWS)  # a batched decode step, a prefill chunk
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c and oneDNN's packed weights are for CPU")
 @pytest.mark.parametrize(
-    ("skinny_cost", "expected"),
+    ("skinny_cost", "prefill_cost", "expected"),
     [
-        (lambda rows: 2.0e-4, "skinny"),  # 20% faster at both
-        (lambda rows: 2.4e-4, "onednn"),  # within 5% at a decode step: not worth the switch
-        (lambda rows: 1e-4 if rows == 8 else 2.7e-4, "onednn"),  # faster decodes, 8% slower prefill
-        (lambda rows: 1e-4 if rows == 8 else 2.6e-4, "skinny"),  # prefill within 5%
+        (2.0e-4, 2.5e-4, "skinny"),  # 20% faster decodes, prefill (plain F.linear under skinny) as fast
+        (2.4e-4, 2.5e-4, "onednn"),  # decodes within 5%: not worth the switch
+        (1.0e-4, 2.7e-4, "onednn"),  # faster decodes, 8% slower prefill
+        (1.0e-4, 2.6e-4, "skinny"),  # prefill within 5%
     ],
 )
-def test_packed_weights_take_the_kernel_that_timed_faster(monkeypatch, skinny_cost, expected):
+def test_packed_weights_take_the_kernel_that_timed_faster(monkeypatch, skinny_cost, prefill_cost, expected):
     if fused.skinny.unavailable_reason() is not None:
         pytest.fail(f"skinny.c does not build here: {fused.skinny.unavailable_reason()}")
-    clock = _KernelClock(monkeypatch, lambda rows: 1.0, lambda rows: 2.5e-4, skinny_cost)
+    plain_cost = lambda rows: prefill_cost if rows > fused.SKINNY_MAX_ROWS else 1.0  # noqa: E731
+    clock = _KernelClock(monkeypatch, plain_cost, lambda rows: 2.5e-4, lambda rows: skinny_cost)
     decoder = FusedDecoder(_tiny("llama"))
     assert decoder.kernel == expected, decoder.kernel_note
     assert {d.kernel for d in decoder._denses} == {expected}  # every weight packed for it, and only for it
-    assert PACKED_PROBE_ROWS <= set(clock.calls["skinny"]) <= {1, *PACKED_PROBE_ROWS}  # timed at both sizes
+    assert set(clock.calls["packed"]) >= PACKED_PROBE_ROWS  # oneDNN timed at both sizes
+    assert fused.PROBE_ROWS[0] in clock.calls["skinny"] and fused.PROBE_ROWS[1] in clock.calls["plain"]
+    assert max(clock.calls["skinny"]) <= fused.SKINNY_MAX_ROWS
     probed = [d for layer in decoder.layers[: fused.PROBE_LAYERS] for d in (layer.qkv, layer.o, layer.gate_up)]
     assert all((d.packed.dim() == 3) == (expected == "skinny") for d in probed)  # skinny's [N/16, K, 16]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c is for CPU")
+def test_under_skinny_prefill_chunks_take_plain_f_linear(monkeypatch):
+    model = _tiny("llama")
+    runner = _runner(model)
+    runner.decoder.use_kernel("skinny")
+    runner.decoder.plain_rows = 0
+    clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: 0.0)
+    long, short = (_seq(runner, n, p) for n, p in zip("ab", random_prompts(model.config.vocab_size, [120, 9], seed=4)))
+    _step(runner, [(long, 120), (short, 9)])  # 129 rows: over SKINNY_MAX_ROWS
+    per_step = 4 * model.config.num_hidden_layers
+    assert clock.calls["plain"] == [129] * per_step and clock.calls["skinny"] == [2]  # the LM head: 2 sampled rows
+    clock.calls = {"plain": [], "packed": [], "skinny": []}
+    _step(runner, [(long, 1), (short, 1)])
+    assert clock.calls["skinny"] == [2] * (per_step + 1) and clock.calls["plain"] == clock.calls["packed"] == []
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c is for CPU")
