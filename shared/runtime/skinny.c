@@ -4,7 +4,7 @@
  * read of the weights. BLAS kernels are tuned for big M: at 8 rows MKL and oneDNN read the weights
  * at 16-26 GB/s on our 2-core hosts, where one row streams at 36-46. This kernel keeps a 32-column
  * block of every row of x in registers while it streams that block's weights once, and computes up
- * to 12 rows per pass; the rows past the first pass find the block in L2.
+ * to 12 rows per pass (2 with AVX2 only); the rows past the first pass find the block in L2.
  *
  * W is packed by skinny.py as [N / 16][K][16]: for each 16 output columns, their K weights
  * interleaved, so a column pair's weights are two sequential streams. N must be a multiple of 32.
@@ -46,8 +46,12 @@ typedef void (*tile_fn)(const float *x, const float *w, float *y, int K, int N);
 
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(12)
 
-/* 12 rows per pass: 24 accumulators and 2 weight registers of AVX-512's 32; 9-11 go as 8 + rest. */
 static const tile_fn TILES[13] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8, 0, 0, 0, tile12};
+#if defined(__AVX512F__)
+#define PASS_ROWS 12 /* 24 accumulators and 2 weight registers of AVX-512's 32; 9-11 go as 8 + rest */
+#else
+#define PASS_ROWS 2 /* a v16 is two AVX2 registers: 8 accumulators and 4 weight registers of 16 */
+#endif
 
 int skinny_abi(void) { return 1; }
 
@@ -60,7 +64,7 @@ void skinny_linear(const float *x, const float *w, float *y, int M, int K, int N
         for (int b = blocks * t / nt; b < blocks * (t + 1) / nt; b++) {
             const float *wb = w + (size_t)b * 32 * K;
             for (int r = 0; r < M;) {
-                int m = M - r >= 12 ? 12 : M - r > 8 ? 8 : M - r;
+                int m = M - r >= PASS_ROWS ? PASS_ROWS : M - r > 8 ? 8 : M - r;
                 TILES[m](x + (size_t)r * K, wb, y + (size_t)r * N + (size_t)b * 32, K, N);
                 r += m;
             }

@@ -53,9 +53,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W.T + bias` for x `[M, K]` fp32 and W packed by `pack`."""
-    fn = load()
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, fn=None) -> torch.Tensor:
+    """`x @ W.T + bias` for x `[M, K]` fp32 and W packed by `pack` (`fn`: another build's function)."""
+    fn = fn or load()
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0] * 16
@@ -91,22 +91,27 @@ def _load():
     if shutil.which(compiler) is None:
         return None, f"no C compiler ({compiler!r} is not on PATH)"
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-        if lib.skinny_abi() != ABI:
-            return None, f"the built library has ABI {lib.skinny_abi()}, this module calls {ABI}"
+        return _bind(_build(compiler)), None
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         return None, f"could not build or load {SOURCE.name}: {e}"
+
+
+def _bind(library: Path):
+    """`skinny_linear` of a built library, typed for ctypes."""
+    lib = ctypes.CDLL(str(library))
+    if lib.skinny_abi() != ABI:
+        raise OSError(f"{library.name} has ABI {lib.skinny_abi()}, this module calls {ABI}")
     fn = lib.skinny_linear
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    return fn, None
+    return fn
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library for this source, flags, compiler and CPU; built once per cache."""
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_flags()]))
     target = cache_dir() / f"skinny-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -115,7 +120,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+            [compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
         )
         if done.returncode != 0:
             raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")

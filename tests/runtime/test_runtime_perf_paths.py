@@ -166,8 +166,8 @@ PACKED_PROBE_ROWS = set(fused.PROBE_ROWS)  # a batched decode step, a prefill ch
     [
         (2.0e-4, 2.5e-4, "skinny"),  # 20% faster decodes, prefill (plain F.linear under skinny) as fast
         (2.4e-4, 2.5e-4, "onednn"),  # decodes within 5%: not worth the switch
-        (1.0e-4, 2.7e-4, "onednn"),  # faster decodes, 8% slower prefill
-        (1.0e-4, 2.6e-4, "skinny"),  # prefill within 5%
+        (1.0e-4, 5.0e-4, "onednn"),  # faster decodes, prefill 2x slower (MKL against oneDNN on AMD EPYC)
+        (1.0e-4, 3.0e-4, "skinny"),  # prefill 20% slower: within PREFILL_SLACK
     ],
 )
 def test_packed_weights_take_the_kernel_that_timed_faster(monkeypatch, skinny_cost, prefill_cost, expected):

@@ -4,6 +4,8 @@ around it, and where it cannot be built it says why."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,22 @@ def test_matches_f_linear_at_every_row_count(kernel, n, k):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(skinny.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(skinny.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_avx2_build_matches_f_linear(kernel, fresh_load):
+    """The build for CPUs without AVX-512 (2 rows per pass, v16 as two registers), run here."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not {"avx2", "fma"} <= set(flags.split()):
+        pytest.fail("this test needs an x86 CPU with AVX2 (the suite runs on one)")
+    fn = skinny._bind(
+        skinny._build("cc", tuple(f for f in skinny.FLAGS if f != "-march=native") + ("-march=x86-64-v3",))
+    )
+    w = _weight(96, 200)
+    packed = skinny.pack(w)
+    for rows in (1, 2, 3, 8, 13):
+        x = torch.randn(rows, 200)
+        torch.testing.assert_close(skinny.linear(x, packed, fn=fn), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert torch.equal(skinny.linear(x, packed, fn=fn)[-1:], skinny.linear(x[-1:], packed, fn=fn))
 
 
 def test_a_row_gets_the_same_bits_in_any_batch_and_with_any_thread_count(kernel):
