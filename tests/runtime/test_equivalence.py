@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from shared.runtime.fused import FusedDecoder
 from tests.helpers import make_engine, random_prompts, reference_generate, run_to_completion, seq
 
 MODELS = ["tiny", "smol"]
@@ -73,3 +76,25 @@ def test_chat_prompt_through_real_tokenizer(smol, smol_ref, smol_tokenizer):
     out = run_to_completion(engine)["chat"]
     assert out == reference_generate(smol_ref, prompt, 16)
     assert "Paris" in smol_tokenizer.decode(out)
+
+
+@pytest.mark.skipif(os.environ.get("PDD_TEST_DEVICE", "cpu") != "cpu", reason="skinny.c and oneDNN are CPU kernels")
+@pytest.mark.parametrize("kernel", ["skinny", "onednn"])
+def test_smollm2_batch_on_each_packed_kernel(smol, smol_ref, kernel):
+    """The real model's projections through skinny.c and through oneDNN, whichever the decoder
+    would pick on this machine: a 166-token prefill step (over skinny.c's 128 rows: MKL there),
+    then batched decodes of 5 rows."""
+    decoder = FusedDecoder.for_model(smol)
+    chosen = decoder.kernel
+    decoder.use_kernel(kernel)
+    try:
+        assert {d.kernel for d in decoder._denses} == {kernel}
+        prompts = random_prompts(smol.config.vocab_size, [5, 40, 17, 71, 33], seed=11)
+        engine = make_engine(smol)
+        for i, p in enumerate(prompts):
+            engine.add(seq(str(i), p, 8))
+        outs = run_to_completion(engine)
+    finally:
+        decoder.use_kernel(chosen)
+    for i, p in enumerate(prompts):
+        assert outs[str(i)] == reference_generate(smol_ref, p, 8), f"sequence {i}"
