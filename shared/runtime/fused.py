@@ -25,10 +25,11 @@ On CPU the projections run on weights laid out once for one of two kernels ("pac
   1..16 rows where MKL read them at a third, and ran prefill 2x faster than MKL.
 
 Each decoder picks when it is built, on its own weights and at the engine's thread count
-(`_choose_packed_kernel`: skinny.c where it builds here and times faster on the first layers at a
-batched decode step, without making a prefill chunk much slower), then times plain `F.linear` against the
-packed weights at 1-3 rows (`_choose_small_step_kernel`) and runs steps of up to `Dense.plain_rows`
-rows through it (MKL's one-row GEMM beat oneDNN's on the Intel host). Both take about a second.
+(`_choose_packed_kernel`: skinny.c where it builds here and times faster on the first layers at
+a batched decode step, without making a prefill chunk much slower), then times plain `F.linear`
+against the packed weights at 1-3 rows (`_choose_small_step_kernel`) and runs steps of up to
+`Dense.plain_rows` rows through it (MKL's one-row GEMM beat oneDNN's on the Intel host). Both
+take about a second.
 One packed copy is kept beside the concatenated weights; the model's modules are pointed at slices
 of those (transformers' forward and the plain kernel share them), as on a GPU, where nothing else
 is kept.
@@ -250,7 +251,8 @@ class FusedDecoder:
             self._denses = [d for denses in per_layer for d in denses] + [self.lm_head]
             self.kernel, self.kernel_note = _choose_packed_kernel(per_layer)
             self.use_kernel(self.kernel)
-        logger.info("fused decoder: %s kernel for packed weights (%s)", self.kernel, self.kernel_note)
+        if any(d.packed is not None for d in self._denses):  # CPU; on a GPU nothing is packed
+            logger.info("fused decoder: %s kernel for packed weights (%s)", self.kernel, self.kernel_note)
         self.rotary = inner.rotary_emb
         self.source = _source(model)
         self.cos: torch.Tensor | None = None  # [positions, D]
@@ -259,7 +261,10 @@ class FusedDecoder:
 
     def use_kernel(self, kernel: str) -> None:
         """Pack every weight for `kernel` ("skinny" or "onednn"), then time plain `F.linear` against
-        it for small steps again (`plain_rows`)."""
+        it for small steps again (`plain_rows`). Raises `skinny.Unavailable` for "skinny" where
+        skinny.c cannot be built."""
+        if kernel == "skinny":
+            skinny.load()
         with torch.no_grad():
             for d in self._denses:
                 d.pack(kernel)

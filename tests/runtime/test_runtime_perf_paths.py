@@ -207,6 +207,8 @@ def test_without_the_skinny_kernel_the_decoder_keeps_onednn(monkeypatch):
     fused.skinny._load.cache_clear()
     try:
         decoder = FusedDecoder(_tiny("llama"))
+        with pytest.raises(fused.skinny.Unavailable, match="PDD_SKINNY=0"):
+            decoder.use_kernel("skinny")  # asked for by name: an error at once, not at the first step
     finally:
         fused.skinny._load.cache_clear()
     assert decoder.kernel == "onednn"
