@@ -170,7 +170,7 @@ def format_report(meta: dict, samples: dict[str, list[float]], result: dict, pro
 # -- where a decode step's time goes ---------------------------------------------------------
 
 CATEGORIES = (
-    ("projections (GEMM)", ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")),
+    ("projections (GEMM)", ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "pdd::skinny_linear")),
     (
         "attention matmuls, softmax",
         ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu"),

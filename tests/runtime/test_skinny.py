@@ -120,3 +120,19 @@ def test_one_build_per_cpu_in_a_shared_cache(kernel, fresh_load, monkeypatch):
     monkeypatch.setattr(skinny, "_cpu_flags", lambda: b"flags : another cpu")
     assert skinny._build("cc") != built  # a CPU with other features gets its own build
     assert sorted(p.name for p in fresh_load.iterdir()) == sorted(p.name for p in fresh_load.glob("skinny-*.so"))
+
+
+def test_the_runtime_bench_profile_counts_it_as_projections(kernel):
+    """A ctypes call is no torch op: under torch.profiler it is recorded by name, and the runtime
+    bench's `--profile` files that name under projections (not under Python and dispatch)."""
+    from torch.profiler import profile
+
+    from benchmarks import runtime_report
+
+    packed = skinny.pack(_weight(64, 32))
+    with profile() as prof:
+        skinny.linear(torch.randn(4, 32), packed)
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    assert self_us.get(skinny.PROFILER_NAME, 0) > 0
+    categories = runtime_report.categorize(self_us, sum(self_us.values()))
+    assert categories["projections (GEMM)"] >= self_us[skinny.PROFILER_NAME]
