@@ -138,6 +138,17 @@ class _KernelClock:
         monkeypatch.setattr(fused, "_packed_linear", packed)
         monkeypatch.setattr(fused, "perf_counter", lambda: self.now)
 
+    def reset(self) -> None:
+        self.calls = {kernel: [] for kernel in self.calls}
+
+
+def _counted_runner(monkeypatch, kernel: str, plain_rows: int) -> tuple[ModelRunner, _KernelClock]:
+    """A tiny Llama's runner on `kernel` with `plain_rows`, its projections counted (at no cost)."""
+    runner = _runner(_tiny("llama"))
+    runner.decoder.use_kernel(kernel)
+    runner.decoder.plain_rows = plain_rows
+    return runner, _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: 0.0)
+
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the packed weights are oneDNN's, on CPU")
 @pytest.mark.parametrize(
@@ -187,16 +198,13 @@ def test_packed_weights_take_the_kernel_that_timed_faster(monkeypatch, skinny_co
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c is for CPU")
 def test_under_skinny_prefill_chunks_take_plain_f_linear(monkeypatch):
-    model = _tiny("llama")
-    runner = _runner(model)
-    runner.decoder.use_kernel("skinny")
-    runner.decoder.plain_rows = 0
-    clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: 0.0)
-    long, short = (_seq(runner, n, p) for n, p in zip("ab", random_prompts(model.config.vocab_size, [120, 9], seed=4)))
+    runner, clock = _counted_runner(monkeypatch, "skinny", 0)
+    config = runner.model.config
+    long, short = (_seq(runner, n, p) for n, p in zip("ab", random_prompts(config.vocab_size, [120, 9], seed=4)))
     _step(runner, [(long, 120), (short, 9)])  # 129 rows: over SKINNY_MAX_ROWS
-    per_step = 4 * model.config.num_hidden_layers
+    per_step = 4 * config.num_hidden_layers
     assert clock.calls["plain"] == [129] * per_step and clock.calls["skinny"] == [2]  # the LM head: 2 sampled rows
-    clock.calls = {"plain": [], "packed": [], "skinny": []}
+    clock.reset()
     _step(runner, [(long, 1), (short, 1)])
     assert clock.calls["skinny"] == [2] * (per_step + 1) and clock.calls["plain"] == clock.calls["packed"] == []
 
@@ -226,17 +234,14 @@ def test_a_model_too_large_to_time_keeps_the_packed_weights(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the packed weights are oneDNN's, on CPU")
 def test_steps_up_to_plain_rows_skip_the_packed_weights(monkeypatch):
-    model = _tiny("llama")
-    runner = _runner(model)
-    runner.decoder.use_kernel("onednn")
-    runner.decoder.plain_rows = 2
-    clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: 0.0)
-    seqs = [_seq(runner, n, p) for n, p in zip("abc", random_prompts(model.config.vocab_size, [9, 12, 7], seed=2))]
+    runner, clock = _counted_runner(monkeypatch, "onednn", 2)
+    config = runner.model.config
+    seqs = [_seq(runner, n, p) for n, p in zip("abc", random_prompts(config.vocab_size, [9, 12, 7], seed=2))]
     _step(runner, [(s, s.num_tokens) for s in seqs])
     assert clock.calls["plain"] == [] and min(clock.calls["packed"]) == 3  # 28 prompt rows; 3 sampled
-    per_step = 4 * model.config.num_hidden_layers + 1  # q|k|v, o, gate|up, down; the LM head
+    per_step = 4 * config.num_hidden_layers + 1  # q|k|v, o, gate|up, down; the LM head
     for rows, kernel in ((2, "plain"), (3, "packed"), (1, "plain")):
-        clock.calls = {"plain": [], "packed": [], "skinny": []}
+        clock.reset()
         _step(runner, [(s, 1) for s in seqs[:rows]])
         assert clock.calls[kernel] == [rows] * per_step, f"{rows} rows"
 
