@@ -49,7 +49,10 @@ def supports(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`[N, K]` into the kernel's layout `[N / 16, K, 16]` (a copy)."""
+    """`[N, K]` into the kernel's layout `[N / 16, K, 16]` (a copy); only weights it `supports`."""
+    if not supports(weight):
+        shape = f"{weight.dtype} {tuple(weight.shape)} on {weight.device.type}"
+        raise ValueError(f"skinny.c takes fp32 CPU weights of a multiple of {BLOCK} rows, not {shape}")
     n, k = weight.shape
     return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
 
@@ -60,8 +63,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0] * 16
-    if packed.shape[1] != k:
-        raise ValueError(f"input has {k} features, the weight {packed.shape[1]}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or packed.shape[1:] != (k, 16) or n % BLOCK:
+        raise ValueError(f"skinny.c takes fp32 CPU inputs of the weight's width: {x.dtype} {x.shape}, weight {n}x{k}")
     y = torch.empty((m, n), dtype=torch.float32)
     if m and torch.autograd.profiler._is_profiler_enabled:  # a named op in torch.profiler's tables
         with torch.profiler.record_function(PROFILER_NAME):

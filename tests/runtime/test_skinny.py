@@ -76,8 +76,11 @@ def test_inputs_views_and_empty_batches(kernel):
     x = torch.randn(40, 6).t()  # not contiguous
     torch.testing.assert_close(skinny.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert skinny.linear(torch.empty(0, 40), packed).shape == (0, 64)
-    with pytest.raises(ValueError, match="40"):
-        skinny.linear(torch.randn(3, 41), packed)
+    for wrong in (torch.randn(3, 41), torch.randn(3, 40, dtype=torch.float64)):  # C reads raw memory: refused
+        with pytest.raises(ValueError, match="fp32 CPU inputs"):
+            skinny.linear(wrong, packed)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        skinny.pack(torch.randn(48, 40))  # the last 16 columns would never be written
 
 
 def test_which_weights_it_takes():
