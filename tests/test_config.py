@@ -64,19 +64,26 @@ def test_an_instance_is_built_on_its_device():
 
 @pytest.mark.model
 def test_an_engine_chooses_its_kernels_at_its_own_thread_count(monkeypatch):
-    """The runner times its small-step kernels while it is built: at the thread count the engine
-    thread will run (the instance's `threads`), and the caller's count is left as it was."""
+    """The runner times its kernels while it is built (the packed weights' kernel, then plain
+    F.linear for small steps): at the thread count the engine thread will run (the instance's
+    `threads`), and the caller's count is left as it was."""
     from shared.runtime import fused
     from shared.runtime.build import build_engine
 
     seen: list[int] = []
-    choose = fused._choose_small_step_kernel
-    monkeypatch.setattr(
-        fused, "_choose_small_step_kernel", lambda denses: (seen.append(torch.get_num_threads()), choose(denses))
-    )
+
+    def counted(choose):
+        def run(arg):
+            seen.append(torch.get_num_threads())
+            return choose(arg)
+
+        return run
+
+    for name in ("choose_packed_kernel", "choose_small_step_kernel"):
+        monkeypatch.setattr(fused, name, counted(getattr(fused, name)))
     demo = load_config(None)
     inst = dataclasses.replace(demo.instance("prefill-0"), kv_tokens=256, dtype="float32", threads=1)
     before = torch.get_num_threads()
     assert before != 1  # tests/conftest.py: 2
     build_engine(demo, inst)
-    assert seen == [1] and torch.get_num_threads() == before
+    assert seen == [1, 1] and torch.get_num_threads() == before

@@ -3,7 +3,7 @@
 Decode steps on CPU multiply a few rows by every weight of the model. MKL and oneDNN run those
 GEMMs at a fraction of the memory bandwidth once there are more than a few rows; skinny.c reads
 each weight once per step for up to 12 rows per pass (see its header). `FusedDecoder` uses it where
-it timed faster than oneDNN's packed weights on the model's own weights (fused.py).
+it timed faster than oneDNN's packed weights on the model's own weights (dense.py).
 
 Building: `cc -O3 -march=native -fopenmp -shared` (about a second), into
 `$PDD_KERNEL_CACHE` (default `~/.cache/pdd/kernels`) under a name that hashes the source, the

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from shared.runtime import fused
+from shared.runtime import dense, skinny
 from shared.runtime.attention import ATTN_IMPLEMENTATION
 from shared.runtime.cuda_graphs import CONTEXT_STEP, DecodeGraphs
 from shared.runtime.engine import Engine
@@ -120,7 +120,7 @@ class _KernelClock:
 
     def __init__(self, monkeypatch, plain_cost, packed_cost, skinny_cost=None) -> None:
         self.now, self.calls = 0.0, {"plain": [], "packed": [], "skinny": []}
-        linear, packed_linear = F.linear, fused._packed_linear
+        linear, packed_linear = F.linear, dense._packed_linear
         skinny_cost = skinny_cost or packed_cost
 
         def plain(x, weight, bias=None):
@@ -134,9 +134,9 @@ class _KernelClock:
             self.now += (skinny_cost if kernel == "skinny" else packed_cost)(x.shape[0])
             return packed_linear(x, dense)
 
-        monkeypatch.setattr(fused.F, "linear", plain)
-        monkeypatch.setattr(fused, "_packed_linear", packed)
-        monkeypatch.setattr(fused, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(dense.F, "linear", plain)
+        monkeypatch.setattr(dense, "_packed_linear", packed)
+        monkeypatch.setattr(dense, "perf_counter", lambda: self.now)
 
     def reset(self) -> None:
         self.calls = {kernel: [] for kernel in self.calls}
@@ -168,7 +168,7 @@ def test_small_steps_take_the_kernel_that_timed_faster(monkeypatch, plain_cost, 
     assert set(clock.calls["packed"]) <= {1, 2, 3, *PACKED_PROBE_ROWS}
 
 
-PACKED_PROBE_ROWS = set(fused.PROBE_ROWS)  # a batched decode step, a prefill chunk
+PACKED_PROBE_ROWS = set(dense.PROBE_ROWS)  # a batched decode step, a prefill chunk
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c and oneDNN's packed weights are for CPU")
@@ -182,17 +182,17 @@ PACKED_PROBE_ROWS = set(fused.PROBE_ROWS)  # a batched decode step, a prefill ch
     ],
 )
 def test_packed_weights_take_the_kernel_that_timed_faster(monkeypatch, skinny_cost, prefill_cost, expected):
-    if fused.skinny.unavailable_reason() is not None:
-        pytest.fail(f"skinny.c does not build here: {fused.skinny.unavailable_reason()}")
-    plain_cost = lambda rows: prefill_cost if rows > fused.SKINNY_MAX_ROWS else 1.0  # noqa: E731
+    if skinny.unavailable_reason() is not None:
+        pytest.fail(f"skinny.c does not build here: {skinny.unavailable_reason()}")
+    plain_cost = lambda rows: prefill_cost if rows > dense.SKINNY_MAX_ROWS else 1.0  # noqa: E731
     clock = _KernelClock(monkeypatch, plain_cost, lambda rows: 2.5e-4, lambda rows: skinny_cost)
     decoder = FusedDecoder(_tiny("llama"))
     assert decoder.kernel == expected, decoder.kernel_note
     assert {d.kernel for d in decoder._denses} == {expected}  # every weight packed for it, and only for it
     assert set(clock.calls["packed"]) >= PACKED_PROBE_ROWS  # oneDNN timed at both sizes
-    assert fused.PROBE_ROWS[0] in clock.calls["skinny"] and fused.PROBE_ROWS[1] in clock.calls["plain"]
-    assert max(clock.calls["skinny"]) <= fused.SKINNY_MAX_ROWS
-    probed = [d for layer in decoder.layers[: fused.PROBE_LAYERS] for d in (layer.qkv, layer.o, layer.gate_up)]
+    assert dense.PROBE_ROWS[0] in clock.calls["skinny"] and dense.PROBE_ROWS[1] in clock.calls["plain"]
+    assert max(clock.calls["skinny"]) <= dense.SKINNY_MAX_ROWS
+    probed = [d for layer in decoder.layers[: dense.PROBE_LAYERS] for d in (layer.qkv, layer.o, layer.gate_up)]
     assert all((d.packed.dim() == 3) == (expected == "skinny") for d in probed)  # skinny's [N/16, K, 16]
 
 
@@ -212,13 +212,13 @@ def test_under_skinny_prefill_chunks_take_plain_f_linear(monkeypatch):
 @pytest.mark.skipif(DEVICE != "cpu", reason="skinny.c is for CPU")
 def test_without_the_skinny_kernel_the_decoder_keeps_onednn(monkeypatch):
     monkeypatch.setenv("PDD_SKINNY", "0")
-    fused.skinny._load.cache_clear()
+    skinny._load.cache_clear()
     try:
         decoder = FusedDecoder(_tiny("llama"))
-        with pytest.raises(fused.skinny.Unavailable, match="PDD_SKINNY=0"):
+        with pytest.raises(skinny.Unavailable, match="PDD_SKINNY=0"):
             decoder.use_kernel("skinny")  # asked for by name: an error at once, not at the first step
     finally:
-        fused.skinny._load.cache_clear()
+        skinny._load.cache_clear()
     assert decoder.kernel == "onednn"
     assert "PDD_SKINNY=0" in decoder.kernel_note
     assert {d.kernel for d in decoder._denses} == {"onednn"}
@@ -226,7 +226,7 @@ def test_without_the_skinny_kernel_the_decoder_keeps_onednn(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the packed weights are oneDNN's, on CPU")
 def test_a_model_too_large_to_time_keeps_the_packed_weights(monkeypatch):
-    clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: fused.PROBE_LIMIT_S)
+    clock = _KernelClock(monkeypatch, lambda rows: 0.0, lambda rows: dense.PROBE_LIMIT_S)
     decoder = FusedDecoder(_tiny("llama"))
     assert decoder.plain_rows == 0
     assert clock.calls["plain"] == []  # not timed
