@@ -127,7 +127,11 @@ def choose_packed_kernel(layers: list[list[Dense]]) -> tuple[str, str]:
     try:
         if any(timed(kernel, PROBE_ROWS[0]) > PROBE_LIMIT_S for kernel in layouts):
             return "onednn", "too large to time"
-        best = {(r, k): min(timed(k, r) for _ in range(3)) for r in PROBE_ROWS for k in layouts}
+        runs: dict[tuple[int, str], list[float]] = {(r, k): [] for r in PROBE_ROWS for k in layouts}
+        for _ in range(3):  # alternating, so a stall of the machine slows both kernels alike
+            for rows, kernel in runs:
+                runs[rows, kernel].append(timed(kernel, rows))
+        best = {key: min(times) for key, times in runs.items()}
     finally:
         for d in sample:
             d.packed = d.kernel = None

@@ -81,9 +81,9 @@ def test_chat_prompt_through_real_tokenizer(smol, smol_ref, smol_tokenizer):
 @pytest.mark.skipif(os.environ.get("PDD_TEST_DEVICE", "cpu") != "cpu", reason="skinny.c and oneDNN are CPU kernels")
 @pytest.mark.parametrize("kernel", ["skinny", "onednn"])
 def test_smollm2_batch_on_each_packed_kernel(smol, smol_ref, kernel):
-    """The real model's projections through skinny.c and through oneDNN, whichever the decoder
-    would pick on this machine: a 166-token prefill step (over skinny.c's 128 rows: MKL there),
-    then batched decodes of 5 rows."""
+    """The real model's projections through each kernel, not only the one this machine's decoder
+    picks: a 166-token prefill step (over skinny.c's 128 rows: MKL there), then batched decodes
+    of 5 rows."""
     decoder = FusedDecoder.for_model(smol)
     chosen = decoder.kernel
     decoder.use_kernel(kernel)
