@@ -1,8 +1,8 @@
 """One request's waterfall as a PNG for `pdd bench`: the dashboard's picture, drawn from a
 `requests.jsonl` record instead of the gateway's live data.
 
-The stages are placed exactly as the dashboard places them (`services.gateway.dashboard.layout`)
-from the response's `pdd` object: `timings_ms`, `handoff_chunks`, `handoff_gap_ms`. Token ticks
+The stages are placed by the dashboard's own layout (`shared.waterfall.layout`), from the
+response's `pdd` object: `timings_ms`, `handoff_chunks`, `handoff_gap_ms`. Token ticks
 are the client's receive times (`token_times_s` from `sent_s`), one per SSE chunk; the first
 `tokens_by_role.rld` of them are the relay's (a chunk almost always carries one token; when one
 carries several, they make one tick, as in `benchmarks.plots.timeline_segments`).
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen 
 from matplotlib.patches import Rectangle
 
 from benchmarks.summary import Record, request_latencies
-from services.gateway.dashboard import ROWS, layout
+from shared.waterfall import ROWS, layout
 
 LABELS = {
     "queue": "queue",

@@ -1,13 +1,29 @@
 """The house's walls, checked on the import graph (every import, top-level or inside a function).
 
-    pdd/          the command line, launcher, embedded servers      may import anything
-    benchmarks/, sim/                                               shared, services.scheduler's
-                                                                    pure modules, pdd's launcher
-    services/X/   one process each                                  shared, its own package only
-    shared/       what two or more processes use                    nothing above it
+    pdd/              the command line, launcher, embedded servers  may import anything
+    sim/              the simulator                                 benchmarks (the same workloads, stats
+                                                                    and reports as live runs), shared,
+                                                                    the scheduler's pure modules
+    benchmarks/       live runs and micro-benchmarks                shared, the scheduler's pure modules,
+                                                                    pdd below its command line (the
+                                                                    launcher, certs, embedded servers),
+                                                                    services.wanlink (they drive the
+                                                                    emulated line); never sim
+    services/X/       one process each                              shared, its own package only
+    services/wanlink/ the WAN emulator                              imported by no other service and
+                                                                    nothing in shared: pdd starts it,
+                                                                    benchmarks drive it
+    shared/           what two or more processes use                nothing above it
+    shared/runtime/   the model runtime                             itself, shared.model_info and
+                                                                    shared.prefix_hash (pure leaves);
+                                                                    build.py, the one bridge from the
+                                                                    cluster config to an engine, also
+                                                                    shared.config and shared.security
 
-Also: no module cycle anywhere; the policy imports no I/O library; the gateway and `pdd --help`
-load neither torch nor transformers (nor matplotlib).
+The scheduler's pure modules (`SCHEDULER_PURE`: its package, policy, estimates, inputs) plan on
+plain data: the simulator plans with exactly them, and they import no I/O library.
+Also: no module cycle anywhere; the gateway and `pdd --help` load neither torch nor transformers
+(nor matplotlib).
 """
 
 from __future__ import annotations
@@ -21,6 +37,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pdd", "shared", "services", "benchmarks", "sim")
+SCHEDULER_PURE = {
+    "services.scheduler",
+    "services.scheduler.policy",
+    "services.scheduler.estimates",
+    "services.scheduler.inputs",
+}
+RUNTIME_LEAVES = {"shared.model_info", "shared.prefix_hash"}  # pure, and import nothing of the repo
+RUNTIME_BRIDGE = {"shared.runtime.build": {"shared.config", "shared.security"}}
 
 
 def _module_name(path: Path) -> str:
@@ -73,6 +97,16 @@ def _closure(module: str) -> set[str]:
                 seen.add(dep)
                 todo.append(dep)
     return seen
+
+
+def _under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _violations(inside: tuple[str, ...], allowed) -> dict[str, list[str]]:
+    """Per module under `inside`, the repo modules it imports that `allowed(module, dep)` refuses."""
+    bad = {m: sorted(d for d in deps if not allowed(m, d)) for m, deps in GRAPH.items() if _under(m, *inside)}
+    return {m: d for m, d in bad.items() if d}
 
 
 def test_shared_imports_nothing_above_it():
@@ -131,7 +165,35 @@ def test_no_import_cycle():
     assert cycles == [], cycles
 
 
-@pytest.mark.parametrize("module", ["services.scheduler.policy", "services.scheduler.estimates", "shared.pipelines"])
+def test_sim_imports_benchmarks_shared_and_the_schedulers_pure_modules_only():
+    assert not _violations(("sim",), lambda m, d: _under(d, "sim", "benchmarks", "shared") or d in SCHEDULER_PURE)
+
+
+def test_benchmarks_import_no_service_but_the_wan_emulator_and_never_sim():
+    def allowed(m: str, d: str) -> bool:
+        return _under(d, "benchmarks", "shared", "pdd", "services.wanlink") or d in SCHEDULER_PURE
+
+    assert not _violations(("benchmarks",), allowed)
+
+
+def test_no_production_service_reaches_the_wan_emulator():
+    """Not even through another module: only pdd (its launcher starts it) and benchmarks import it."""
+    production = [m for m in MODULES if _under(m, "services", "shared") and not _under(m, "services.wanlink")]
+    assert not {m for m in production if any(_under(d, "services.wanlink") for d in _closure(m))}
+
+
+def test_the_model_runtime_imports_itself_and_pure_leaves_only():
+    def allowed(m: str, d: str) -> bool:
+        return _under(d, "shared.runtime") or d in RUNTIME_LEAVES or d in RUNTIME_BRIDGE.get(m, set())
+
+    assert not _violations(("shared.runtime",), allowed)
+    assert not {leaf: GRAPH[leaf] for leaf in RUNTIME_LEAVES if GRAPH[leaf]}
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["services.scheduler.policy", "services.scheduler.estimates", "services.scheduler.inputs", "shared.pipelines"],
+)
 def test_the_policy_imports_no_io_library(module):
     external = set().union(*(imports(m)[1] for m in _closure(module) | {module}))
     assert not external & {"nats", "redis", "torch", "transformers", "httpx", "socket", "asyncio"}, external
