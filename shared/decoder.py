@@ -26,20 +26,17 @@ import logging
 import time
 from collections import deque
 
-import torch
-
 from shared import subjects
 from shared.decode_state import DecodeRequest, End, Phase
 from shared.handoff import MainSide, RelaySide
-from shared.instance import InstanceService, to_params
+from shared.instance import InstanceFigures, InstanceService, to_params
 from shared.kv_transport import KVReceiver, Transfer, Verdict
 from shared.messages import Abort, Ack, BadMessage, DecodeTask, RequestStats, TokenChunk, WanSample
 from shared.model_info import WIRE_FORMATS
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
-from shared.runtime.engine import Engine, TokenOutput
-from shared.runtime.kv_payload import WIRE_DTYPES, KVHeader, KVPayload, import_kv, layer_from_bytes
-from shared.runtime.kv_pool import PoolExhausted
+from shared.runtime.engine import TokenOutput
+from shared.runtime.kv_payload import WIRE_DTYPES, KVHeader, KVPayload, layer_from_bytes
 from shared.runtime.sequence import FinishReason, Sequence
 from shared.security import Secrets
 
@@ -96,11 +93,12 @@ class DecoderService(InstanceService):
         cutoff = time.monotonic() - older_than_s
         return [rid for rid, r in self.requests.items() if r.accepted_at < cutoff]
 
-    async def load(self) -> dict:
-        """The engine's figures plus `pending`: tasks accepted whose KV has not landed. They are
-        committed here, so the scheduler's relay admission control counts them."""
+    def figures(self) -> InstanceFigures:
+        """With `pending` (tasks accepted whose KV has not landed: the scheduler's relay admission
+        control counts them) and the relay's handoffs under way."""
         pending = sum(r.phase <= Phase.PARKED for r in self.requests.values())
-        return {**await super().load(), "pending": pending, **self.side.load()}
+        handing = sum(r.phase == Phase.HANDING_OFF for r in self.requests.values())
+        return dataclasses.replace(super().figures(), pending=pending, handing=handing)
 
     # -- a request's tasks and its end ------------------------------------------------------
     def spawn_for(self, req: DecodeRequest, coro) -> asyncio.Task:
@@ -231,7 +229,7 @@ class DecoderService(InstanceService):
                 # main-decode killed parked enough on the other for prefill to give the ACK up)
                 batch = [self.requests[rid] for rid in self.parked]  # `end` removes ended requests
                 work = [req.parked[:2] for req in batch]
-                results = await self.worker.call(lambda e, w=work: _admit_in_order(e, w))
+                results = await self.worker.call(lambda e, w=work: e.admit_with_kv(w))
                 for req, (done, error) in zip(batch, results):
                     if self.requests.get(req.id) is not req:
                         continue  # ended meanwhile; its abort frees what the admission took
@@ -367,75 +365,3 @@ def _start_problem(task: DecodeTask, block_size: int) -> str:
     if not 0 <= start <= len(task.prompt_ids) or start % block_size:
         return f"kv_start {start} is not a block boundary inside the prompt"
     return ""
-
-
-def _admit_in_order(engine: Engine, parked: list[tuple[Sequence, KVPayload]]) -> list[tuple[str | None, str]]:
-    """On the engine thread: `_admit` each parked request, oldest first, until one does not fit
-    (it and those after it stay parked). One (finish reason, error) per request tried."""
-    results = []
-    for seq, payload in parked:
-        try:
-            results.append((_admit(engine, seq, payload), ""))
-        except PoolExhausted:
-            break
-        except Exception as e:  # this one can never join (too big, bad KV): it fails, the rest go on
-            results.append((None, str(e)))
-    return results
-
-
-def _admit(engine: Engine, seq: Sequence, payload: KVPayload) -> str | None:
-    """On the engine thread: stitch the arriving KV [start, n) onto the cached prefix [0, start)
-    and join the batch. Returns the finish reason when prefill's first token already ends it.
-
-    If part of [0, start) was evicted since the plan was made, the missing range is recomputed
-    here from its token ids before anything is decoded (never decode on incomplete KV); if the
-    cache meanwhile holds more than [0, start), that part of the payload is not imported.
-    """
-    first, params = seq.token_ids[-1], seq.params
-    stoppable = params.min_tokens <= 1  # prefill's token is the first; min_tokens counts it
-    if stoppable and (first in engine.eos_token_ids and not params.ignore_eos or first in params.stop_token_ids):
-        return FinishReason.STOP
-    if params.max_tokens <= 1:
-        return FinishReason.LENGTH
-    if stoppable and params.stop and engine.decode_text and any(s in engine.decode_text([first]) for s in params.stop):
-        return FinishReason.STOP
-    pool, start, n = engine.pool, payload.header.start, seq.prompt_len
-    if start % pool.block_size:
-        raise ValueError(f"KV starts at {start}, not on a block boundary of {pool.block_size}")
-    # [0, hit) from this decoder's own cache, all of it: a copy landing beside cached blocks of
-    # the same prefix would hang new cache nodes under nodes this sequence does not hold
-    engine.match_prefix(seq, n)
-    hit = seq.num_computed
-    try:
-        # the whole budget now, as the engine's admission would: a sequence holding only its
-        # prompt's blocks could wait forever beside another for the blocks each still lacks
-        need = pool.blocks_for(seq.max_total_tokens)
-        if need > pool.num_blocks:  # never fits, however long it waits: fail it now
-            raise ValueError(
-                f"the request needs {seq.max_total_tokens} tokens of KV; this pool holds "
-                f"{pool.num_blocks * pool.block_size}"
-            )
-        seq.block_table += engine.allocate(need - len(seq.block_table))
-        if max(hit, start) < n:  # never write into shared cached blocks
-            with torch.inference_mode():
-                import_kv(pool, seq.block_table, payload.narrow(max(hit, start), n))
-    except BaseException:  # as it was before the call: a parked request retries from scratch
-        engine.pool.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = seq.cached_tokens = 0
-        raise
-    seq.num_computed = n
-    if hit < start:
-        seq.num_computed, seq.imported = hit, (start, n)
-    elif engine.cache is not None:  # KV is cached as it lands: the next turn hits at once
-        engine.cache.insert(
-            seq.token_ids[:n], seq.block_table[: n // pool.block_size], seq.namespace or engine.namespace
-        )
-    engine.count_prefix(seq)
-    try:
-        engine.add(seq)
-    except ValueError:
-        engine.pool.allocator.free(seq.block_table)
-        seq.block_table = []
-        raise
-    return None

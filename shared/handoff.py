@@ -35,7 +35,7 @@ from shared.bus import BusTimeout
 from shared.decode_state import Decoder, DecodeRequest, End, Phase
 from shared.messages import Abort, Ack, DecodeTask, FinishOnRelay, HandoffChunk, KVReady, token_problem
 from shared.pipelines import Handoff, hands_off
-from shared.runtime.engine import Engine, TokenOutput
+from shared.runtime.engine import TokenOutput
 from shared.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,6 @@ class RelaySide:
 
     def shadows(self, task: DecodeTask) -> bool:
         return False
-
-    def load(self) -> dict[str, int]:
-        return {"handing": sum(r.phase == Phase.HANDING_OFF for r in self.d.requests.values())}
 
     async def admitted(self, req: DecodeRequest, done: str | None) -> None:
         if done is None and req.md_ready:  # main-decode was ready before the relay
@@ -103,7 +100,7 @@ class RelaySide:
         chunk_tokens = req.task.plan.chunk_tokens or cfg.chunk_tokens
         sent = 1  # prefill's first token travelled with the KV
         while True:
-            generated = await self.d.worker.call(lambda e: _generated(e, req.id))
+            generated = await self.d.worker.call(lambda e: e.generated(req.id))
             if generated is None:
                 return None
             if len(generated) - sent <= cfg.final_tokens:
@@ -154,9 +151,6 @@ class MainSide:
     def shadows(self, task: DecodeTask) -> bool:
         return hands_off(task.plan.pipeline)
 
-    def load(self) -> dict[str, int]:
-        return {}
-
     async def admitted(self, req: DecodeRequest, done: str | None) -> None:
         if req.phase != Phase.SHADOW:
             return
@@ -192,7 +186,9 @@ class MainSide:
         t0 = time.perf_counter()
         req.caught_up.clear()
         try:
-            added = await self.d.worker.call(lambda e: _append(e, rid, chunk))
+            added = await self.d.worker.call(
+                lambda e: e.extend_shadow(rid, chunk.start_index, chunk.token_ids, chunk.final)
+            )
         except ValueError as e:
             return Ack(rid, ok=False, error=str(e))
         if self.d.requests.get(rid) is not req:
@@ -211,23 +207,3 @@ class MainSide:
                 return Ack(rid, ok=False, error=f"{rid} ended on {self.d.inst.id}")
         req.stats.extend_ms += (time.perf_counter() - t0) * 1000
         return Ack(rid)
-
-
-def _generated(engine: Engine, rid: str) -> list[int] | None:
-    seq = engine.running.get(rid)
-    return None if seq is None else seq.token_ids[seq.prompt_len :]
-
-
-def _append(engine: Engine, rid: str, chunk: HandoffChunk) -> int:
-    """On the engine thread: add the chunk's tokens the shadow lacks. Returns how many."""
-    seq = engine.find(rid)
-    if seq is None:
-        raise ValueError(f"request {rid} is not running here")
-    have = seq.num_generated
-    if chunk.start_index > have:
-        raise ValueError(f"handoff gap: have tokens [0, {have}), chunk starts at {chunk.start_index}")
-    new = chunk.token_ids[have - chunk.start_index :]
-    seq.token_ids.extend(new)
-    if chunk.final:
-        seq.shadow = False
-    return len(new)

@@ -19,12 +19,14 @@ Instances never touch Redis: across two datacenters only NATS (and KV) crosses t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from shared import subjects
@@ -35,7 +37,6 @@ from shared.messages import (
     Ack,
     Heartbeat,
     HeartbeatReply,
-    IndexEvent,
     IndexUpdate,
     Inspect,
     InstanceInfo,
@@ -45,13 +46,43 @@ from shared.messages import (
     token_problem,
 )
 from shared.model_info import model_name
-from shared.runtime.engine import Engine, TokenOutput
+from shared.runtime.engine import EngineFigures, TokenOutput
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.worker import EngineWorker
 from shared.security import Secrets
 from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InstanceFigures:
+    """An instance's figures: its engine's at the last step boundary, and what the service holds."""
+
+    engine: EngineFigures
+    held: int  # requests the instance holds anything for
+    tasks: int  # its background tasks
+    pending: int = 0  # decoders: tasks accepted whose KV has not landed (committed: they will run here)
+    handing: int = 0  # relay: requests handing off now
+
+    def report_to(self, info: InstanceInfo, sampled_at: float) -> None:
+        """Fill a heartbeat's figures (the rest are for `pdd status` and metrics only)."""
+        e = self.engine
+        info.running, info.waiting, info.pending, info.held = e.running, e.waiting, self.pending, self.held
+        info.queued_tokens, info.step_ms, info.prefill_tok_s, info.busy_s = (
+            e.queued_tokens,
+            e.step_ms,
+            e.prefill_tok_s,
+            e.busy_s,
+        )
+        info.free_blocks, info.total_blocks, info.cached_blocks = e.free_blocks, e.total_blocks, e.cached_blocks
+        info.updated_at = sampled_at
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self.engine),
+            **{k: v for k, v in dataclasses.asdict(self).items() if k != "engine"},
+        }
 
 
 class InstanceService:
@@ -101,9 +132,9 @@ class InstanceService:
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         """Called on the event loop with each engine step's outputs, in step order."""
 
-    async def load(self) -> dict[str, Any]:
+    def figures(self) -> InstanceFigures:
         """As of the last step boundary: never waits for the engine (heartbeats go on mid-step)."""
-        return {**self.worker.figures, "held": len(self.held_requests()), "tasks": len(self._tasks)}
+        return InstanceFigures(self.worker.figures, held=len(self.held_requests()), tasks=len(self._tasks))
 
     def refuse_if_full(self, request_id: str) -> Ack | None:
         """The bounded queue of this stage: a busy refusal once it holds `capacity` requests."""
@@ -145,7 +176,7 @@ class InstanceService:
             loop.add_signal_handler(sig, self._stop.set)
         bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.role, Secrets.of(self.cfg))
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
-        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.inst.threads, observe=engine_load))
+        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.inst.threads))
         self.metrics.serve(self.cfg.host, self.inst.metrics_port)
         log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)
         await self._stop.wait()
@@ -181,10 +212,7 @@ class InstanceService:
     async def _heartbeat(self) -> None:
         while True:
             sampled_at = time.time()  # before the figures: a task landing meanwhile counts twice, never zero times
-            for key, value in (await self.load()).items():
-                if hasattr(self.info, key):
-                    setattr(self.info, key, value)
-            self.info.updated_at = sampled_at
+            self.figures().report_to(self.info, sampled_at)
             # only requests held for a while: the scheduler records a request before dispatching it
             beat = Heartbeat(self.info, self.holding_since(self.cfg.timeouts.control_s * 2))
             try:
@@ -202,7 +230,7 @@ class InstanceService:
         A publish, not a request: the final token of a turn waits for no round trip; NATS keeps
         this connection's messages in order, so the registrar has them before the next turn."""
         full = self._index_stale
-        events = await self.worker.call(lambda e: _cache_events(e, full))
+        events = await self.worker.call(lambda e: e.cache_events(full))
         if not events:
             return
         self._index_seq += 1
@@ -219,15 +247,15 @@ class InstanceService:
 
     # -- operators ----------------------------------------------------------------------------
     async def _inspect(self, msg: Inspect) -> InstanceState:
-        load = await self.load()
+        figures = self.figures()
         return InstanceState(
             instance_id=self.inst.id,
             role=self.role,
             requests=self.held_requests(),
-            free_blocks=load.get("free_blocks", 0),
-            total_blocks=load.get("total_blocks", 0),
+            free_blocks=figures.engine.free_blocks,
+            total_blocks=figures.engine.total_blocks,
             extra={
-                **load,
+                **figures.as_dict(),
                 "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks),
                 # handlers at work, besides the one answering this Inspect
                 "state": {
@@ -239,7 +267,7 @@ class InstanceService:
 
     async def _flush_cache(self, msg: Inspect) -> InstanceState:
         """Operator command (SGLang's /flush_cache): evict every cached block no request uses."""
-        await self.worker.call(lambda e: e.cache.evict(e.pool.num_blocks) if e.cache else 0)
+        await self.worker.call(lambda e: e.flush_cache())
         await self.report_index()
         return await self._inspect(msg)
 
@@ -259,31 +287,6 @@ def to_params(s: Sampling) -> SamplingParams:
         repetition_penalty=s.repetition_penalty,
         min_tokens=s.min_tokens,
     )
-
-
-def _cache_events(engine: Engine, full: bool) -> list[IndexEvent]:
-    if engine.cache is None:
-        return [IndexEvent("cleared")] if full else []
-    if full:
-        engine.cache.drain_events()
-        return [IndexEvent("cleared"), IndexEvent("stored", engine.cache.all_hashes())]
-    return engine.cache.drain_events()
-
-
-def engine_load(engine: Engine) -> dict[str, int]:
-    """The figures a heartbeat carries, read on the engine thread at a step boundary."""
-    return {
-        "running": len(engine.running),
-        "waiting": len(engine.waiting),
-        "free_blocks": engine.pool.num_free_blocks,
-        "total_blocks": engine.pool.num_blocks,
-        "cached_blocks": engine.cache.num_blocks if engine.cache else 0,
-        "prefix_queried": engine.prefix_queried,
-        "prefix_hit": engine.prefix_hit,
-        "queued_tokens": sum(s.num_pending for s in engine.waiting)
-        + sum(s.num_pending for s in engine.running.values() if s.num_pending > 1),  # prompt left to compute
-        "mirror_bytes": engine.runner.mirror.nbytes if engine.runner.mirror is not None else 0,  # capped
-    }
 
 
 def service_main(make_service: Any, role: str, argv: list[str] | None = None) -> None:

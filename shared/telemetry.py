@@ -63,7 +63,7 @@ class Metrics:
             Histogram(name, doc, self._labels(labels), buckets=buckets, registry=self.registry), self.constant
         )
 
-    def engine_figures(self, figures: Callable[[], dict[str, Any]]) -> None:
+    def engine_figures(self, figures: Callable[[], Any]) -> None:
         """Serve an engine's figures (EngineWorker.figures) as vLLM's gauges and counters."""
         self.registry.register(_EngineCollector(figures, self.constant))
 
@@ -92,20 +92,20 @@ class _Bound:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, figures: Callable[[], dict[str, Any]], constant: dict[str, str]) -> None:
+    def __init__(self, figures: Callable[[], Any], constant: dict[str, str]) -> None:
         self.figures, self.constant = figures, constant
 
     def collect(self) -> Iterator[Any]:
         f = self.figures()
         keys, values = list(self.constant), list(self.constant.values())
-        total = f.get("total_blocks", 0) or 1
-        used = total - f.get("free_blocks", 0) - f.get("cached_blocks", 0)
+        total = f.total_blocks or 1
+        used = total - f.free_blocks - f.cached_blocks
         for name, doc, value in (
-            ("pdd:num_requests_running", "Requests in the engine's running batch", f.get("running", 0)),
-            ("pdd:num_requests_waiting", "Requests queued in the engine", f.get("waiting", 0)),
+            ("pdd:num_requests_running", "Requests in the engine's running batch", f.running),
+            ("pdd:num_requests_waiting", "Requests queued in the engine", f.waiting),
             ("pdd:kv_cache_usage_perc", "KV blocks held by requests (1 = full; cached blocks are free)", used / total),
-            ("pdd:kv_cache_blocks_cached", "KV blocks held only by the prefix cache", f.get("cached_blocks", 0)),
-            ("pdd:kv_cache_blocks_free", "KV blocks free", f.get("free_blocks", 0)),
+            ("pdd:kv_cache_blocks_cached", "KV blocks held only by the prefix cache", f.cached_blocks),
+            ("pdd:kv_cache_blocks_free", "KV blocks free", f.free_blocks),
         ):
             g = GaugeMetricFamily(name, doc, labels=keys)
             g.add_metric(values, float(value))
@@ -115,5 +115,5 @@ class _EngineCollector(Collector):
             ("pdd:prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hit"),
         ):
             c = CounterMetricFamily(name, doc, labels=keys)
-            c.add_metric(values, float(f.get(key, 0)))
+            c.add_metric(values, float(getattr(f, key)))
             yield c

@@ -20,7 +20,7 @@ A `ViewSpec` (the `views:` section of a sim config) chooses how faithful the sim
   `decode_step_ms`), as the real scheduler did before. True is the default.
 
 What a simulated instance reports (`info`): as the real engine does (shared/instance.py
-`engine_load`), running, waiting, pending, held and its KV pool; the pool counts as used only
+`Engine.figures`), running, waiting, pending, held and its KV pool; the pool counts as used only
 what running sequences reserve (a prefill's pool and a decoder's DRC hold evictable cache, which
 the simulator counts as free).
 

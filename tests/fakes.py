@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from shared.bus import BusTimeout
-from shared.instance import engine_load
 from shared.messages import BadMessage, M, Message
 from shared.runtime.engine import Engine, TokenOutput
 
@@ -118,7 +117,7 @@ class ManualWorker:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[TokenOutput]], Any]) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
-        self.figures: dict[str, Any] = engine_load(engine)
+        self.figures = engine.figures()
 
     def start(self) -> None: ...
 
@@ -128,7 +127,7 @@ class ManualWorker:
         try:
             return fn(self.engine)
         finally:
-            self.figures = engine_load(self.engine)
+            self.figures = self.engine.figures()
 
     def submit(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -137,12 +136,12 @@ class ManualWorker:
         except Exception as e:
             future.set_exception(e)
         finally:
-            self.figures = engine_load(self.engine)
+            self.figures = self.engine.figures()
         return future
 
     def step(self) -> list[TokenOutput]:
         outputs = self.engine.step()
-        self.figures = engine_load(self.engine)
+        self.figures = self.engine.figures()
         if outputs:
             self.on_outputs(outputs)
         return outputs

@@ -14,11 +14,18 @@
                                                                     nothing in shared: pdd starts it,
                                                                     benchmarks drive it
     shared/           what two or more processes use                nothing above it
-    shared/runtime/   the model runtime                             itself, shared.model_info and
-                                                                    shared.prefix_hash (pure leaves);
+    shared/runtime/   the model runtime                             itself, shared.model_info,
+                                                                    shared.prefix_hash, shared.messages
+                                                                    (pure leaves);
                                                                     build.py, the one bridge from the
                                                                     cluster config to an engine, also
                                                                     shared.config and shared.security
+
+Only the runtime touches KV blocks and the prefix cache: no process's code (services/, pdd/,
+shared/ outside shared/runtime/) allocates, frees or caches a block, holds a block table or moves
+KV in or out of a pool; they send the engine commands (`Engine.admit_with_kv`,
+`export_and_release`, `extend_shadow`, `cache_events`, `flush_cache`). The benchmarks and the
+simulator's measurements time the runtime's parts directly.
 
 The scheduler's pure modules (`SCHEDULER_PURE`: its package, policy, estimates, inputs) plan on
 plain data: the simulator plans with exactly them, and they import no I/O library.
@@ -43,7 +50,9 @@ SCHEDULER_PURE = {
     "services.scheduler.estimates",
     "services.scheduler.inputs",
 }
-RUNTIME_LEAVES = {"shared.model_info", "shared.prefix_hash"}  # pure, and import nothing of the repo
+# pure, and import nothing of the repo (messages: the typed values the runtime shares with the wire,
+# its sampling parameters and prefix-cache events)
+RUNTIME_LEAVES = {"shared.model_info", "shared.prefix_hash", "shared.messages"}
 RUNTIME_BRIDGE = {"shared.runtime.build": {"shared.config", "shared.security"}}
 
 
@@ -242,3 +251,42 @@ def test_pipeline_names_have_one_home():
         if isinstance(node, ast.Constant) and node.value in names
     }
     assert spelt == set(), sorted(spelt)
+
+
+# what only the runtime may touch: block bookkeeping, KV moved in and out of a pool, the radix cache
+BLOCK_ATTRIBUTES = {"allocator", "block_table", "allocate", "incref", "num_free_blocks"}
+CACHE_METHODS = {"insert", "match", "evict", "clear", "drain_events", "all_hashes"}
+RUNTIME_INTERNALS = {"import_kv", "export_kv", "import_layer", "KVPool", "BlockAllocator", "RadixCache"}
+
+
+def _block_handling(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in BLOCK_ATTRIBUTES:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr in CACHE_METHODS:
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "cache":
+                found.append(f"{node.lineno}: .cache.{node.attr}")
+        elif (
+            isinstance(node, ast.Name | ast.alias)
+            and getattr(node, "id", getattr(node, "name", "")) in RUNTIME_INTERNALS
+        ):
+            found.append(f"{node.lineno}: {getattr(node, 'id', getattr(node, 'name', ''))}")
+    return found
+
+
+def test_only_the_runtime_allocates_frees_or_caches_blocks():
+    processes = {
+        m: p
+        for m, p in MODULES.items()
+        if m.split(".")[0] in ("services", "pdd", "shared") and not _under(m, "shared.runtime")
+    }
+    touching = {m: found for m, p in processes.items() if (found := _block_handling(p))}
+    assert touching == {}, touching
+
+
+def test_the_block_check_sees_what_it_forbids(tmp_path):
+    """The check above would catch a decoder freeing blocks or caching a prefix itself."""
+    code = tmp_path / "decoder.py"
+    code.write_text("engine.pool.allocator.free(seq.block_table)\nengine.cache.insert(t, b)\nfrom x import import_kv\n")
+    assert sorted(_block_handling(code)) == ["1: .allocator", "1: .block_table", "2: .cache.insert", "3: import_kv"]

@@ -34,8 +34,9 @@ from shared.model_info import WIRE_FORMATS
 from shared.pipelines import hands_off
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
-from shared.runtime.engine import Engine, TokenOutput
-from shared.runtime.kv_payload import KVPayload, export_kv, layer_to_bytes
+from shared.runtime.engine import TokenOutput
+from shared.runtime.kv_exchange import NotHeld
+from shared.runtime.kv_payload import KVPayload, layer_to_bytes
 from shared.runtime.sequence import Sequence
 from shared.security import Secrets
 
@@ -162,12 +163,9 @@ class Prefiller(InstanceService):
         task = state.task
         rid = task.request_id
         prefill_ms = (time.monotonic() - state.accepted_at) * 1000
-        n = len(task.prompt_ids)
         try:
-            payloads, hit = await self.worker.call(
-                lambda e: _export_and_release(e, rid, [t.start for t in task.targets], n)
-            )
-        except KVTransferError:
+            payloads, hit = await self.worker.call(lambda e: e.export_and_release(rid, [t.start for t in task.targets]))
+        except NotHeld:
             return  # aborted between the first token and the export: nothing is held
         stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit)
         done = {"first_token": first_token, "stats": dataclasses.asdict(stats)}
@@ -287,15 +285,3 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
         if not 0 <= t.start <= len(task.prompt_ids) or t.start % block_size:
             return f"KV target {t.instance_id!r}: start {t.start} is not a block boundary inside the prompt"
     return ""
-
-
-def _export_and_release(engine: Engine, rid: str, starts: list[int], n: int) -> tuple[list[KVPayload], int]:
-    """On the engine thread: copy out each target's range, then free the blocks (the prompt's
-    KV stays in the prefix cache). Returns the payloads and the prefix-cache hit in tokens."""
-    seq = engine.held.get(rid)
-    if seq is None:
-        raise KVTransferError(f"request {rid} holds no KV here (aborted?)")
-    try:
-        return [export_kv(engine.pool, seq.block_table, start, n) for start in starts], seq.cached_tokens
-    finally:
-        engine.release(rid)

@@ -14,6 +14,13 @@ Lifecycle of a sequence here:
    conditions. Finished sequences free their blocks unless `hold_kv` is set, in which case the
    owner calls `release()` once it has exported the KV.
 5. `abort()` finishes a sequence at any point and frees its blocks.
+
+KV that crosses instances enters and leaves through the engine too, so that only the runtime
+allocates, frees or caches blocks: `admit_with_kv` stitches KV that arrived from prefill onto the
+cached prefix and joins the batch (decoders), `export_and_release` copies a finished prompt's KV
+out and frees its blocks (prefill), `extend_shadow` hands a shadow the relay's tokens (main-decode),
+`cache_events` and `flush_cache` report and empty the prefix cache. Callers on the event loop
+reach these through `EngineWorker.call`, on the engine thread.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.messages import IndexEvent
+from shared.runtime.kv_exchange import KVExchange
 from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
-from shared.runtime.sampling import History, sample_batch
+from shared.runtime.sampling import sample_batch
 from shared.runtime.sequence import FinishReason, SeqStatus, Sequence
+from shared.runtime.stops import StopRules
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,26 @@ class TokenOutput:
     caught_up: bool = False  # a shadow sequence computed every token it knows (no token sampled)
 
 
-class Engine:
+@dataclass(frozen=True)
+class EngineFigures:
+    """The engine's figures at a step boundary: what heartbeats, metrics and `pdd status` read.
+    The worker adds its measured pace (`step_ms`, `prefill_tok_s`, `busy_s`)."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    cached_blocks: int = 0  # held only by the prefix cache (reusable)
+    prefix_queried: int = 0  # prompt tokens of admitted sequences, and of those found cached
+    prefix_hit: int = 0
+    queued_tokens: int = 0  # known tokens not computed yet, decode steps aside
+    mirror_bytes: int = 0  # the runner's contiguous KV mirror (capped)
+    step_ms: float = 0.0
+    prefill_tok_s: float = 0.0
+    busy_s: float = 0.0
+
+
+class Engine(KVExchange):
     def __init__(
         self,
         runner: ModelRunner,
@@ -59,8 +88,7 @@ class Engine:
         self.pool = runner.pool
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
-        self.eos_token_ids = eos_token_ids
-        self.decode_text = decode_text  # needed only for stop strings
+        self.stops = StopRules(eos_token_ids, decode_text)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished with hold_kv, blocks not yet released
@@ -138,6 +166,34 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def figures(self) -> EngineFigures:
+        return EngineFigures(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            free_blocks=self.pool.num_free_blocks,
+            total_blocks=self.pool.num_blocks,
+            cached_blocks=self.cache.num_blocks if self.cache else 0,
+            prefix_queried=self.prefix_queried,
+            prefix_hit=self.prefix_hit,
+            queued_tokens=sum(s.num_pending for s in self.waiting)
+            + sum(s.num_pending for s in self.running.values() if s.num_pending > 1),  # prompt left to compute
+            mirror_bytes=self.runner.mirror.nbytes if self.runner.mirror is not None else 0,
+        )
+
+    # -- the prefix cache's reports -----------------------------------------------------------
+    def cache_events(self, full: bool) -> list[IndexEvent]:
+        """The prefix cache's changes since the last call; `full`: all of it, from a clean slate."""
+        if self.cache is None:
+            return [IndexEvent("cleared")] if full else []
+        if full:
+            self.cache.drain_events()
+            return [IndexEvent("cleared"), IndexEvent("stored", self.cache.all_hashes())]
+        return self.cache.drain_events()
+
+    def flush_cache(self) -> int:
+        """Evict every cached block no sequence uses (SGLang's /flush_cache). Returns how many."""
+        return self.cache.evict(self.pool.num_blocks) if self.cache is not None else 0
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         outputs = self._admit()
@@ -154,7 +210,7 @@ class Engine:
             if seq.shadow and seq.num_pending == 1:
                 outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, caught_up=True))
         steps = [s.num_generated for s in result.sampled]
-        histories = [self._history(s) if s.params.penalised else None for s in result.sampled]
+        histories = [self.stops.history(s) if s.params.penalised else None for s in result.sampled]
         tokens = sample_batch(result.logits, [s.params for s in result.sampled], steps, histories)
         outputs += [self._append(seq, token) for seq, token in zip(result.sampled, tokens)]
         return outputs
@@ -163,16 +219,14 @@ class Engine:
         failed: list[TokenOutput] = []
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            total = self.pool.blocks_for(seq.max_total_tokens)
-            if total > self.pool.num_blocks:
+            if error := self._never_fits(seq):
                 self.waiting.popleft()
-                msg = f"request needs {seq.max_total_tokens} tokens of KV, more than the pool holds"
-                failed.append(self._fail(seq, msg))
+                failed.append(self._fail(seq, error))
                 continue
             fresh = not seq.block_table and not seq.num_computed
             self.match_prefix(seq, seq.num_tokens - 1)  # at least one token left to compute
             try:
-                seq.block_table.extend(self.allocate(max(total - len(seq.block_table), 0)))
+                self._reserve(seq)
             except PoolExhausted:
                 if fresh:  # give the matched prefix back while waiting
                     self._free_blocks(seq)
@@ -184,6 +238,18 @@ class Engine:
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
         return failed
+
+    def _never_fits(self, seq: Sequence) -> str:
+        """Why the sequence could not run even in an empty pool ("" when it could)."""
+        if self.pool.blocks_for(seq.max_total_tokens) <= self.pool.num_blocks:
+            return ""
+        held = self.pool.num_blocks * self.pool.block_size
+        return f"request needs {seq.max_total_tokens} tokens of KV, more than the pool holds ({held})"
+
+    def _reserve(self, seq: Sequence) -> None:
+        """Blocks for the sequence's whole budget (known tokens + tokens it may still sample): a
+        running sequence never meets an exhausted pool. Raises PoolExhausted when it must wait."""
+        seq.block_table.extend(self.allocate(max(self.pool.blocks_for(seq.max_total_tokens) - len(seq.block_table), 0)))
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         # A shadow leaves its last known token pending: its logits are only wanted once it
@@ -206,32 +272,11 @@ class Engine:
         index = seq.num_generated
         seq.token_ids.append(token)
         seq.sampled_here += 1
-        reason = self._stop_reason(seq, token)
+        reason = self.stops.reason(seq, token)
         if reason is not None:
             self.running.pop(seq.seq_id, None)
             self._finish(seq, reason, hold=seq.hold_kv)
         return TokenOutput(seq.seq_id, token, index, reason)
-
-    def _history(self, seq: Sequence) -> History:
-        p = seq.params
-        banned = () if p.ignore_eos else self.eos_token_ids
-        return History(
-            seq.token_ids[: seq.prompt_len], seq.token_ids[seq.prompt_len :], tuple({*banned, *p.stop_token_ids})
-        )
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.num_generated < p.min_tokens:  # nothing stops it before min_tokens but its budget
-            return FinishReason.LENGTH if seq.num_generated >= p.max_tokens else None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        if p.stop and self.decode_text is not None and _hits_stop_string(seq, self.decode_text):
-            return FinishReason.STOP
-        if seq.num_generated >= p.max_tokens:
-            return FinishReason.LENGTH
-        if seq.max_new is not None and seq.sampled_here >= seq.max_new:
-            return FinishReason.LENGTH
-        return None
 
     def _fail(self, seq: Sequence, error: str) -> TokenOutput:
         self._finish(seq, FinishReason.ERROR, hold=False)
@@ -256,10 +301,3 @@ class Engine:
             )
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
-
-
-def _hits_stop_string(seq: Sequence, decode_text: Callable[[list[int]], str]) -> bool:
-    longest = max(len(s) for s in seq.params.stop)
-    tail = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - longest - 4) :]
-    text = decode_text(tail)
-    return any(s in text for s in seq.params.stop)

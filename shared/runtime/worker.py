@@ -6,8 +6,8 @@ never touches them directly: it calls `await worker.call(fn)`, and `fn(engine)` 
 engine thread between two steps. Outputs of each step come back to the loop through
 `on_outputs`, in step order.
 
-`figures` is what `observe(engine)` returned at the last step boundary (load, free blocks...),
-plus the measured pace (`StepRates`): what the scheduler's estimates use instead of priors.
+`figures` is the engine's `EngineFigures` at the last step boundary (requests, free blocks...),
+with the measured pace (`StepRates`): what the scheduler's estimates use instead of priors.
 It is replaced whole, never mutated, so the loop reads it without waiting for a step: a
 heartbeat must not stall behind a long prefill chunk, or the instance looks dead.
 """
@@ -15,6 +15,7 @@ heartbeat must not stall behind a long prefill chunk, or the instance looks dead
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shared.runtime.engine import Engine, TokenOutput
+from shared.runtime.engine import Engine, EngineFigures, TokenOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -47,9 +48,6 @@ class StepRates:
     def _ema(self, old: float, new: float) -> float:
         return new if old == 0.0 else old + self.alpha * (new - old)
 
-    def as_dict(self) -> dict[str, float]:
-        return {"step_ms": round(self.step_ms, 2), "prefill_tok_s": round(self.prefill_tok_s, 1)}
-
 
 class EngineWorker:
     def __init__(
@@ -57,21 +55,19 @@ class EngineWorker:
         engine: Engine,
         on_outputs: Callable[[list[TokenOutput]], Any],
         threads: int = 1,
-        observe: Callable[[Engine], dict[str, Any]] | None = None,
     ) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
         self.threads = threads
-        self.observe = observe
         self.rates = StepRates()
-        self.figures: dict[str, Any] = observe(engine) if observe else {}
+        self.busy_s = 0.0  # time spent in engine steps since start
+        self.figures = self._figures()
         self._cond = threading.Condition()
         self._commands: list[tuple[Callable[[Engine], Any], asyncio.Future]] = []
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_step_ms = 0.0
-        self.busy_s = 0.0  # time spent in engine steps since start
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -125,8 +121,16 @@ class EngineWorker:
             self._loop.call_soon_threadsafe(_set_result, future, result)
 
     def _observe(self) -> None:
-        if self.observe is not None:
-            self.figures = {**self.observe(self.engine), **self.rates.as_dict(), "busy_s": round(self.busy_s, 3)}
+        self.figures = self._figures()
+
+    def _figures(self) -> EngineFigures:
+        r = self.rates
+        return dataclasses.replace(
+            self.engine.figures(),
+            step_ms=round(r.step_ms, 2),
+            prefill_tok_s=round(r.prefill_tok_s, 1),
+            busy_s=round(self.busy_s, 3),
+        )
 
     def _step(self) -> None:
         t0 = time.perf_counter()

@@ -440,7 +440,7 @@ async def test_kv_that_can_never_fit_fails_its_request_at_once(tiny, prompt):
     pair = await DecoderPair(tiny, md_blocks=4).start()
     try:
         await pair.dispatch("big", prompt, 200, Pipeline.P_MD)
-        assert "pool holds 64" in await pair.land("md", "big", prompt)
+        assert "more than the pool holds (64)" in await pair.land("md", "big", prompt)
         await pair.settle()
         assert pair.finished("big") and "pool holds" in pair.chunks["big"][-1].error
         pair.assert_gone("big")

@@ -17,7 +17,6 @@ import pytest
 from services.prefill.service import Prefiller
 from shared import subjects
 from shared.config import config_from_dict
-from shared.instance import engine_load
 from shared.messages import Abort, Ack, KVTarget, Plan, PrefillTask, Sampling
 from shared.runtime.worker import EngineWorker
 from tests.decoder.harness import CONFIG, engine, idle
@@ -47,9 +46,7 @@ async def prefill(tiny):
     cfg = config_from_dict(CONFIG)
     service = Prefiller(cfg, cfg.instance("prefill-0"))
     service.nats = InMemoryNats()
-    await service.start(
-        service.nats.client("prefill-0"), EngineWorker(engine(tiny), service.on_outputs, observe=engine_load)
-    )
+    await service.start(service.nats.client("prefill-0"), EngineWorker(engine(tiny), service.on_outputs))
     yield service
     await service.shutdown()  # stops the engine thread too
 

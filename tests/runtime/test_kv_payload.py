@@ -101,11 +101,9 @@ def test_layout_mismatch_is_refused(tiny):
 
 
 def test_kv_that_finds_the_pool_full_waits_and_then_decodes_exactly(tiny, tiny_ref):
-    """The decoder's admission (shared.decoder._admit) on a full pool raises PoolExhausted and
-    leaves the sequence and pool as they were (with a cached prefix matched), so the parked KV
-    is admitted later, once the running request finishes, and decodes exactly."""
-    from shared.decoder import _admit
-    from shared.runtime.kv_pool import PoolExhausted
+    """A decoder's admission (`Engine.admit_with_kv`) on a full pool admits nothing and leaves
+    the sequence and pool as they were (with a cached prefix matched), so the parked KV is
+    admitted later, once the running request finishes, and decodes exactly."""
     from shared.runtime.radix_cache import RadixCache
 
     [shared_prefix, tail, other] = random_prompts(tiny.config.vocab_size, [32, 20, 60], seed=13)
@@ -118,11 +116,10 @@ def test_kv_that_finds_the_pool_full_waits_and_then_decodes_exactly(tiny, tiny_r
     receiver.add(Sequence("hog", list(other), greedy(40)))  # 100 tokens reserved: 7 blocks
     receiver.step()
     parked = Sequence("d", list(prompt) + [first], greedy(10), prompt_len=len(prompt))
-    with pytest.raises(PoolExhausted):
-        _admit(receiver, parked, payload)
+    assert receiver.admit_with_kv([(parked, payload)]) == []  # waits: no result
     assert (parked.block_table, parked.num_computed, parked.cached_tokens) == ([], 0, 0)
     run_to_completion(receiver)  # the hog finishes and frees its blocks
-    assert _admit(receiver, parked, payload) is None and parked.cached_tokens == 32
+    assert receiver.admit_with_kv([(parked, payload)]) == [(None, "")] and parked.cached_tokens == 32
     assert [first] + run_to_completion(receiver)["d"] == reference_generate(tiny_ref, prompt, 10)
     assert receiver.pool.num_free_blocks + receiver.cache.num_blocks == receiver.pool.num_blocks
 
