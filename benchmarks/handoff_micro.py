@@ -31,10 +31,10 @@ from pdd.servers import EmbeddedServer, free_port
 from services.wanlink.link import Forward, WanLink
 from shared.bus import Bus
 from shared.config import WanConfig, load_config
-from shared.kv_transport import EarlyConnection, KVPush, KVReceiver, Transfer, send_kv
+from shared.kv_transport import EarlyConnection, FirstToken, KVPush, KVReceiver, Transfer, TransferHead, send_kv
 from shared.messages import Ack, HandoffChunk
 from shared.runtime.engine import Engine
-from shared.runtime.kv_payload import KVHeader, export_kv, import_layer, layer_from_bytes, layer_to_bytes
+from shared.runtime.kv_payload import export_kv, import_layer, layer_from_bytes, layer_to_bytes
 from shared.runtime.models import load_model
 from shared.runtime.provision import provision_default_model
 from shared.runtime.sampling import SamplingParams
@@ -75,7 +75,7 @@ async def _kv_path(
     slots = engine.pool.slots(seq.block_table, n_prompt, n_prompt + n_tokens)
 
     async def receive(t: Transfer) -> str:
-        header = KVHeader(**t.kv)
+        header = t.head.kv
         for layer, data in enumerate(t.layers):
             import_layer(engine.pool, slots, layer, *layer_from_bytes(header, data))
         return ""
@@ -92,7 +92,8 @@ async def _kv_path(
         conn = await EarlyConnection("127.0.0.1", port, 30, tls, "md-0").take() if early else None
         t0 = time.perf_counter()
         layers = [layer_to_bytes(k, v) for k, v in payload.layers]
-        push = KVPush(f"kv-{i}", "prefill-0", "bench", payload.header.to_dict(), layers, {"first_token": 0}, wan=True)
+        head = TransferHead(request_id=f"kv-{i}", sender="prefill-0", secret="bench", kv=payload.header, wan=True)
+        push = KVPush(head, layers, FirstToken(0))
         size = await send_kv("127.0.0.1", port, push, 30, tls=tls, server_name="md-0", conn=conn)
         times.append((time.perf_counter() - t0) * 1000)
     if link:

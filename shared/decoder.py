@@ -31,12 +31,11 @@ from shared.decode_state import DecodeRequest, End, Phase
 from shared.handoff import MainSide, RelaySide
 from shared.instance import InstanceFigures, InstanceService, to_params
 from shared.kv_transport import KVReceiver, Transfer, Verdict
-from shared.messages import Abort, Ack, BadMessage, DecodeTask, RequestStats, TokenChunk, WanSample
-from shared.model_info import WIRE_FORMATS
+from shared.messages import Abort, Ack, DecodeTask, Drop, TokenChunk, WanSample
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import TokenOutput
-from shared.runtime.kv_payload import WIRE_DTYPES, KVHeader, KVPayload, layer_from_bytes
+from shared.runtime.kv_payload import KVPayload, layer_from_bytes
 from shared.runtime.sequence import FinishReason, Sequence
 from shared.security import Secrets
 
@@ -64,7 +63,7 @@ class DecoderService(InstanceService):
         port = await self.receiver.start(self.cfg.host, self.inst.kv_port)
         self.info.kv_host, self.info.kv_port = self.cfg.kv_endpoint(dataclasses.replace(self.inst, kv_port=port))
         await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
-        await self.bus.serve(subjects.decode_drop(self.inst.id), Abort, self.on_drop)
+        await self.bus.serve(subjects.decode_drop(self.inst.id), Drop, self.on_drop)
         await self.side.serve()
         self.spawn(self._publisher())
         self.spawn(self._watchdog())
@@ -138,10 +137,10 @@ class DecoderService(InstanceService):
         if problem := self.task_problem(task.prompt_ids, task.sampling) or _start_problem(task, self.cfg.block_size):
             return Ack(rid, ok=False, error=f"{self.inst.id} refused the task: {problem}")
         held = self.requests.get(rid)
-        if held is not None and held.task.kv_token != task.kv_token and held.phase == Phase.PENDING:
+        if held is not None and held.task.transfer_secret != task.transfer_secret and held.phase == Phase.PENDING:
             # the request was planned again and this task came before the earlier copy's drop
             # (two subjects: nothing orders them): the new copy replaces it, and the drop, naming
-            # the earlier copy's token, will find nothing of its own to drop
+            # the earlier copy's secret, will find nothing of its own to drop
             self.receiver.cancel(rid)
             self.end(rid, End.DROPPED)
             held = None
@@ -157,22 +156,15 @@ class DecoderService(InstanceService):
         req = self.requests.get(t.request_id)
         if req is None:
             return Verdict.REFUSE, f"no decode task for {t.request_id!r} here (aborted?)"
-        if not req.task.kv_token or not hmac.compare_digest(t.token, req.task.kv_token):
-            return Verdict.REFUSE, f"wrong transfer token for {t.request_id}"
+        secret = req.task.transfer_secret
+        if not secret or not hmac.compare_digest(t.head.secret, secret):
+            return Verdict.REFUSE, f"wrong transfer secret for {t.request_id}"
         if req.phase != Phase.PENDING:  # a retried push whose first attempt landed after all
             return Verdict.HAVE_IT, ""
-        kv, n, layout = t.kv, len(req.task.prompt_ids), self.layout
-        planned = {
-            "start": req.task.kv_start,
-            "end": n,
-            "num_layers": layout.num_layers,
-            "kv_heads": layout.kv_heads,
-            "head_dim": layout.head_dim,
-        }
-        wrong = {k: kv.get(k) for k, v in planned.items() if kv.get(k) != v}
-        if wrong or kv.get("dtype") not in WIRE_DTYPES or kv.get("wire", "native") not in WIRE_FORMATS:
-            bad = wrong or (kv.get("dtype"), kv.get("wire"))
-            return Verdict.REFUSE, f"KV header of {t.request_id} differs from its task: {bad}"
+        kv, layout = t.head.kv, self.layout
+        planned = (req.task.kv_start, len(req.task.prompt_ids), layout.num_layers, layout.kv_heads, layout.head_dim)
+        if (kv.start, kv.end, kv.num_layers, kv.kv_heads, kv.head_dim) != planned:
+            return Verdict.REFUSE, f"KV header of {t.request_id} differs from its task: {kv}, planned {planned}"
         return Verdict.RECEIVE, ""
 
     async def on_transfer(self, t: Transfer) -> str:
@@ -181,21 +173,14 @@ class DecoderService(InstanceService):
             return f"{self.inst.id} has no decode task for {t.request_id}"
         if req.phase != Phase.PENDING:  # a retried push whose first attempt landed after all
             return ""
-        first = t.done.get("first_token")
-        if not isinstance(first, int) or not 0 <= first < self.vocab_size:
+        first = t.first.token_id
+        if not 0 <= first < self.vocab_size:
             return f"first token {first!r} is not in the vocabulary"
-        try:
-            stats = RequestStats.from_dict(t.done.get("stats", {}))
-        except BadMessage as e:
-            return f"bad stats: {e}"
-        header = KVHeader(
-            **{k: t.kv[k] for k in ("start", "end", "num_layers", "kv_heads", "head_dim", "dtype")},
-            wire=t.kv.get("wire", "native"),
-        )
+        header = t.head.kv
         layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
         if self.requests.get(t.request_id) is not req or req.phase != Phase.PENDING:
             return ""  # aborted (or a duplicate landed) while the bytes were converted
-        req.stats.merge(stats)
+        req.stats.merge(t.first.stats)
         if t.via_wan:
             req.stats.wan_kv_bytes, req.stats.kv_wan_ms = t.wire_bytes, t.elapsed_ms
             self.spawn(self.bus.publish(subjects.WAN_SAMPLE, WanSample(t.wire_bytes, t.elapsed_ms / 1000, req.id)))
@@ -326,12 +311,12 @@ class DecoderService(InstanceService):
         if self.end(msg.request_id, End.ABORTED) is not None:
             await self.abort_engine(msg.request_id)
 
-    async def on_drop(self, msg: Abort) -> None:
+    async def on_drop(self, msg: Drop) -> None:
         """Only this decoder's copy is abandoned (its KV push failed, or the scheduler re-planned),
         unless it runs: its KV did land (only the push's ACK was late) and, on main-decode after
         the handoff, it is the one copy the user's stream comes from."""
         req = self.requests.get(msg.request_id)
-        if req is not None and msg.kv_token and msg.kv_token != req.task.kv_token:
+        if req is not None and msg.transfer_secret and msg.transfer_secret != req.task.transfer_secret:
             log.info("%s: %s: the drop is for an earlier plan's copy; kept (%s)", self.inst.id, req.id, msg.reason)
             return
         if req is not None and req.phase == Phase.RUNNING:

@@ -5,15 +5,17 @@ when the task arrives), so its handshakes cross the WAN while the prompt prefill
 
 Wire format, one frame = `u32 length (big endian) | u8 type | body[length - 1]`:
 
-    HEADER  msgpack {request_id, sender, token, wan, kv: KVHeader fields}    at most 4 KiB
-    LAYER   raw K then V bytes of one layer, `num_layers` frames in layer order, each exactly
-            the size the header implies
-    DONE    msgpack {first_token, stats}                                     at most 16 KiB
-    ACK     msgpack {ok, error}      receiver -> sender, after the KV is committed
+    HEADER       TransferHead (msgpack): request, sender, secret, KVHeader     at most 4 KiB
+    LAYER        raw K then V bytes of one layer, `num_layers` frames in layer order, each
+                 exactly the size the header implies
+    FIRST_TOKEN  FirstToken (msgpack): prefill's first token and its figures   at most 16 KiB
+    ACK          TransferAck (msgpack), receiver -> sender, after the KV is committed
+
+Control frames are typed messages (shared/messages.py's codec), checked field by field on decode.
 
 The receiver checks before it reads a body: the TLS peer is a prefill instance of this
-cluster, the header is small and names a transfer it expects (`vet`: the request, the token
-the scheduler minted for it, the token range and layout), and every frame has exactly its
+cluster, the header is small and names a transfer it expects (`vet`: the request, the transfer
+secret the scheduler minted for it, the token range and layout), and every frame has exactly its
 planned size; anything else is cut at once, logged once with the peer's address, and fails
 nothing but that transfer. A transfer whose peer makes no progress for `stall_s` (no byte at
 all, not "a frame took longer": a big layer on a slow line is progress) fails on both sides.
@@ -34,11 +36,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
-from shared.runtime import kv_wire
+from shared.messages import BadMessage, Message, RequestStats
+from shared.runtime.kv_payload import KVHeader
 from shared.security import peer_unit
 
 log = logging.getLogger(__name__)
@@ -53,8 +56,38 @@ WRITE_SLICE = 256 * 1024  # the sender drains per slice: a stall is a slice that
 class Frame(IntEnum):
     HEADER = 2
     LAYER = 3
-    DONE = 4
+    FIRST_TOKEN = 4
     ACK = 5
+
+
+@dataclass
+class TransferHead(Message):
+    """HEADER: which transfer this is, and the KV that follows it."""
+
+    request_id: str
+    sender: str  # the prefill instance (its TLS certificate must agree)
+    secret: str  # minted by the scheduler for (request, this decoder): the receiver checks it
+    kv: KVHeader
+    wan: bool = False
+
+
+@dataclass
+class FirstToken(Message):
+    """FIRST_TOKEN, the transfer's last frame: prefill's first token and what prefill measured."""
+
+    token_id: int
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+@dataclass
+class TransferAck(Message):
+    """ACK, receiver -> sender: the KV is committed (or why not)."""
+
+    ok: bool = True
+    error: str = ""
+
+
+M = TypeVar("M", bound=Message)
 
 
 class KVTransferError(RuntimeError):
@@ -71,8 +104,9 @@ def frame(kind: Frame, body: bytes) -> bytes:
     return _LEN.pack(len(body) + 1, kind) + body
 
 
-def packed(kind: Frame, obj: Any) -> bytes:
-    return frame(kind, msgpack.packb(obj, use_bin_type=True))
+def packed(kind: Frame, obj: Message | Any) -> bytes:
+    """A control frame: a typed message (or, for tests of the receiver's checks, any msgpack value)."""
+    return frame(kind, obj.encode() if isinstance(obj, Message) else msgpack.packb(obj, use_bin_type=True))
 
 
 async def _read_exactly(reader: asyncio.StreamReader, n: int, stall_s: float) -> bytes:
@@ -105,30 +139,31 @@ async def read_frame(
     return await _read_exactly(reader, size, stall_s if kind == Frame.LAYER else min(stall_s, CONTROL_BODY_S))
 
 
-def _unpack(body: bytes, what: str) -> dict[str, Any]:
+def _decode(cls: type[M], body: bytes, kind: Frame) -> M:
     try:
-        obj = msgpack.unpackb(body, raw=False)
-    except Exception:
-        raise KVTransferError(f"{what} is not msgpack") from None
-    if not isinstance(obj, dict):
-        raise KVTransferError(f"{what} is not a map")
-    return obj
+        return cls.decode(body)
+    except BadMessage as e:
+        raise KVTransferError(f"bad {kind.name} frame: {e}") from None
 
 
 @dataclass
 class Transfer:
-    """What a receiver got: header fields, per-layer raw bytes, and the DONE info."""
+    """What a receiver got: the header, per-layer raw bytes, and prefill's first token."""
 
-    request_id: str
-    sender: str
-    kv: dict[str, Any]
-    token: str = ""
+    head: TransferHead
     layers: list[bytes] = field(default_factory=list)
-    done: dict[str, Any] = field(default_factory=dict)
+    first: FirstToken | None = None  # set once the last frame is read
     wire_bytes: int = 0
-    via_wan: bool = False
     started: float = field(default_factory=time.perf_counter)
-    elapsed_ms: float = 0.0  # first header byte read -> DONE read
+    elapsed_ms: float = 0.0  # first header byte read -> FIRST_TOKEN read
+
+    @property
+    def request_id(self) -> str:
+        return self.head.request_id
+
+    @property
+    def via_wan(self) -> bool:
+        return self.head.wan
 
 
 def reset(writer: asyncio.StreamWriter) -> None:
@@ -146,13 +181,9 @@ def reset(writer: asyncio.StreamWriter) -> None:
 class KVPush:
     """One push: a decoder's range of a request's KV, and prefill's first token with it."""
 
-    request_id: str
-    sender: str
-    token: str  # minted by the scheduler for (request, this decoder): the receiver checks it
-    kv_header: dict[str, Any]
+    head: TransferHead
     layers: list[bytes]
-    done: dict[str, Any]
-    wan: bool = False
+    first: FirstToken
 
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -185,17 +216,10 @@ async def send_kv(
     reader, writer = conn or await dial(host, port, stall_s, tls, server_name)
     sent, acked = 0, False
     try:
-        head = {
-            "request_id": push.request_id,
-            "sender": push.sender,
-            "token": push.token,
-            "wan": push.wan,
-            "kv": push.kv_header,
-        }
         frames = [
-            packed(Frame.HEADER, head),
+            packed(Frame.HEADER, push.head),
             *(frame(Frame.LAYER, d) for d in push.layers),
-            packed(Frame.DONE, push.done),
+            packed(Frame.FIRST_TOKEN, push.first),
         ]
         for data in frames:
             for i in range(0, len(data), WRITE_SLICE):
@@ -203,10 +227,11 @@ async def send_kv(
                 await asyncio.wait_for(writer.drain(), stall_s)
             sent += len(data)
         # The last frames may still sit in buffers on a slow link: allow them 1 Mbps before the ACK.
-        ack = _unpack(await read_frame(reader, stall_s + sent * 8 / 1e6, Frame.ACK, MAX_CONTROL), "ACK")
+        body = await read_frame(reader, stall_s + sent * 8 / 1e6, Frame.ACK, MAX_CONTROL)
         acked = True
-        if not ack.get("ok"):
-            raise KVTransferError(f"receiver refused the KV: {ack.get('error')}")
+        ack = _decode(TransferAck, body, Frame.ACK)
+        if not ack.ok:
+            raise KVTransferError(f"receiver refused the KV: {ack.error}")
         return sent
     except TimeoutError:
         raise KVTransferError(f"KV transfer to {host}:{port} stalled for {stall_s:.1f}s") from None
@@ -315,14 +340,14 @@ class KVReceiver:
         stall_s: float,
         vet: Vet | None = None,
         tls: ssl.SSLContext | None = None,
-        layer_bytes: Callable[[Transfer], int] | None = None,
+        layer_bytes: Callable[[Transfer], int] = lambda t: t.head.kv.layer_bytes,
         max_per_peer: int = 16,
     ) -> None:
         self.handler = handler
         self.stall_s = stall_s
         self.vet = vet
         self.tls = tls  # with it, only a peer whose certificate says OU=prefill is served
-        self.layer_bytes = layer_bytes or (lambda t: _layer_bytes(t.kv))
+        self.layer_bytes = layer_bytes
         self.max_per_peer = max_per_peer
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
@@ -371,8 +396,7 @@ class KVReceiver:
                 log.debug("an unused KV connection from %s closed", peer)
                 writer.close()
                 return
-            transfer = _transfer(_unpack(head, "HEADER"))
-            transfer.wire_bytes = len(head) + _LEN.size
+            transfer = Transfer(_decode(TransferHead, head, Frame.HEADER), wire_bytes=len(head) + _LEN.size)
             verdict, why = self.vet(transfer) if self.vet is not None else (Verdict.RECEIVE, "")
             if verdict == Verdict.REFUSE:
                 raise KVTransferError(why)
@@ -381,7 +405,7 @@ class KVReceiver:
             # ACK. Closing on unread data would reset the socket, and the sender, still sending, lose its ACK.
             await self._receive_body(reader, transfer, keep=verdict == Verdict.RECEIVE)
             if verdict == Verdict.HAVE_IT:
-                writer.write(packed(Frame.ACK, {"ok": True, "error": ""}))
+                writer.write(packed(Frame.ACK, TransferAck()))
                 writer.close()
                 return
         except (KVTransferError, ConnectionError, ssl.SSLError) as e:
@@ -395,7 +419,7 @@ class KVReceiver:
         except Exception as e:  # the handler's failure is the sender's answer, not a crash
             error = f"{type(e).__name__}: {e}"
         try:
-            writer.write(packed(Frame.ACK, {"ok": not error, "error": error}))
+            writer.write(packed(Frame.ACK, TransferAck(ok=not error, error=error)))
             await asyncio.wait_for(writer.drain(), self.stall_s)
         except (TimeoutError, OSError, ssl.SSLError):
             pass
@@ -403,14 +427,14 @@ class KVReceiver:
             writer.close()
 
     async def _receive_body(self, reader: asyncio.StreamReader, t: Transfer, keep: bool = True) -> None:
-        size, num_layers = self.layer_bytes(t), _num_layers(t.kv)
-        for _ in range(num_layers):
+        size = self.layer_bytes(t)
+        for _ in range(t.head.kv.num_layers):
             layer = await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size)
             if keep:
                 t.layers.append(layer)
             t.wire_bytes += size + _LEN.size
-        body = await read_frame(reader, self.stall_s, Frame.DONE, MAX_CONTROL)
-        t.done = _unpack(body, "DONE")
+        body = await read_frame(reader, self.stall_s, Frame.FIRST_TOKEN, MAX_CONTROL)
+        t.first = _decode(FirstToken, body, Frame.FIRST_TOKEN)
         t.wire_bytes += len(body) + _LEN.size
         t.elapsed_ms = (time.perf_counter() - t.started) * 1000
 
@@ -418,34 +442,3 @@ class KVReceiver:
         self.refused += 1
         log.warning("KV transfer %sfrom %s refused: %s", f"of {t.request_id} " if t else "", peer, why)
         reset(writer)  # the sender (and a proxy between) stop at once rather than drain to the end
-
-
-def _transfer(head: dict[str, Any]) -> Transfer:
-    kv = head.get("kv")
-    rid, sender, token = head.get("request_id"), head.get("sender", ""), head.get("token", "")
-    if (
-        not isinstance(rid, str)
-        or not isinstance(sender, str)
-        or not isinstance(token, str)
-        or not isinstance(kv, dict)
-    ):
-        raise KVTransferError("HEADER lacks request_id, sender, token or kv")
-    return Transfer(rid, sender, kv, token=token, via_wan=bool(head.get("wan")))
-
-
-def _num_layers(kv: dict[str, Any]) -> int:
-    try:
-        return int(kv["num_layers"])
-    except (KeyError, TypeError, ValueError):
-        raise KVTransferError(f"bad KV header {kv!r}") from None
-
-
-def _layer_bytes(kv: dict[str, Any]) -> int:
-    """One layer's K and V on the wire, from the header's fields (checked: all small integers)."""
-    try:
-        n, heads, dim = int(kv["end"]) - int(kv["start"]), int(kv["kv_heads"]), int(kv["head_dim"])
-        if min(n, heads, dim) < 0 or max(n, heads, dim) > 1 << 20:
-            raise ValueError("out of range")
-        return kv_wire.layer_bytes(n, heads, dim, str(kv["dtype"]), str(kv.get("wire", "native")))
-    except (KeyError, TypeError, ValueError):
-        raise KVTransferError(f"bad KV header {kv!r}") from None

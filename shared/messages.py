@@ -13,10 +13,13 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cache
 from typing import Any, TypeVar
 
 import msgpack
+
+from shared.model_info import WireFormat
 
 M = TypeVar("M", bound="Message")
 
@@ -74,6 +77,11 @@ def _check(value: Any, tp: Any, where: str) -> Any:
         return {_check(k, args[0], where): _check(v, args[1], f"{where}.{k}") for k, v in value.items()}
     if isinstance(tp, type) and issubclass(tp, Message):
         return tp.from_dict(value)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise BadMessage(f"{where}: {value!r} is not one of {', '.join(str(m.value) for m in tp)}") from None
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
@@ -161,7 +169,7 @@ class Plan(Message):
     reason: str = ""  # why this pipeline (policy.py)
     handoff_reason: str = ""
     chunk_tokens: int = 0  # catch-up chunk size (0: the relay's configured default)
-    kv_wire: str = "native"  # how KV crosses the WAN (shared/runtime/kv_wire.py)
+    kv_wire: WireFormat = WireFormat.NATIVE  # how KV crosses the WAN (shared/runtime/kv_wire.py)
     kv_wire_reason: str = ""
     estimates: dict[str, Any] = field(default_factory=dict)  # the figures the decision rested on
     queue_ms: float = 0.0
@@ -178,9 +186,9 @@ class KVTarget(Message):
     host: str
     port: int
     start: int = 0  # send positions [start, prompt_len): the decoder already holds [0, start)
-    token: str = ""  # the transfer token the decoder was told to expect
+    transfer_secret: str = ""  # what the decoder was told to expect (its DecodeTask's)
     wan: bool = False
-    wire: str = "native"  # the KV's wire format on this link
+    wire: WireFormat = WireFormat.NATIVE  # the KV's wire format on this link
 
 
 @dataclass
@@ -198,14 +206,15 @@ class PrefillTask(Message):
 @dataclass
 class DecodeTask(Message):
     """scheduler -> md / rld: expect this request's KV [kv_start, prompt) and decode it. Only a
-    transfer carrying `kv_token` is accepted (the scheduler mints one per request and decoder)."""
+    transfer carrying `transfer_secret` is accepted (the scheduler mints one per request and
+    decoder)."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
     plan: Plan
     kv_start: int = 0
-    kv_token: str = ""
+    transfer_secret: str = ""
     cache_salt: str = ""
 
 
@@ -219,14 +228,24 @@ class Ack(Message):
 
 @dataclass
 class Abort(Message):
+    """anyone -> every stage (`pdd.abort`): the request is over; each stage lets go of it."""
+
     request_id: str
     reason: str = "client disconnected"
     # the request is over (it finished on the relay), but main-decode's copy of its prompt KV may
     # still land, into main-decode's prefix cache only: the session's next turn will hit it
     keep_kv: bool = False
-    # a drop (pdd.decode.<instance>.drop) names the copy it abandons by its transfer token: a
-    # decoder that holds another copy (a re-plan's task came first) keeps it. Empty: any copy
-    kv_token: str = ""
+
+
+@dataclass
+class Drop(Message):
+    """scheduler or prefill -> one instance (`pdd.decode.<id>.drop`, `pdd.prefill.<id>.drop`): let go
+    of this copy only (its KV push failed, or the request was planned again elsewhere); the
+    request goes on. A decoder that holds another copy (a re-plan's task came first) keeps it."""
+
+    request_id: str
+    reason: str = ""
+    transfer_secret: str = ""  # the copy it abandons; empty: any copy
 
 
 # -- what a request measured ----------------------------------------------------------------

@@ -11,19 +11,42 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-WIRE_FORMATS = ("native", "bf16", "fp8", "int8")  # how KV may travel (shared/runtime/kv_wire.py)
-SCALED_WIRES = ("fp8", "int8")  # these carry a float32 scale per token and head
+
+
+class WireFormat(StrEnum):
+    """How KV may travel (shared/runtime/kv_wire.py): the one home of these names."""
+
+    NATIVE = "native"  # the sender's pool dtype, bit for bit
+    BF16 = "bf16"
+    FP8 = "fp8"  # with a float32 scale per token and head
+    INT8 = "int8"  # with a float32 scale per token and head
+
+    @property
+    def scaled(self) -> bool:
+        return self in (WireFormat.FP8, WireFormat.INT8)
+
+
+WIRE_FORMATS: tuple[str, ...] = tuple(w.value for w in WireFormat)
+AUTO_WIRE = "auto"  # the scheduler narrows the WAN's wire format only as far as the SLO needs
+
+
+def parse_wire(name: str, allow_auto: bool = False) -> str:
+    """`name` if it is a wire format (or `auto`, where allowed); ValueError naming the choices."""
+    choices = (*WIRE_FORMATS, AUTO_WIRE) if allow_auto else WIRE_FORMATS
+    if name not in choices:
+        raise ValueError(f"unknown KV wire format {name!r}; one of {', '.join(choices)}")
+    return name
 
 
 def wire_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: str, wire: str) -> int:
     """Bytes of one layer's K and V for `tokens` in wire format `wire` from a `dtype` pool."""
-    if wire not in WIRE_FORMATS:
-        raise ValueError(f"unknown KV wire format {wire!r}; one of {', '.join(WIRE_FORMATS)}")
-    element = ITEMSIZE[dtype] if wire == "native" else 2 if wire == "bf16" else 1
-    return 2 * tokens * kv_heads * (head_dim * element + (4 if wire in SCALED_WIRES else 0))
+    w = WireFormat(parse_wire(wire))
+    element = ITEMSIZE[dtype] if w == WireFormat.NATIVE else 2 if w == WireFormat.BF16 else 1
+    return 2 * tokens * kv_heads * (head_dim * element + (4 if w.scaled else 0))
 
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # provisioned by shared/runtime/provision.py

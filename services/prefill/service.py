@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.instance import InstanceService, service_main, to_params
-from shared.kv_transport import EarlyConnection, KVPush, KVTransferError, send_kv
-from shared.messages import Abort, Ack, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
-from shared.model_info import WIRE_FORMATS
+from shared.kv_transport import EarlyConnection, FirstToken, KVPush, KVTransferError, TransferHead, send_kv
+from shared.messages import Abort, Ack, Drop, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
 from shared.pipelines import hands_off
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
@@ -80,7 +79,7 @@ class Prefiller(InstanceService):
         # The scheduler took this instance for dead (no ack in time) and planned the request again
         # elsewhere under the same id: let go of it, and refuse its task if that comes later. Not the
         # broadcast abort, which would end the new plan too.
-        await self.bus.serve(subjects.prefill_drop(self.inst.id), Abort, self.on_abort)
+        await self.bus.serve(subjects.prefill_drop(self.inst.id), Drop, self.on_drop)
 
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
@@ -167,10 +166,9 @@ class Prefiller(InstanceService):
             payloads, hit = await self.worker.call(lambda e: e.export_and_release(rid, [t.start for t in task.targets]))
         except NotHeld:
             return  # aborted between the first token and the export: nothing is held
-        stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit)
-        done = {"first_token": first_token, "stats": dataclasses.asdict(stats)}
+        first = FirstToken(first_token, RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit))
         sends = [
-            self._spawn_for(state, self._send(t, rid, p, done, state.early.get(t.instance_id)))
+            self._spawn_for(state, self._send(t, rid, p, first, state.early.get(t.instance_id)))
             for t, p in zip(task.targets, payloads)
         ]
         try:
@@ -192,19 +190,26 @@ class Prefiller(InstanceService):
             log.warning("%s: %s: WAN push failed (%s); relay finishes it", self.inst.id, rid, failed[0][1])
             msg = FinishOnRelay(rid, reason=f"KV push to main-decode failed: {failed[0][1]}")
             await self.bus.publish(subjects.finish_on_relay(task.plan.rld), msg)
-            md_token = next(t.token for t in task.targets if t.role == "md")
-            await self.bus.publish(subjects.decode_drop(task.plan.md), Abort(rid, "KV push failed", kv_token=md_token))
+            md_secret = next(t.transfer_secret for t in task.targets if t.role == "md")
+            drop = Drop(rid, reason="KV push failed", transfer_secret=md_secret)
+            await self.bus.publish(subjects.decode_drop(task.plan.md), drop)
             return
         await self._fail(rid, "; ".join(str(e) for _, e in failed), blame=failed[0][0].instance_id)
 
     async def _send(
-        self, target: KVTarget, rid: str, payload: KVPayload, done: dict, early: EarlyConnection | None
+        self, target: KVTarget, rid: str, payload: KVPayload, first: FirstToken, early: EarlyConnection | None
     ) -> int:
         """Push one target's KV (the first try on its early connection, if one is ready); a dropped
         or stalled connection is retried from the start on a new one."""
         layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v, target.wire) for k, v in payload.layers])
-        header = {**payload.header.to_dict(), "wire": target.wire}
-        push = KVPush(rid, self.inst.id, target.token, header, layers, done, wan=target.wan)
+        head = TransferHead(
+            request_id=rid,
+            sender=self.inst.id,
+            secret=target.transfer_secret,
+            kv=dataclasses.replace(payload.header, wire=target.wire),
+            wan=target.wan,
+        )
+        push = KVPush(head, layers, first)
         t = self.cfg.timeouts
         path = "wan" if target.wan else "in_dc"
         for attempt in range(t.kv_retries + 1):
@@ -253,6 +258,9 @@ class Prefiller(InstanceService):
         await self.bus.publish(subjects.tokens(rid), chunk)
         await self.bus.publish(subjects.ABORT, Abort(rid, reason=f"prefill failed: {error}"))
 
+    async def on_drop(self, msg: Drop) -> None:
+        await self.on_abort(Abort(msg.request_id, reason=msg.reason))
+
     async def on_abort(self, msg: Abort) -> None:
         self.seen.add(msg.request_id)
         state = self.requests.pop(msg.request_id, None)
@@ -274,13 +282,7 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
     if not 1 <= len(task.targets) <= 2 or len({t.role for t in task.targets}) != len(task.targets):
         return "a task names one or two decoders of different roles"
     for t in task.targets:
-        if (
-            t.role not in ("rld", "md")
-            or not 0 < t.port < 65536
-            or not t.host
-            or not t.token
-            or t.wire not in WIRE_FORMATS
-        ):
+        if t.role not in ("rld", "md") or not 0 < t.port < 65536 or not t.host or not t.transfer_secret:
             return f"bad KV target {t.instance_id!r}"
         if not 0 <= t.start <= len(task.prompt_ids) or t.start % block_size:
             return f"KV target {t.instance_id!r}: start {t.start} is not a block boundary inside the prompt"

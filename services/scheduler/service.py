@@ -44,6 +44,7 @@ from shared.messages import (
     Ack,
     ClusterStatus,
     DecodeTask,
+    Drop,
     Inspect,
     InstanceInfo,
     KVTarget,
@@ -283,10 +284,10 @@ class Scheduler:
             if isinstance(e, Unreachable):  # planned again: its stages let go (not an abort, which sticks)
                 rid = sub.request_id
                 for inst, target in zip(decoders, targets):  # the re-plan may pick it again: name this copy
-                    dropped = Abort(rid, reason="re-planned", kv_token=target.token)
+                    dropped = Drop(rid, reason="re-planned", transfer_secret=target.transfer_secret)
                     await self.bus.publish(subjects.decode_drop(inst.id), dropped)
                 if e.instance_id == prefill.id:  # slow, not dead? its late push and failure must not end the new plan
-                    await self.bus.publish(subjects.prefill_drop(prefill.id), Abort(rid, reason="re-planned"))
+                    await self.bus.publish(subjects.prefill_drop(prefill.id), Drop(rid, reason="re-planned"))
             await self._unrecord(plan.request_id)  # a re-plan records itself again; an error plan leaves nothing
             raise
 
@@ -297,7 +298,7 @@ class Scheduler:
             sub.sampling,
             plan,
             kv_start=target.start,
-            kv_token=target.token,
+            transfer_secret=target.transfer_secret,
             cache_salt=sub.cache_salt,
         )
         await self._expect_ack(subjects.decode_task(inst.id), task, inst.id)
@@ -349,7 +350,7 @@ class Scheduler:
 
 def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: str, local_wire: str) -> KVTarget:
     """Where prefill pushes a decoder's KV (its advertised endpoint: across the line when it is
-    in the other site), with a fresh token only that decoder expects for this request, and the
+    in the other site), with a fresh secret only that decoder expects for this request, and the
     wire format of that link."""
     wan = decoder.dc != prefill.dc
     return KVTarget(
@@ -358,7 +359,7 @@ def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: 
         decoder.kv_host,
         decoder.kv_port,
         start=start,
-        token=secrets.token_hex(16),
+        transfer_secret=secrets.token_hex(16),
         wan=wan,
         wire=wan_wire if wan else local_wire,
     )

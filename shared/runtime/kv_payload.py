@@ -11,26 +11,37 @@ lives here too so the transport never has to know about torch dtypes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from shared.messages import Message
+from shared.model_info import WireFormat
 from shared.runtime import kv_wire
 from shared.runtime.kv_pool import KVLayout, KVPool
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+MAX_DIMENSION = 1 << 20  # no header field is larger: a hostile one cannot make a frame size overflow
 
 
 @dataclass(frozen=True)
-class KVHeader:
+class KVHeader(Message):
+    """Which KV a payload holds and how it travels (the KV plane's HEADER carries it)."""
+
     start: int
     end: int
     num_layers: int
     kv_heads: int
     head_dim: int
     dtype: str  # sender's dtype, one of WIRE_DTYPES
-    wire: str = "native"  # how each layer travels (kv_wire.WIRE_FORMATS)
+    wire: WireFormat = WireFormat.NATIVE  # how each layer travels
+
+    def __post_init__(self) -> None:
+        sizes = (self.start, self.end - self.start, self.num_layers, self.kv_heads, self.head_dim)
+        if min(sizes) < 0 or max(self.end, *sizes) > MAX_DIMENSION or self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"KV header out of range: {self}")
 
     @property
     def num_tokens(self) -> int:
@@ -44,9 +55,6 @@ class KVHeader:
     @property
     def layout(self) -> KVLayout:
         return KVLayout(self.num_layers, self.kv_heads, self.head_dim)
-
-    def to_dict(self) -> dict:
-        return self.__dict__.copy()
 
 
 @dataclass
@@ -64,8 +72,7 @@ class KVPayload:
         if not h.start <= start <= end <= h.end:
             raise ValueError(f"[{start}, {end}) is not inside the payload's [{h.start}, {h.end})")
         a, b = start - h.start, end - h.start
-        header = KVHeader(start, end, h.num_layers, h.kv_heads, h.head_dim, h.dtype, h.wire)
-        return KVPayload(header, [(k[a:b], v[a:b]) for k, v in self.layers])
+        return KVPayload(dataclasses.replace(h, start=start, end=end), [(k[a:b], v[a:b]) for k, v in self.layers])
 
 
 def export_kv(pool: KVPool, block_table: list[int], start: int, end: int) -> KVPayload:
@@ -73,7 +80,14 @@ def export_kv(pool: KVPool, block_table: list[int], start: int, end: int) -> KVP
         raise ValueError(f"bad KV range [{start}, {end})")
     slots = pool.slots(block_table, start, end)
     layout = pool.layout
-    header = KVHeader(start, end, layout.num_layers, layout.kv_heads, layout.head_dim, _DTYPE_NAMES[pool.dtype])
+    header = KVHeader(
+        start=start,
+        end=end,
+        num_layers=layout.num_layers,
+        kv_heads=layout.kv_heads,
+        head_dim=layout.head_dim,
+        dtype=_DTYPE_NAMES[pool.dtype],
+    )
     layers = []
     for layer in range(layout.num_layers):
         k, v = pool.read(layer, slots)
@@ -99,7 +113,7 @@ def import_kv(pool: KVPool, block_table: list[int], payload: KVPayload) -> None:
         import_layer(pool, slots, layer, k, v)
 
 
-def layer_to_bytes(k: torch.Tensor, v: torch.Tensor, wire: str = "native") -> bytes:
+def layer_to_bytes(k: torch.Tensor, v: torch.Tensor, wire: str = WireFormat.NATIVE) -> bytes:
     """One layer's K and V as bytes (K first) in wire format `wire` (native: the tensors' own dtype)."""
     return kv_wire.encode_layer(k, v, wire)
 

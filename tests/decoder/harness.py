@@ -18,8 +18,8 @@ from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
 from shared.instance import to_params
-from shared.kv_transport import Transfer, Verdict
-from shared.messages import Ack, DecodeTask, Plan, Sampling, TokenChunk
+from shared.kv_transport import FirstToken, Transfer, TransferHead, Verdict
+from shared.messages import Ack, DecodeTask, Plan, RequestStats, Sampling, TokenChunk
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import export_kv, layer_to_bytes
 from shared.runtime.kv_pool import KVPool
@@ -92,7 +92,7 @@ class DecoderPair:
         pipeline: str,
         handoff: str = "none",
         roles: tuple[str, ...] = (),
-        token: str = "",
+        secret: str = "",
         **sampling,
     ) -> list[Ack]:
         plan = Plan(
@@ -104,7 +104,11 @@ class DecoderPair:
             md="md-0" if pipeline.endswith("md") else "",
         )
         task = DecodeTask(
-            rid, prompt, Sampling(max_tokens=n, ignore_eos=True, **sampling), plan, kv_token=token or f"token-{rid}"
+            rid,
+            prompt,
+            Sampling(max_tokens=n, ignore_eos=True, **sampling),
+            plan,
+            transfer_secret=secret or f"secret-{rid}",
         )
         self.sampling[rid] = task.sampling
         self.chunks[rid] = []
@@ -113,7 +117,7 @@ class DecoderPair:
         return [await self.bus.request(subjects.decode_task(getattr(plan, r)), task, Ack, 5) for r in roles]
 
     def transfer(
-        self, rid: str, prompt: list[int], via_wan: bool, start: int = 0, wire: str = "native", token: str = ""
+        self, rid: str, prompt: list[int], via_wan: bool, start: int = 0, wire: str = "native", secret: str = ""
     ) -> Transfer:
         """Prefill's push: the KV of [start, prompt) and the first token, as the receiver gets it."""
         e = self.prefill_engine
@@ -126,18 +130,15 @@ class DecoderPair:
         payload = export_kv(e.pool, e.held[rid].block_table, start, len(prompt))
         e.release(rid)
         layers = [layer_to_bytes(k, v, wire) for k, v in payload.layers]
-        done = {"first_token": first, "stats": {"prefill_ms": 1.0}}
-        header = {**dataclasses.asdict(payload.header), "wire": wire}
-        return Transfer(
-            rid,
-            "prefill-0",
-            header,
-            token=token or f"token-{rid}",
-            layers=layers,
-            done=done,
-            wire_bytes=sum(map(len, layers)),
-            via_wan=via_wan,
+        head = TransferHead(
+            request_id=rid,
+            sender="prefill-0",
+            secret=secret or f"secret-{rid}",
+            kv=dataclasses.replace(payload.header, wire=wire),
+            wan=via_wan,
         )
+        first_token = FirstToken(first, RequestStats(prefill_ms=1.0))
+        return Transfer(head, layers=layers, first=first_token, wire_bytes=sum(map(len, layers)))
 
     async def land(self, role: str, rid: str, prompt: list[int], transfer: Transfer | None = None) -> str:
         """What the KV listener does with a transfer: vet its header, then hand it over."""

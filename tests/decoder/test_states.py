@@ -15,7 +15,7 @@ import pytest
 
 from shared import subjects
 from shared.decode_state import Phase
-from shared.messages import Abort, Ack, FinishOnRelay, HandoffChunk, KVReady
+from shared.messages import Abort, Ack, Drop, FinishOnRelay, HandoffChunk, KVReady
 from shared.pipelines import Pipeline
 from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
@@ -228,7 +228,7 @@ async def test_md_gone_during_handoff_leaves_the_relay_serving(pair, prompt, tin
 
 async def test_md_drops_its_copy_mid_catch_up_and_the_relay_finishes(pair, prompt, tiny_ref):
     await _relayed(pair, prompt, "catchup")
-    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="re-planned"))
+    await pair.bus.publish(subjects.decode_drop("md-0"), Drop("r1", reason="re-planned"))
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     pair.assert_gone("r1")
@@ -298,7 +298,7 @@ async def test_a_push_failed_late_leaves_main_decode_running_after_the_handoff(p
     await _relayed(pair, prompt, "oneshot")
     await pair.drive(lambda: pair.md.requests["r1"].phase == Phase.RUNNING and "r1" not in pair.rld.requests)
     await pair.bus.publish(subjects.finish_on_relay("rld-0"), FinishOnRelay("r1", reason="push failed"))
-    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="KV push failed"))
+    await pair.bus.publish(subjects.decode_drop("md-0"), Drop("r1", reason="KV push failed"))
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     pair.assert_gone("r1")
@@ -308,7 +308,7 @@ async def test_finish_on_relay_after_a_failed_wan_push(pair, prompt, tiny_ref):
     await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot")
     await pair.land("rld", "r1", prompt)
     await pair.bus.publish(subjects.finish_on_relay("rld-0"), FinishOnRelay("r1", reason="push failed"))
-    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="KV push failed"))
+    await pair.bus.publish(subjects.decode_drop("md-0"), Drop("r1", reason="KV push failed"))
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     pair.assert_gone("r1")
@@ -341,27 +341,27 @@ async def test_a_re_plan_onto_the_same_decoder_keeps_the_new_copy_whatever_the_o
     """Prefill missed its ack, so the scheduler dropped the plan's copies and planned again, onto
     the same main-decoder: a new task with a new transfer token. The drop and the new task travel
     on two subjects, so either may come first; both ways only the new copy remains."""
-    drop = Abort("r1", reason="re-planned", kv_token="old")
-    await pair.dispatch("r1", prompt, N, Pipeline.P_MD, token="old")
+    drop = Drop("r1", reason="re-planned", transfer_secret="old")
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD, secret="old")
     if order == "drop-first":
         await pair.bus.publish(subjects.decode_drop("md-0"), drop)
         await pair.settle()
-    (ack,) = await pair.dispatch("r1", prompt, N, Pipeline.P_MD, token="new")
-    assert ack.ok and pair.md.requests["r1"].task.kv_token == "new"
+    (ack,) = await pair.dispatch("r1", prompt, N, Pipeline.P_MD, secret="new")
+    assert ack.ok and pair.md.requests["r1"].task.transfer_secret == "new"
     if order == "task-first":
         await pair.bus.publish(subjects.decode_drop("md-0"), drop)
         await pair.settle()
-    old_push = pair.transfer("r1", prompt, via_wan=True, token="old")
-    assert "wrong transfer token" in await pair.land("md", "r1", prompt, old_push)
-    assert await pair.land("md", "r1", prompt, pair.transfer("r1", prompt, via_wan=True, token="new")) == ""
+    old_push = pair.transfer("r1", prompt, via_wan=True, secret="old")
+    assert "wrong transfer secret" in await pair.land("md", "r1", prompt, old_push)
+    assert await pair.land("md", "r1", prompt, pair.transfer("r1", prompt, via_wan=True, secret="new")) == ""
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     pair.assert_gone("r1")
 
 
 async def test_a_drop_naming_the_held_copy_drops_it(pair, prompt):
-    await pair.dispatch("r1", prompt, N, Pipeline.P_MD, token="this")
-    await pair.bus.publish(subjects.decode_drop("md-0"), Abort("r1", reason="re-planned", kv_token="this"))
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD, secret="this")
+    await pair.bus.publish(subjects.decode_drop("md-0"), Drop("r1", reason="re-planned", transfer_secret="this"))
     await pair.settle()
     pair.assert_gone("r1")
 
@@ -382,17 +382,17 @@ async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):
 @pytest.mark.parametrize(
     "forge, why",
     [
-        (lambda t: setattr(t, "token", "guessed"), "wrong transfer token"),
-        (lambda t: t.kv.update(start=16), "differs from its task"),  # a range the plan did not send
-        (lambda t: t.kv.update(end=999), "differs from its task"),
-        (lambda t: t.kv.update(num_layers=10**6), "differs from its task"),
-        (lambda t: t.kv.update(dtype="int4"), "differs from its task"),
-        (lambda t: t.done.update(first_token=10**9), "not in the vocabulary"),
-        (lambda t: t.done.update(first_token="x"), "not in the vocabulary"),
-        (lambda t: t.done.update(stats={"wan_kv_bytes": "many"}), "bad stats"),
+        (lambda t: setattr(t.head, "secret", "guessed"), "wrong transfer secret"),
+        (lambda t: _forge_kv(t, start=16), "differs from its task"),  # a range the plan did not send
+        (lambda t: _forge_kv(t, end=999), "differs from its task"),
+        (lambda t: _forge_kv(t, num_layers=10**5), "differs from its task"),
+        (lambda t: setattr(t.first, "token_id", 10**9), "not in the vocabulary"),
+        (lambda t: setattr(t.first, "token_id", -1), "not in the vocabulary"),
     ],
 )
 async def test_a_forged_transfer_is_refused_and_leaves_the_request_pending(pair, prompt, tiny_ref, forge, why):
+    """Fields of the wrong type or out of range never get this far: the KV plane's typed frames
+    refuse them on decode (tests/transport/test_kv_receiver.py)."""
     await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
     t = pair.transfer("r1", prompt, via_wan=True)
     forge(t)
@@ -501,3 +501,7 @@ async def test_narrowed_kv_lands_and_decodes_as_one_process_would(tiny, pair, pr
     assert [t for t, _ in pair.tokens("r1").values()] == expected
     assert pair.chunks["r1"][-1].stats.wan_kv_bytes < sum(len(x) for x in pair.transfer("r2", prompt, True).layers)
     pair.assert_gone("r1")
+
+
+def _forge_kv(t, **fields) -> None:
+    t.head.kv = dataclasses.replace(t.head.kv, **fields)

@@ -53,8 +53,8 @@ class Rig:
         return sorted(t.get_coro().__qualname__ for t in self.service._tasks if not t.done())
 
     def task(self, rid: str, relay: bool = False) -> PrefillTask:
-        md = KVTarget("md-0", "md", "127.0.0.1", self.rx.port, token=f"md-{rid}", wan=True)
-        rld = KVTarget("rld-0", "rld", "127.0.0.1", self.rx.port, token=f"rld-{rid}")
+        md = KVTarget("md-0", "md", "127.0.0.1", self.rx.port, transfer_secret=f"md-{rid}", wan=True)
+        rld = KVTarget("rld-0", "rld", "127.0.0.1", self.rx.port, transfer_secret=f"rld-{rid}")
         plan = Plan(rid, pipeline="p-rld-md" if relay else "p-md", prefill="prefill-0", md="md-0")
         targets = [rld, md] if relay else [md]
         return PrefillTask(rid, list(range(3, 40)), Sampling(max_tokens=4), targets, plan)
@@ -96,7 +96,7 @@ async def test_main_decodes_connection_is_open_before_prefill_and_carries_the_pu
     assert rig.worker.step()  # the prefill: first token, then the push
     await until(lambda: rig.rx.got, DEADLINE_S, "the KV to arrive")
     (transfer,) = rig.rx.got
-    assert (transfer.request_id, transfer.token, transfer.via_wan) == ("r1", "md-r1", True)
+    assert (transfer.request_id, transfer.head.secret, transfer.via_wan) == ("r1", "md-r1", True)
     assert rig.rx.accepted == 1  # the push went on the early connection
     await rig.settled()
     assert (rig.early("used"), rig.early("unused")) == (1, 0) and rig.rx.refused == 0

@@ -17,7 +17,7 @@ import pytest
 from services.prefill.service import Prefiller
 from shared import subjects
 from shared.config import config_from_dict
-from shared.messages import Abort, Ack, KVTarget, Plan, PrefillTask, Sampling
+from shared.messages import Abort, Ack, Drop, KVTarget, Plan, PrefillTask, Sampling
 from shared.runtime.worker import EngineWorker
 from tests.decoder.harness import CONFIG, engine, idle
 from tests.fakes import InMemoryNats
@@ -26,7 +26,7 @@ DEADLINE_S = 30.0  # a failure guard: the ack comes at once, or never (without t
 
 
 def _task(rid: str) -> PrefillTask:
-    target = KVTarget("md-0", "md", "127.0.0.1", 9, token="t")  # never reached: aborted before it runs
+    target = KVTarget("md-0", "md", "127.0.0.1", 9, transfer_secret="t")  # never reached: aborted before it runs
     return PrefillTask(
         rid, list(range(3, 40)), Sampling(max_tokens=4), [target], Plan(rid, prefill="prefill-0", md="md-0")
     )
@@ -77,12 +77,12 @@ async def test_the_schedulers_drop_lets_go_of_a_late_task_and_ends_nothing_else(
     go of it, its failed push would publish the broadcast abort and end the new plan too."""
     scheduler = prefill.nats.client("scheduler")
     assert (await scheduler.request(subjects.prefill_task("prefill-0"), _task("r1"), Ack, DEADLINE_S)).ok
-    await scheduler.publish(subjects.prefill_drop("prefill-0"), Abort("r1", reason="re-planned"))
+    await scheduler.publish(subjects.prefill_drop("prefill-0"), Drop("r1", reason="re-planned"))
     await _until(lambda: not prefill.held_requests(), "prefill to let go of r1")
     await prefill.worker.call(lambda e: None)  # the add, then the abort, have run
     assert await prefill.worker.call(lambda e: e.find("r1") is None and idle(e))
     # the drop came before the task (they travel on two subjects): the task is refused
-    await scheduler.publish(subjects.prefill_drop("prefill-0"), Abort("r2", reason="re-planned"))
+    await scheduler.publish(subjects.prefill_drop("prefill-0"), Drop("r2", reason="re-planned"))
     late = await scheduler.request(subjects.prefill_task("prefill-0"), _task("r2"), Ack, DEADLINE_S)
     assert not late.ok and "aborted" in late.error
     assert prefill.held_requests() == []
@@ -90,15 +90,15 @@ async def test_the_schedulers_drop_lets_go_of_a_late_task_and_ends_nothing_else(
     assert [s for s, _ in prefill.nats.published if s == subjects.ABORT or s.startswith("pdd.tokens.")] == []
 
 
-async def test_a_failed_wan_push_drops_main_decodes_copy_by_its_token(prefill):
+async def test_a_failed_wan_push_drops_main_decodes_copy_by_its_secret(prefill):
     """Only main-decode's push failed: the relay finishes the request, and main-decode is told to
-    drop the copy this task pushed to, named by its token (a re-plan's copy would be kept)."""
-    rld = KVTarget("rld-0", "rld", "127.0.0.1", 9, token="relay-token")
-    md = KVTarget("md-0", "md", "127.0.0.1", 9, token="md-token", wan=True)
+    drop the copy this task pushed to, named by its secret (a re-plan's copy would be kept)."""
+    rld = KVTarget("rld-0", "rld", "127.0.0.1", 9, transfer_secret="relay-secret")
+    md = KVTarget("md-0", "md", "127.0.0.1", 9, transfer_secret="md-secret", wan=True)
     plan = Plan("r1", pipeline="p-rld-md", handoff="oneshot", prefill="prefill-0", rld="rld-0", md="md-0")
     task = PrefillTask("r1", list(range(3, 40)), Sampling(max_tokens=4), [rld, md], plan)
     await prefill._degrade(task, [(md, ConnectionError("the line dropped"))])
     (finish,) = prefill.nats.sent(subjects.finish_on_relay("rld-0"))
     (drop,) = prefill.nats.sent(subjects.decode_drop("md-0"))
-    assert (finish.request_id, drop.request_id, drop.kv_token) == ("r1", "r1", "md-token")
+    assert (finish.request_id, drop.request_id, drop.transfer_secret) == ("r1", "r1", "md-secret")
     assert not prefill.nats.sent(subjects.ABORT)

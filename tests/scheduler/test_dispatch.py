@@ -104,7 +104,7 @@ async def test_a_prefill_that_did_not_ack_in_time_is_told_to_let_go_of_the_re_pl
     (drop,) = scheduler.bus.server.sent(subjects.decode_drop("md-0"))
     first, second = scheduler.bus.server.sent(subjects.decode_task("md-0"))
     assert drop.request_id == first.request_id == second.request_id == "cmpl-9"
-    assert drop.kv_token == first.kv_token != second.kv_token  # the drop names the first plan's copy only
+    assert drop.transfer_secret == first.transfer_secret != second.transfer_secret  # the first plan's copy only
     assert not scheduler.bus.server.sent(subjects.prefill_drop("prefill-1"))
 
 
