@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.modes import MODES
+from benchmarks.modes import MODES, NATIVE
+from shared.model_info import AUTO_WIRE, WIRE_FORMATS
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,8 +33,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="at most N requests in flight (default: no cap)")
     p.add_argument(
         "--kv-wire",
-        default="native",
-        choices=["native", "bf16", "fp8", "int8", "auto"],
+        default=NATIVE,
+        choices=[*WIRE_FORMATS, AUTO_WIRE],
         help="how the pdd modes' KV crosses the WAN (baselines send it native)",
     )
     p.add_argument(

@@ -31,7 +31,7 @@ import yaml
 
 from benchmarks.busy import BusyProbe, local_cluster_probe
 from benchmarks.environment import environment
-from benchmarks.modes import SLO_TTFT_MS, instance_counts, mode, mode_config, parse_modes
+from benchmarks.modes import NATIVE, SLO_TTFT_MS, instance_counts, mode, mode_config, parse_modes
 from benchmarks.report import write_report
 from benchmarks.runner import Target, replay, served_model, warm_up
 from benchmarks.summary import build_results
@@ -83,7 +83,7 @@ def run_mode(name: str, base: dict[str, Any] | None, workload, args: argparse.Na
     """One mode on a fresh cluster: (records, duration_s, cluster config, busy fractions)."""
     from pdd.launcher import Cluster
 
-    cfg = mode_config(name, base, getattr(args, "kv_wire", "native"), getattr(args, "decode_dtype", "float32"))
+    cfg = mode_config(name, base, getattr(args, "kv_wire", NATIVE), getattr(args, "decode_dtype", "float32"))
     print(f"pdd bench: {name}: starting a cluster", file=sys.stderr)
     with Cluster(cfg, log=lambda m: None) as cluster:
         target = _target(cluster.url, args)

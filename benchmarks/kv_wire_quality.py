@@ -15,6 +15,7 @@ format's bytes per token on the wire. Writes a markdown table (and --json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -24,10 +25,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from shared.model_info import load_model_info
+from shared.model_info import WIRE_FORMATS, load_model_info
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, layer_from_bytes, layer_to_bytes
-from shared.runtime.kv_wire import WIRE_FORMATS
 from shared.runtime.models import load_model, load_tokenizer
 from shared.runtime.provision import provision_default_model
 from shared.runtime.sampling import SamplingParams
@@ -49,7 +49,7 @@ def paragraphs(n: int, tokenizer, min_tokens: int = 48) -> list[list[int]]:
 
 
 def round_trip(payload: KVPayload, wire: str) -> KVPayload:
-    header = payload.header.__class__(**{**payload.header.to_dict(), "wire": wire})
+    header = dataclasses.replace(payload.header, wire=wire)
     return KVPayload(header, [layer_from_bytes(header, layer_to_bytes(k, v, wire)) for k, v in payload.layers])
 
 

@@ -26,9 +26,11 @@ from typing import Any
 import yaml
 
 from shared.config import DEFAULT_CONFIG
+from shared.model_info import WireFormat
 from shared.pipelines import Handoff, Pipeline
+from shared.policy_knobs import AUTO  # the scheduler decides
 
-AUTO = "auto"  # the scheduler decides
+NATIVE = WireFormat.NATIVE.value  # plain data: the mode configs go through YAML
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def _instance(iid: str, role: str, dc: str, **extra: Any) -> dict[str, Any]:
 
 
 def mode_config(
-    name: str, base: dict[str, Any] | None = None, kv_wire: str = "native", decode_dtype: str = "float32"
+    name: str, base: dict[str, Any] | None = None, kv_wire: str = NATIVE, decode_dtype: str = "float32"
 ) -> dict[str, Any]:
     """The cluster config (plain data) for a mode, on top of `base` (a cluster YAML's content;
     default: configs/single-host.yaml with the bench's WAN). `kv_wire` applies to the relay modes
@@ -114,7 +116,7 @@ def mode_config(
         "default_handoff": m.handoff,
         "ttft_slo_ms": SLO_TTFT_MS,
         "wan_mbps": cfg["wan"]["bandwidth_mbps"],
-        "kv_wire": kv_wire if m.relay else "native",
+        "kv_wire": kv_wire if m.relay else NATIVE,
     }
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)

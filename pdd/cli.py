@@ -26,6 +26,7 @@ import argparse
 import sys
 
 from pdd.control import add_status_arguments, add_wan_arguments
+from shared.model_info import AUTO_WIRE, WIRE_FORMATS
 
 
 def _version() -> str:
@@ -129,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--kv-wire",
         default=None,
-        choices=["native", "bf16", "fp8", "int8", "auto"],
-        help="how KV crosses the WAN (default: the config's scheduler.kv_wire, native)",
+        choices=[*WIRE_FORMATS, AUTO_WIRE],
+        help="how KV crosses the WAN (default: the config's scheduler.kv_wire)",
     )
     up.add_argument("--device", default=None, help="run every instance on this device: cpu, cuda or cuda:N")
     up.set_defaults(func=_up)

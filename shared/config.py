@@ -24,7 +24,9 @@ from typing import Any
 
 import yaml
 
-from shared.pipelines import HANDOFFS, Pipeline
+from shared.model_info import WireFormat, parse_wire
+from shared.pipelines import Pipeline
+from shared.policy_knobs import PolicyKnobs
 
 ROLES = ("prefill", "rld", "md")
 DEFAULT_CONFIG = Path(importlib.util.find_spec("configs").submodule_search_locations[0]) / "single-host.yaml"
@@ -132,40 +134,23 @@ class HandoffConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's policy knobs (services/scheduler/policy.py documents each rule).
-    `default_pipeline` / `default_handoff` "auto" let the policy decide; a fixed value pins it
-    (baselines and ablations)."""
+class SchedulerConfig(PolicyKnobs):
+    """The `scheduler:` section: the policy's knobs (shared/policy_knobs.py says each, its default
+    and its check; services/scheduler/policy.py documents each rule) plus the scheduler process's
+    own settings below."""
 
-    default_pipeline: str = "auto"  # auto | p-md | p-rld-md
-    default_handoff: str = "auto"  # auto | oneshot | catchup
-    hit_weight: float = 1.0  # prefix hit vs load when choosing instances
-    ttft_slo_ms: float = 1000.0  # p-md when its estimated TTFT meets this, else via the relay
-    prefill_tok_s: float = 300.0  # prior for prefill speed
-    wan_mbps: float = 1000.0  # prior until the WAN bandwidth estimator has samples
-    decode_step_ms: float = 75.0  # prior for one decode step
-    anomalous_min_uncached: int = 2048  # long uncached input ...
-    anomalous_max_output: int = 500  # ... with a short output budget runs p-rld
-    catchup_threshold: int = 64  # expected relay backlog (tokens) above which catch-up is used
-    rld_pressure: float = 0.75  # relay busy share above which handoff is as early as possible
-    guard: bool = True  # oscillation guard: a saturated relay takes no more low-hit requests
-    relay_finishes: bool = False  # p-rld when the relay will have streamed the whole answer before MD's KV lands
-    line_backlog: bool = False  # p-md's TTFT estimate counts the KV already dispatched on the line
     metrics_port: int = 0  # the scheduler's Prometheus /metrics (0 = none)
-    kv_wire: str = "native"  # KV over the WAN: native | bf16 | fp8 | int8 | auto (narrow as the SLO needs)
-    kv_wire_in_dc: str = "native"  # KV to relays in the same datacenter
+    kv_wire_in_dc: str = WireFormat.NATIVE.value  # KV to relays in the same datacenter (no auto)
 
     def __post_init__(self) -> None:
-        wires = ("native", "bf16", "fp8", "int8")
-        if self.kv_wire not in (*wires, "auto") or self.kv_wire_in_dc not in wires:
-            raise ConfigError(
-                f"scheduler.kv_wire {self.kv_wire!r} / kv_wire_in_dc {self.kv_wire_in_dc!r}: one of "
-                f"{', '.join(wires)} (kv_wire also auto)"
-            )
-        if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
-            raise ConfigError(f"scheduler.default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
-        if self.default_handoff not in ("auto", *HANDOFFS):
-            raise ConfigError(f"scheduler.default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ConfigError(f"scheduler.{e}") from None
+        try:
+            parse_wire(self.kv_wire_in_dc)
+        except ValueError as e:
+            raise ConfigError(f"scheduler.kv_wire_in_dc: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -332,7 +317,9 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
         if dc not in known:
             raise ConfigError(f"{where}: datacenter {dc!r} is used but not in datacenters {sorted(known)}")
     if cfg.scheduler.default_pipeline == Pipeline.P_RLD_MD and not cfg.of_role("rld"):
-        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline=Pipeline.P_MD))
+        cfg = dataclasses.replace(
+            cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline=Pipeline.P_MD.value)
+        )
     return cfg
 
 

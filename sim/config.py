@@ -14,7 +14,7 @@
                                           # warm_md_cache (default true, as shared/config.py's): a request
                                           # the relay finishes still lands MD's KV, into its DRC only;
                                           # false: that KV is cancelled on the line (sim/pipeline.py)
-    scheduler: {...}                      # PolicyConfig knobs (relay_finishes, line_backlog, ...);
+    scheduler: {...}                      # the policy's knobs (shared/policy_knobs.py) and priors (local_mbps);
                                           # each mode pins its own pipeline
     fleets: {default: {prefill, rld, md}, <mode>: {...}}
     slo: {ttft_ms, tpot_ms}

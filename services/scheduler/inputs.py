@@ -8,14 +8,15 @@ The scheduler service builds these from the cluster config and the registry; the
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from services.scheduler.policy import InstanceView, PolicyConfig, with_wire
 from shared.config import ClusterConfig
 from shared.messages import InstanceInfo
 from shared.model_info import WIRE_FORMATS, load_model_info
+from shared.policy_knobs import knob_values
 
 
 def kv_bytes_per_token(cfg: ClusterConfig) -> int:
@@ -24,37 +25,39 @@ def kv_bytes_per_token(cfg: ClusterConfig) -> int:
 
 
 def policy_config(
-    knobs: dict[str, Any],
+    knobs: Mapping[str, Any],
     *,
     kv_bytes_per_token: int,
     rld_slots: int,
     wan_delay_ms: float,
     catchup_chunk: int,
+    wire_bytes_per_token: Mapping[str, int] | None = None,
     **priors: float,
 ) -> PolicyConfig:
-    """The policy's config: the operator's knobs (the `scheduler:` section) plus what the fleet
-    implies (KV size, relay slots, the line's delay, the catch-up chunk) and optional priors
-    (`prefill_tok_s`, `decode_step_ms`, ...) that override the knobs' defaults."""
+    """The policy's config: the operator's knobs (shared/policy_knobs.py, the `scheduler:`
+    section's) plus what the fleet implies (KV size, relay slots, the line's delay, the catch-up
+    chunk, each wire format's bytes per token) and optional priors (`prefill_tok_s`,
+    `decode_step_ms`, `local_mbps`, ...) that override the knobs' defaults."""
     return PolicyConfig(
         **{**knobs, **priors},
         kv_bytes_per_token=kv_bytes_per_token,
         rld_slots=max(rld_slots, 1),
         wan_delay_ms=wan_delay_ms,
         catchup_chunk=catchup_chunk,
+        wire_bytes_per_token=dict(wire_bytes_per_token or {}),
     )
 
 
 def cluster_policy_config(cfg: ClusterConfig) -> PolicyConfig:
     """What the scheduler service plans with, from the cluster config."""
-    knobs = {k: v for k, v in dataclasses.asdict(cfg.scheduler).items() if k not in ("metrics_port", "kv_wire_in_dc")}
     model, md_dtype = load_model_info(cfg.model), cfg.of_role("md")[0].dtype
-    knobs["wire_bytes_per_token"] = {w: model.kv_bytes_per_token(md_dtype, w) for w in WIRE_FORMATS}
     return policy_config(
-        knobs,
+        knob_values(cfg.scheduler),
         kv_bytes_per_token=kv_bytes_per_token(cfg),
         rld_slots=sum(i.max_running for i in cfg.of_role("rld")),
         wan_delay_ms=cfg.wan.delay_ms,
         catchup_chunk=cfg.handoff.chunk_tokens,
+        wire_bytes_per_token={w: model.kv_bytes_per_token(md_dtype, w) for w in WIRE_FORMATS},
     )
 
 

@@ -66,7 +66,9 @@ import math
 from dataclasses import dataclass, field
 
 from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
+from shared.model_info import AUTO_WIRE, WireFormat
 from shared.pipelines import ROLES_OF, Handoff, Pipeline
+from shared.policy_knobs import AUTO, PolicyKnobs, check_positive
 
 __all__ = [
     "Decision",
@@ -108,51 +110,22 @@ class PlanRequest:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    default_pipeline: str = "auto"  # auto | p-md | p-rld-md (pinned: baselines and ablations)
-    default_handoff: str = "auto"  # auto | oneshot | catchup
-    hit_weight: float = 1.0  # prefix hit vs load in instance choice
-    ttft_slo_ms: float = 1000.0
+class PolicyConfig(PolicyKnobs):
+    """The operator's knobs (shared/policy_knobs.py: each, its default and its check) plus what
+    the fleet fixes, which services/scheduler/inputs.py derives (the defaults: SmolLM2 on the
+    single-host demo)."""
+
     kv_bytes_per_token: int = 46_080  # SmolLM2-135M, fp32: 30 layers * 2 * 3 heads * 64 * 4 B
-    prefill_tok_s: float = 300.0  # prior until prefill reports a measured figure
-    wan_mbps: float = 1000.0  # prior until the bandwidth estimator has samples
     wan_delay_ms: float = 10.0  # one way
     local_mbps: float = 10_000.0  # in-DC KV path
-    decode_step_ms: float = 75.0  # prior until a decoder reports a measured step
-    anomalous_min_uncached: int = 2048  # the report's "very long input", scaled to an 8K-context model
-    anomalous_max_output: int = 500  # max_tokens below this counts as a short output
     rld_slots: int = 32  # requests the relay pool should hold (its max_running)
     catchup_chunk: int = 64  # tokens per catch-up chunk
-    catchup_threshold: int = 64  # backlog (tokens) above which catch-up beats one-shot
-    rld_pressure: float = 0.75  # share of rld_slots busy above which handoff is as early as possible
-    guard: bool = True  # oscillation guard: RLD admission control
-    kv_wire: str = "native"  # KV over the WAN: native | bf16 | fp8 | int8 | auto (see above)
-    relay_finishes: bool = False  # rule 6: a relay backlog covering the answer budget runs p-rld
-    line_backlog: bool = False  # a transfer to MD is estimated behind `wan_backlog_bytes`
     wire_bytes_per_token: dict[str, int] = field(default_factory=dict)  # format -> WAN bytes per token
 
     def __post_init__(self) -> None:
-        if self.default_pipeline not in ("auto", Pipeline.P_MD, Pipeline.P_RLD_MD):
-            raise ValueError(f"default_pipeline {self.default_pipeline!r} must be auto, p-md or p-rld-md")
-        if self.default_handoff not in ("auto", Handoff.ONESHOT, Handoff.CATCHUP):
-            raise ValueError(f"default_handoff {self.default_handoff!r} must be auto, oneshot or catchup")
-        if self.kv_wire not in ("native", "bf16", "fp8", "int8", "auto"):
-            raise ValueError(f"kv_wire {self.kv_wire!r} must be native, bf16, fp8, int8 or auto")
-        positive = (
-            "ttft_slo_ms",
-            "kv_bytes_per_token",
-            "prefill_tok_s",
-            "wan_mbps",
-            "local_mbps",
-            "decode_step_ms",
-            "rld_slots",
-            "catchup_chunk",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not 0.0 < self.rld_pressure <= 1.0:
-            raise ValueError(f"rld_pressure must be in (0, 1], got {self.rld_pressure!r}")
+        super().__post_init__()
+        for name in ("kv_bytes_per_token", "local_mbps", "rld_slots", "catchup_chunk"):
+            check_positive(self, name)
 
 
 @dataclass(frozen=True)
@@ -190,7 +163,7 @@ class Decision:
     handoff_reason: str = ""  # why this handoff ("" when there is none)
     chunk_tokens: int = 0  # catch-up chunk size; 0 unless the handoff is catch-up
     estimates: PlanEstimates = field(default_factory=PlanEstimates)
-    kv_wire: str = "native"  # how KV crosses the WAN for this request
+    kv_wire: str = WireFormat.NATIVE  # how KV crosses the WAN for this request
     kv_wire_reason: str = ""
 
 
@@ -255,7 +228,7 @@ def choose_pipeline(
     """Rules 1-7 (above); `backlog` is `expected_backlog` on the relay (0 when there is none)."""
     if req.pipeline is not None:
         return req.pipeline, "forced"
-    if config.default_pipeline != "auto":
+    if config.default_pipeline != AUTO:
         if config.default_pipeline == Pipeline.P_RLD_MD and rld is None:
             return Pipeline.P_MD, "no-relay-alive"
         return config.default_pipeline, "default"
@@ -285,7 +258,7 @@ def expected_backlog(req: PlanRequest, rld: InstanceView, ttft: dict[str, float]
 def choose_handoff(req: PlanRequest, rld: InstanceView, backlog: int, config: PolicyConfig) -> tuple[str, str]:
     if req.handoff is not None:
         return req.handoff, "forced"
-    if config.default_handoff != "auto":
+    if config.default_handoff != AUTO:
         return config.default_handoff, "default"
     if rld_busy(rld) >= config.rld_pressure * config.rld_slots:
         return Handoff.ONESHOT, "rld-pressure"
@@ -294,7 +267,7 @@ def choose_handoff(req: PlanRequest, rld: InstanceView, backlog: int, config: Po
     return Handoff.ONESHOT, "small-backlog"
 
 
-AUTO_WIRES = ("native", "bf16", "int8")  # widest first: narrow only as far as the SLO needs
+AUTO_WIRES = (WireFormat.NATIVE, WireFormat.BF16, WireFormat.INT8)  # widest first: narrow only as far as the SLO needs
 
 
 def with_wire(config: PolicyConfig, wire: str) -> PolicyConfig:
@@ -314,15 +287,15 @@ def choose_wire(
 ) -> tuple[str, str]:
     if req.kv_wire is not None:
         return req.kv_wire, "forced"
-    if config.kv_wire != "auto":
+    if config.kv_wire != AUTO_WIRE:
         return config.kv_wire, "configured"
     if md is None:
-        return "native", "no-wan"
+        return WireFormat.NATIVE, "no-wan"
     for wire in AUTO_WIRES:
         priors = with_wire(config, wire)
         ttft = estimate_ttft(Pipeline.P_MD, req.prompt_len, prefill, md, priors, wan, wan_backlog_bytes).total_ms
         if ttft <= config.ttft_slo_ms:
-            return wire, "slo-met" if wire == "native" else "narrowed-for-slo"
+            return wire, "slo-met" if wire == WireFormat.NATIVE else "narrowed-for-slo"
     return AUTO_WIRES[-1], "narrowest"
 
 
@@ -381,6 +354,6 @@ def choose_plan(
         handoff_reason=handoff_reason,
         chunk_tokens=config.catchup_chunk if handoff == Handoff.CATCHUP else 0,
         estimates=estimates,
-        kv_wire=wire if "md" in picked else "native",
+        kv_wire=wire if "md" in picked else WireFormat.NATIVE,
         kv_wire_reason=wire_reason if "md" in picked else "",
     )
