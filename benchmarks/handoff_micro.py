@@ -32,12 +32,11 @@ from services.wanlink.link import Forward, WanLink
 from shared.bus import Bus
 from shared.config import WanConfig, load_config
 from shared.kv_transport import EarlyConnection, FirstToken, KVPush, KVReceiver, Transfer, TransferHead, send_kv
-from shared.messages import Ack, HandoffChunk
+from shared.messages import Ack, HandoffChunk, Sampling
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import export_kv, import_layer, layer_from_bytes, layer_to_bytes
 from shared.runtime.models import load_model
 from shared.runtime.provision import provision_default_model
-from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
 from shared.security import Secrets
 
@@ -58,7 +57,7 @@ def _prepared(n_prompt: int, n_tokens: int):
     model = load_model(provision_default_model())
     engine = Engine.for_model(model, num_blocks=(n_prompt + n_tokens) // 16 + 4)
     ids = torch.randint(100, 40_000, (n_prompt + n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    seq = Sequence("h", ids, SamplingParams(max_tokens=1))
+    seq = Sequence("h", ids, Sampling(max_tokens=1))
     seq.block_table = engine.pool.allocator.allocate(engine.pool.blocks_for(len(ids)))
     engine.runner.forward([(seq, len(ids))])  # KV of prompt + tokens, as relay holds it
     seq.num_computed = n_prompt  # main-decode's view: the prompt's KV only

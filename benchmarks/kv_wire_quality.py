@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from shared.messages import Sampling
 from shared.model_info import WIRE_FORMATS, load_model_info
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, layer_from_bytes, layer_to_bytes
 from shared.runtime.models import load_model, load_tokenizer
 from shared.runtime.provision import provision_default_model
-from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def round_trip(payload: KVPayload, wire: str) -> KVPayload:
 
 def prefill(engine: Engine, prompts: list[list[int]]) -> list[tuple[int, KVPayload]]:
     for i, p in enumerate(prompts):
-        engine.add(Sequence(f"p{i}", list(p), SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1))
+        engine.add(Sequence(f"p{i}", list(p), Sampling(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1))
     first: dict[str, int] = {}
     while engine.has_work:
         first |= {o.seq_id: o.token_id for o in engine.step() if o.token_id is not None}
@@ -68,7 +68,7 @@ def prefill(engine: Engine, prompts: list[list[int]]) -> list[tuple[int, KVPaylo
 
 def decode(engine: Engine, prompts: list[list[int]], prefilled, wire: str, n: int) -> list[list[int]]:
     for i, (p, (first, payload)) in enumerate(zip(prompts, prefilled)):
-        seq = Sequence(f"d{i}", [*p, first], SamplingParams(max_tokens=n, ignore_eos=True), prompt_len=len(p))
+        seq = Sequence(f"d{i}", [*p, first], Sampling(max_tokens=n, ignore_eos=True), prompt_len=len(p))
         seq.block_table = engine.allocate(engine.pool.blocks_for(len(p) + n))
         import_kv(engine.pool, seq.block_table, round_trip(payload, wire))
         seq.num_computed = len(p)

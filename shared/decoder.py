@@ -29,7 +29,7 @@ from collections import deque
 from shared import subjects
 from shared.decode_state import DecodeRequest, End, Phase
 from shared.handoff import MainSide, RelaySide
-from shared.instance import InstanceFigures, InstanceService, to_params
+from shared.instance import InstanceFigures, InstanceService
 from shared.kv_transport import KVReceiver, Transfer, Verdict
 from shared.messages import Abort, Ack, DecodeTask, Drop, TokenChunk, WanSample
 from shared.prefix_hash import namespace_of
@@ -190,7 +190,7 @@ class DecoderService(InstanceService):
         seq = Sequence(
             req.id,
             list(task.prompt_ids) + [first],
-            to_params(task.sampling),
+            task.sampling,
             namespace=namespace_of(self.cfg.model, task.cache_salt),
         )
         seq.prompt_len = len(task.prompt_ids)

@@ -47,7 +47,6 @@ from shared.messages import (
 )
 from shared.model_info import model_name
 from shared.runtime.engine import EngineFigures, TokenOutput
-from shared.runtime.sampling import SamplingParams
 from shared.runtime.worker import EngineWorker
 from shared.security import Secrets
 from shared.telemetry import Metrics
@@ -270,23 +269,6 @@ class InstanceService:
         await self.worker.call(lambda e: e.flush_cache())
         await self.report_index()
         return await self._inspect(msg)
-
-
-def to_params(s: Sampling) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop_token_ids=tuple(s.stop_token_ids),
-        stop=tuple(s.stop),
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        min_tokens=s.min_tokens,
-    )
 
 
 def service_main(make_service: Any, role: str, argv: list[str] | None = None) -> None:

@@ -95,6 +95,9 @@ MAX_TTFT_SLO_MS = 3_600_000.0  # a request's own TTFT SLO: at most an hour (NaN 
 
 @dataclass
 class Sampling(Message):
+    """A request's sampling parameters: what the gateway parses, the tasks carry and the engine
+    samples with (shared/runtime/sampling.py). `problem()` is its validation."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -107,6 +110,16 @@ class Sampling(Message):
     frequency_penalty: float = 0.0  # minus this times how often each token was generated
     repetition_penalty: float = 1.0  # vLLM's: logits of prompt and generated tokens divided (or multiplied) by it
     min_tokens: int = 0  # no EOS or stop token before this many tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
+        )
 
     def problem(self, vocab_size: int, context_len: int) -> str:
         """What is out of range ("" when nothing): a stage refuses such a request, alone."""

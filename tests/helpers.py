@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from shared.messages import Sampling
 from shared.runtime.engine import Engine
-from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
 
 
@@ -37,8 +37,8 @@ def make_engine(
     return Engine.for_model(model, num_blocks, block_size, dtype, **engine_kwargs)
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+def greedy(n: int) -> Sampling:
+    return Sampling(max_tokens=n, ignore_eos=True)
 
 
 def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list[int]]:

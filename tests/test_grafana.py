@@ -22,6 +22,7 @@ from services.prefill.service import Prefiller
 from services.scheduler.service import Scheduler
 from shared.config import DEFAULT_CONFIG, load_config
 from shared.decoder import DecoderService
+from shared.runtime.engine import EngineFigures
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "pdd.json"
 METRIC = re.compile(r"\bpdd:[a-zA-Z_][a-zA-Z0-9_:]*")
@@ -51,7 +52,7 @@ def rendered_metrics() -> dict[str, bytes]:
     out = {"gateway": GatewayMetrics("model").render(), "scheduler": Scheduler(cfg).metrics.render()}
     for inst in cfg.instances:
         service = Prefiller(cfg, inst) if inst.role == "prefill" else DecoderService(cfg, inst)
-        service.metrics.engine_figures(lambda: {})  # as InstanceService.start registers the engine's figures
+        service.metrics.engine_figures(EngineFigures)  # as InstanceService.start registers the engine's figures
         out[inst.id] = service.metrics.render()
     return out
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared import subjects
-from shared.instance import InstanceService, service_main, to_params
+from shared.instance import InstanceService, service_main
 from shared.kv_transport import EarlyConnection, FirstToken, KVPush, KVTransferError, TransferHead, send_kv
 from shared.messages import Abort, Ack, Drop, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
 from shared.pipelines import hands_off
@@ -106,7 +106,7 @@ class Prefiller(InstanceService):
         seq = Sequence(
             rid,
             list(task.prompt_ids),
-            to_params(task.sampling),
+            task.sampling,
             hold_kv=True,
             max_new=1,
             namespace=namespace_of(self.cfg.model, task.cache_salt),

@@ -14,48 +14,14 @@ main-decode) continues exactly as the first instance would have: only the seed t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from shared.messages import Sampling
+
 _STEP_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive steps apart
 _MASK63 = (1 << 63) - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalised(self) -> bool:
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
-        )
 
 
 @dataclass(frozen=True)
@@ -67,7 +33,7 @@ class History:
     banned: tuple[int, ...] = ()  # end-of-sequence and stop token ids, while under min_tokens
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None]) -> None:
+def apply_penalties(logits: torch.Tensor, params: list[Sampling], histories: list[History | None]) -> None:
     """In place, row by row, for the rows that have penalties (the others are not touched)."""
     for i, (p, h) in enumerate(zip(params, histories)):
         if h is None or not p.penalised:
@@ -88,14 +54,14 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * _STEP_MIX + step * 0x632BE59BD9B4E019 + 1) & _MASK63
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+def sample(logits: torch.Tensor, params: Sampling, step: int) -> int:
     """Pick the next token from one row of logits `[vocab]` (the batch path with one row, so a
     sequence draws the same token whether it is sampled alone or in a batch)."""
     return sample_batch(logits.unsqueeze(0), [params], [step])[0]
 
 
 def sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], steps: list[int], histories: list[History | None] | None = None
+    logits: torch.Tensor, params: list[Sampling], steps: list[int], histories: list[History | None] | None = None
 ) -> list[int]:
     """Sample one token per row. Greedy rows share one argmax; the other rows share each filter's
     tensor ops (temperature, top-k, softmax, top-p over all of them at once: a per-row top-p sort of
@@ -115,7 +81,7 @@ def sample_batch(
     return out
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, params: list[Sampling]) -> torch.Tensor:
     """Row-wise: temperature, top-k, softmax, top-p. Each row's result depends on that row alone."""
     vocab = logits.shape[-1]
     logits = logits / torch.tensor([[p.temperature] for p in params])
@@ -137,7 +103,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs
 
 
-def _generator(params: SamplingParams, step: int) -> torch.Generator:
+def _generator(params: Sampling, step: int) -> torch.Generator:
     generator = torch.Generator()
     if params.seed is None:
         generator.seed()

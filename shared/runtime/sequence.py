@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from shared.runtime.sampling import SamplingParams
+from shared.messages import Sampling
 
 
 class SeqStatus(IntEnum):
@@ -31,7 +31,7 @@ class FinishReason:
 class Sequence:
     seq_id: str
     token_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: Sampling = field(default_factory=Sampling)
     prompt_len: int = -1  # defaults to len(token_ids) at creation
     num_computed: int = 0  # [0, num_computed) have KV in the pool
     block_table: list[int] = field(default_factory=list)

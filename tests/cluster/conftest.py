@@ -324,10 +324,10 @@ def mixed_reference(smol, smol_dir, smol_tokenizer):
     """The one-process reference of the heterogeneous fleet: prefill in float32, the KV
     converted, decoding in bfloat16. `handoff_after=k`: the relay's first k tokens, then
     main-decode's restart from the same KV with those k tokens extended in one step."""
+    from shared.messages import Sampling
     from shared.runtime.engine import Engine
     from shared.runtime.kv_payload import export_kv, import_kv
     from shared.runtime.models import load_model
-    from shared.runtime.sampling import SamplingParams
     from shared.runtime.sequence import Sequence
 
     bf16 = load_model(smol_dir, "bfloat16")
@@ -335,9 +335,7 @@ def mixed_reference(smol, smol_dir, smol_tokenizer):
 
     def decode(prompt: list[int], known: list[int], payload, n: int, ignore_eos: bool) -> list[int]:
         e = Engine.for_model(bf16, 512, eos_token_ids=eos)
-        seq = Sequence(
-            "d", [*prompt, *known], SamplingParams(max_tokens=n, ignore_eos=ignore_eos), prompt_len=len(prompt)
-        )
+        seq = Sequence("d", [*prompt, *known], Sampling(max_tokens=n, ignore_eos=ignore_eos), prompt_len=len(prompt))
         seq.block_table = e.allocate(e.pool.blocks_for(len(prompt) + n))
         import_kv(e.pool, seq.block_table, payload)
         seq.num_computed = len(prompt)
@@ -351,7 +349,7 @@ def mixed_reference(smol, smol_dir, smol_tokenizer):
         prompt: list[int], n: int, ignore_eos: bool = False, handoff_after: int | None = None, ids: bool = False
     ) -> str | list[int]:
         p = Engine.for_model(smol, 512)
-        p.add(Sequence("p", list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1))
+        p.add(Sequence("p", list(prompt), Sampling(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1))
         first = next(o.token_id for o in p.step() if o.token_id is not None)
         payload = export_kv(p.pool, p.held["p"].block_table, 0, len(prompt))
         tokens = decode(prompt, [first], payload, n, ignore_eos)

@@ -17,7 +17,6 @@ import torch
 from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
-from shared.instance import to_params
 from shared.kv_transport import FirstToken, Transfer, TransferHead, Verdict
 from shared.messages import Ack, DecodeTask, Plan, RequestStats, Sampling, TokenChunk
 from shared.runtime.engine import Engine
@@ -121,7 +120,7 @@ class DecoderPair:
     ) -> Transfer:
         """Prefill's push: the KV of [start, prompt) and the first token, as the receiver gets it."""
         e = self.prefill_engine
-        params = to_params(self.sampling[rid]) if rid in self.sampling else greedy(1)
+        params = self.sampling[rid] if rid in self.sampling else greedy(1)
         seq = Sequence(rid, list(prompt), params, hold_kv=True, max_new=1)
         e.add(seq)
         first = None

@@ -15,9 +15,8 @@ import pytest
 
 from shared import subjects
 from shared.decode_state import Phase
-from shared.messages import Abort, Ack, Drop, FinishOnRelay, HandoffChunk, KVReady
+from shared.messages import Abort, Ack, Drop, FinishOnRelay, HandoffChunk, KVReady, Sampling
 from shared.pipelines import Pipeline
-from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
 from tests.decoder.harness import DecoderPair, idle
 from tests.helpers import random_prompts, reference_generate, run_to_completion
@@ -453,8 +452,8 @@ async def test_penalties_continue_exactly_across_the_handoff(tiny, pair, prompt,
     """Penalties depend on the token ids alone: main-decode, handed the relay's ids, goes on as
     one engine running the whole request would."""
     knobs = {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.3}
-    expected = _one_engine(tiny, prompt, SamplingParams(max_tokens=N, ignore_eos=True, **knobs))
-    assert expected != _one_engine(tiny, prompt, SamplingParams(max_tokens=N, ignore_eos=True))
+    expected = _one_engine(tiny, prompt, Sampling(max_tokens=N, ignore_eos=True, **knobs))
+    assert expected != _one_engine(tiny, prompt, Sampling(max_tokens=N, ignore_eos=True))
     await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, handoff, **knobs)
     assert await pair.land("rld", "r1", prompt) == ""
     await pair.drive(lambda: len(pair.tokens("r1")) >= 10, roles=("rld",))
@@ -465,7 +464,7 @@ async def test_penalties_continue_exactly_across_the_handoff(tiny, pair, prompt,
     pair.assert_gone("r1")
 
 
-def _one_engine(model, prompt: list[int], params: SamplingParams) -> list[int]:
+def _one_engine(model, prompt: list[int], params: Sampling) -> list[int]:
     from tests.helpers import make_engine, run_to_completion
 
     e = make_engine(model)
@@ -485,14 +484,14 @@ async def test_narrowed_kv_lands_and_decodes_as_one_process_would(tiny, pair, pr
     assert await pair.land("md", "r1", prompt, t) == ""
     await pair.drive(lambda: pair.finished("r1"))
     e = cached_engine(tiny)  # the reference: prefill, the KV through `wire`, then decode, in one process
-    seq = Sequence("p", list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1)
+    seq = Sequence("p", list(prompt), Sampling(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1)
     e.add(seq)
     first = run_to_completion(e)["p"][0]
     payload = export_kv(e.pool, e.held["p"].block_table, 0, len(prompt))
     header = dataclasses.replace(payload.header, wire=wire)
     layers = [layer_from_bytes(header, layer_to_bytes(k, v, wire)) for k, v in payload.layers]
     d = cached_engine(tiny)
-    ref = Sequence("d", list(prompt) + [first], SamplingParams(max_tokens=N, ignore_eos=True), prompt_len=len(prompt))
+    ref = Sequence("d", list(prompt) + [first], Sampling(max_tokens=N, ignore_eos=True), prompt_len=len(prompt))
     ref.block_table = d.allocate(d.pool.blocks_for(len(prompt) + N))
     import_kv(d.pool, ref.block_table, KVPayload(header, layers))
     ref.num_computed = len(prompt)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.runtime.sampling import History, SamplingParams, apply_penalties, sample_batch
+from shared.messages import Sampling
+from shared.runtime.sampling import History, apply_penalties, sample_batch
 from shared.runtime.sequence import Sequence
 from tests.helpers import make_engine, random_prompts, run_to_completion
 
@@ -13,28 +14,26 @@ from tests.helpers import make_engine, random_prompts, run_to_completion
 def test_each_penalty_on_the_logits():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     h = History(prompt=[1], generated=[3, 3, 2])
-    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    p = Sampling(frequency_penalty=0.5, presence_penalty=0.25)
     apply_penalties(out := logits.clone(), [p], [h])
     assert out.tolist() == [[2.0, -1.0, 0.5 - 0.5 - 0.25, 3.0 - 1.0 - 0.25]]
-    apply_penalties(out := logits.clone(), [SamplingParams(repetition_penalty=2.0)], [h])
+    apply_penalties(out := logits.clone(), [Sampling(repetition_penalty=2.0)], [h])
     assert out.tolist() == [[2.0, -2.0, 0.25, 1.5]]  # seen tokens (prompt and generated): / 2 if > 0, * 2 if not
-    apply_penalties(out := logits.clone(), [SamplingParams(min_tokens=5)], [History([1], [3], banned=(3,))])
+    apply_penalties(out := logits.clone(), [Sampling(min_tokens=5)], [History([1], [3], banned=(3,))])
     assert out[0, 3] == float("-inf") and out[0, 0] == 2.0
-    apply_penalties(out := logits.clone(), [SamplingParams(min_tokens=1)], [History([1], [3], banned=(3,))])
+    apply_penalties(out := logits.clone(), [Sampling(min_tokens=1)], [History([1], [3], banned=(3,))])
     assert out[0, 3] == 3.0  # one token already out: no ban
 
 
 def test_only_penalised_rows_change():
     logits = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
-    picks = sample_batch(
-        logits, [SamplingParams(), SamplingParams(presence_penalty=2.0)], [0, 1], [None, History([0], [1])]
-    )
+    picks = sample_batch(logits, [Sampling(), Sampling(presence_penalty=2.0)], [0, 1], [None, History([0], [1])])
     assert picks == [1, 0] and logits.tolist() == [[0.0, 1.0], [0.0, 1.0]]  # the caller's logits untouched
 
 
 def _run(model, prompt, **params) -> list[int]:
     e = make_engine(model, eos_token_ids=(5,))
-    e.add(Sequence("s", list(prompt), SamplingParams(max_tokens=20, **params)))
+    e.add(Sequence("s", list(prompt), Sampling(max_tokens=20, **params)))
     return run_to_completion(e)["s"]
 
 

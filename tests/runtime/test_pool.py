@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.messages import Sampling
 from shared.runtime.kv_pool import BlockAllocator, KVLayout, KVPool, PoolExhausted
-from shared.runtime.sampling import SamplingParams
 from shared.runtime.sequence import Sequence
 from tests.helpers import make_engine, random_prompts, reference_generate, run_to_completion, seq
 
@@ -76,7 +76,7 @@ def test_exhaustion_queues_without_corrupting_running_sequences(tiny, tiny_ref):
 
 def test_hold_kv_keeps_blocks_until_released(tiny):
     engine = make_engine(tiny, num_blocks=16)
-    s = Sequence("p", [5, 6, 7, 8, 9], SamplingParams(max_tokens=50), hold_kv=True, max_new=1)
+    s = Sequence("p", [5, 6, 7, 8, 9], Sampling(max_tokens=50), hold_kv=True, max_new=1)
     engine.add(s)
     [out] = engine.step()
     assert out.finish_reason == "length" and out.index == 0
