@@ -20,7 +20,8 @@ import pytest
 
 from shared import subjects
 from shared.bus import Bus
-from shared.kv_transport import Frame, frame, packed
+from shared.kv_transport import FirstToken, Frame, TransferHead, frame, packed
+from shared.runtime.kv_payload import KVHeader
 from tests.cluster.conftest import fresh_prompt, stream_completion
 
 pytestmark = pytest.mark.slow
@@ -29,14 +30,21 @@ LAYOUT = {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 
 
 def _header(**kv) -> bytes:
+    """A HEADER as a raw map: a hostile peer writes whatever it likes into the KV fields."""
     head = {
         "request_id": "fuzz",
         "sender": "prefill-0",
-        "token": "guess",
+        "secret": "guess",
         "wan": True,
         "kv": {"start": 0, "end": 16, **LAYOUT, **kv},
     }
     return packed(Frame.HEADER, head)
+
+
+def _valid_header() -> bytes:
+    """A well-formed HEADER, but with a transfer secret the decoder never minted."""
+    kv = KVHeader(start=0, end=16, **LAYOUT)
+    return packed(Frame.HEADER, TransferHead(request_id="fuzz", sender="prefill-0", secret="guess", kv=kv, wan=True))
 
 
 CASES = {
@@ -44,10 +52,12 @@ CASES = {
     "header of 10^6 layers": _header(num_layers=10**6),
     "token range past the prompt": _header(end=10**9),
     "negative start": _header(start=-16),
-    "first token 10^9 (done frame)": _header()
+    "unknown wire format": _header(wire="fp4"),
+    "header missing fields": packed(Frame.HEADER, {"request_id": "fuzz", "kv": {"start": 0, "end": 16}}),
+    "first token 10^9 (first-token frame)": _valid_header()
     + frame(Frame.LAYER, b"\0" * 64)
-    + packed(Frame.DONE, {"first_token": 10**9}),
-    "valid header, wrong transfer token": _header(),
+    + packed(Frame.FIRST_TOKEN, FirstToken(10**9)),
+    "valid header, wrong transfer secret": _valid_header(),
     "truncated frame": struct.pack(">IB", 1000, Frame.HEADER) + b"\x81",
     "random bytes": os.urandom(4096),
     "garbage msgpack header": frame(Frame.HEADER, b"\xc1\xc1\xc1"),

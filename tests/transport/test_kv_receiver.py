@@ -2,11 +2,14 @@
 length past MAX_HEADER, a header the vet refuses, a layer frame of the wrong size, truncated frames,
 one connection too many from a peer, a peer that stops), that each refusal is logged once with the
 peer's address and reaches no handler, and that a slow sender that keeps making progress is no stall.
-Malformed frames are written by hand on a raw connection, as tests/cluster/test_fuzz.py does."""
+Malformed frames are written by hand on a raw connection, as tests/cluster/test_fuzz.py does; a
+header with a bad field (the codec's field-by-field check, KVHeader's range check) is refused on
+decode, before the vet and before any layer is read."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import struct
@@ -20,49 +23,56 @@ from shared.kv_transport import (
     CONTROL_BODY_S,
     MAX_CONTROL,
     MAX_HEADER,
+    FirstToken,
     Frame,
     KVPush,
     KVReceiver,
     KVTransferError,
     Transfer,
+    TransferAck,
+    TransferHead,
     Verdict,
     frame,
     packed,
     read_frame,
     send_kv,
 )
+from shared.messages import RequestStats
+from shared.model_info import WireFormat
+from shared.runtime.kv_payload import KVHeader
 from shared.runtime.kv_wire import layer_bytes
 from shared.security import Secrets
 from tests.helpers import until
 
-KV = {"start": 0, "end": 8, "kv_heads": 2, "head_dim": 16, "dtype": "float32", "num_layers": 3}
+KV = KVHeader(start=0, end=8, num_layers=3, kv_heads=2, head_dim=16, dtype="float32")
 LAYER = layer_bytes(8, 2, 16, "float32", "native")  # 2048: K and V of 8 tokens
-TOKEN = "minted-for-req-1"
-DONE = {"first_token": 7, "stats": {"n": 1}}
+SECRET = "minted-for-req-1"
+FIRST = FirstToken(7, RequestStats(prefill_ms=12.5, local_kv_bytes=3 * LAYER))
 
 
 class Rig:
-    """A receiver that expects the transfers `expect` names, each with its token (as a decoder
-    expects those the scheduler dispatched), and records what its vet and handler saw."""
+    """A receiver that expects the transfers `expect` names, each with its transfer secret (as a
+    decoder expects those the scheduler dispatched), and records what its vet and handler saw."""
 
     def __init__(self, stall_s: float, **kw) -> None:
-        self.expect = {f"req-{i}": TOKEN for i in range(1, 10)}
+        self.expect = {f"req-{i}": SECRET for i in range(1, 10)}
         self.have: set[str] = set()  # already committed: HAVE_IT
         self.vetted: list[str] = []
         self.handled: list[Transfer] = []
+        self.answer = ""  # the handler's verdict: "" commits, else the error the sender gets
         self.rx = KVReceiver(self.handler, stall_s, vet=self.vet, **kw)
 
     def vet(self, t: Transfer) -> tuple[Verdict, str]:
         self.vetted.append(t.request_id)
         if t.request_id not in self.expect:
             return Verdict.REFUSE, f"no decode task for {t.request_id!r} here"
-        if not hmac.compare_digest(t.token, self.expect[t.request_id]):
-            return Verdict.REFUSE, f"wrong transfer token for {t.request_id}"
+        if not hmac.compare_digest(t.head.secret, self.expect[t.request_id]):
+            return Verdict.REFUSE, f"wrong transfer secret for {t.request_id}"
         return (Verdict.HAVE_IT, "") if t.request_id in self.have else (Verdict.RECEIVE, "")
 
     async def handler(self, t: Transfer) -> str:
         self.handled.append(t)
-        return ""
+        return self.answer
 
 
 @pytest.fixture
@@ -90,22 +100,38 @@ def refusals(caplog):
     return lambda: [r.getMessage() for r in caplog.records if r.name == "shared.kv_transport"]
 
 
-def header(request_id: str = "req-1", token: str = TOKEN, **kv) -> bytes:
-    return packed(
-        Frame.HEADER, {"request_id": request_id, "sender": "prefill-0", "token": token, "wan": True, "kv": {**KV, **kv}}
-    )
+def head(request_id: str = "req-1", secret: str = SECRET, kv: KVHeader = KV, sender: str = "prefill-0") -> TransferHead:
+    return TransferHead(request_id=request_id, sender=sender, secret=secret, kv=kv, wan=True)
 
 
-def layers(n: int = KV["num_layers"], size: int = LAYER) -> list[bytes]:
+def header(request_id: str = "req-1", secret: str = SECRET, **kv) -> bytes:
+    return packed(Frame.HEADER, head(request_id, secret, dataclasses.replace(KV, **kv)))
+
+
+def raw_header(drop: tuple[str, ...] = (), **kv) -> bytes:
+    """A HEADER whose KV fields are `kv` over KV's, as a raw map: anything a hostile sender might
+    write (KVHeader itself refuses to hold a bad field); `drop` leaves those KV fields out."""
+    fields = {**dataclasses.asdict(head()), "kv": {**dataclasses.asdict(KV), **kv}}
+    fields["kv"] = {k: v for k, v in fields["kv"].items() if k not in drop}
+    return packed(Frame.HEADER, fields)
+
+
+def layers(n: int = KV.num_layers, size: int = LAYER) -> list[bytes]:
     return [bytes([i + 1]) * size for i in range(n)]
 
 
 def transfer_bytes(request_id: str = "req-1") -> bytes:
-    return header(request_id) + b"".join(frame(Frame.LAYER, d) for d in layers()) + packed(Frame.DONE, DONE)
+    return header(request_id) + b"".join(frame(Frame.LAYER, d) for d in layers()) + packed(Frame.FIRST_TOKEN, FIRST)
 
 
-def push(request_id: str = "req-1", token: str = TOKEN, kv: dict | None = None, data: list[bytes] | None = None):
-    return KVPush(request_id, "prefill-0", token, kv or KV, layers() if data is None else data, DONE, wan=True)
+def push(
+    request_id: str = "req-1",
+    secret: str = SECRET,
+    kv: KVHeader = KV,
+    data: list[bytes] | None = None,
+    sender: str = "prefill-0",
+) -> KVPush:
+    return KVPush(head(request_id, secret, kv, sender), layers() if data is None else data, FIRST)
 
 
 class Peer:
@@ -124,8 +150,8 @@ class Peer:
         await self.writer.drain()
         return asyncio.get_running_loop().time()
 
-    async def ack(self, timeout: float = 5.0) -> dict:
-        return msgpack.unpackb(await read_frame(self.reader, timeout, Frame.ACK, MAX_CONTROL))
+    async def ack(self, timeout: float = 5.0) -> TransferAck:
+        return TransferAck.decode(await read_frame(self.reader, timeout, Frame.ACK, MAX_CONTROL))
 
     async def cut(self, timeout: float = 5.0) -> float:
         """Until the receiver closes the connection without an answer: returns when it did."""
@@ -147,9 +173,44 @@ async def test_a_valid_transfer_arrives_whole_and_is_acked(rig, refusals):
     r = await rig()
     sent = await send_kv("127.0.0.1", r.rx.port, push(), stall_s=5.0)
     [t] = r.handled
-    assert (t.request_id, t.sender, t.token, t.via_wan, t.kv) == ("req-1", "prefill-0", TOKEN, True, KV)
-    assert t.layers == layers() and t.done == DONE and t.wire_bytes == sent
+    assert t.head == head() and (t.request_id, t.via_wan) == ("req-1", True)
+    assert (t.head.sender, t.head.secret, t.head.kv) == ("prefill-0", SECRET, KV)
+    assert type(t.head.kv) is KVHeader and type(t.head.kv.wire) is WireFormat  # typed, not maps and strings
+    assert t.layers == layers() and t.first == FIRST and type(t.first.stats) is RequestStats
+    assert t.wire_bytes == sent
     assert r.vetted == ["req-1"] and r.rx.refused == 0 and refusals() == []
+
+
+async def test_the_handlers_error_is_the_senders_answer(rig, refusals):
+    r = await rig()
+    r.answer = "no free KV blocks"
+    with pytest.raises(KVTransferError, match="^receiver refused the KV: no free KV blocks$"):
+        await send_kv("127.0.0.1", r.rx.port, push(), stall_s=5.0)
+    peer = await Peer.dial(r.rx.port)
+    await peer.send(transfer_bytes("req-2"))
+    assert await peer.ack() == TransferAck(ok=False, error="no free KV blocks")
+    assert [t.request_id for t in r.handled] == ["req-1", "req-2"] and r.rx.refused == 0 and refusals() == []
+    peer.close()
+
+
+@pytest.mark.parametrize("wire", list(WireFormat))
+async def test_the_layer_size_follows_the_headers_wire_format(rig, refusals, wire):
+    """The receiver's default `layer_bytes` is the header's: a narrower wire format's smaller layers
+    arrive whole, and native-sized layers under it are refused on the first layer's prefix."""
+    r = await rig()
+    kv = dataclasses.replace(KV, wire=wire)
+    size = layer_bytes(8, 2, 16, "float32", wire)
+    assert kv.layer_bytes == size and (size < LAYER) == (wire != WireFormat.NATIVE)
+    await send_kv("127.0.0.1", r.rx.port, push(kv=kv, data=layers(size=size)), stall_s=5.0)
+    [t] = r.handled
+    assert t.head.kv.wire == wire and t.layers == layers(size=size) and refusals() == []
+    if wire != WireFormat.NATIVE:
+        with pytest.raises(KVTransferError):
+            await send_kv("127.0.0.1", r.rx.port, push("req-2", kv=kv), stall_s=5.0)
+        assert refusals() == [
+            f"KV transfer of req-2 from 127.0.0.1 refused: LAYER frame of {LAYER} bytes; exactly {size} allowed"
+        ]
+    assert len(r.handled) == 1
 
 
 @pytest.mark.parametrize("size", [MAX_HEADER + 1, 2**31])
@@ -165,34 +226,39 @@ async def test_a_header_length_past_max_header_is_refused_before_its_body_is_rea
     peer.close()
 
 
-async def test_a_header_of_exactly_max_header_is_read(rig):
+async def test_a_header_of_exactly_max_header_is_read_and_one_byte_more_is_not(rig, refusals):
     r = await rig()
-    head = {"request_id": "req-1", "sender": "prefill-0", "token": TOKEN, "wan": True, "kv": {**KV, "pad": "x" * 300}}
-    pad = 300 + MAX_HEADER - len(msgpack.packb(head, use_bin_type=True))
-    kv = {**KV, "pad": "x" * pad}
-    assert len(msgpack.packb({**head, "kv": kv}, use_bin_type=True)) == MAX_HEADER
-    await send_kv("127.0.0.1", r.rx.port, push(kv=kv), stall_s=5.0)
-    assert [t.request_id for t in r.handled] == ["req-1"]
+    sender = "prefill-0" + "x" * 300  # a str16 from here on: one more character, one more byte
+    sender += "x" * (MAX_HEADER - len(head(sender=sender).encode()))
+    assert len(head(sender=sender).encode()) == MAX_HEADER
+    await send_kv("127.0.0.1", r.rx.port, push(sender=sender), stall_s=5.0)
+    assert [t.head.sender for t in r.handled] == [sender] and refusals() == []
+    with pytest.raises(KVTransferError):
+        await send_kv("127.0.0.1", r.rx.port, push("req-2", sender=sender + "x"), stall_s=5.0)
+    assert refusals() == [
+        f"KV transfer from 127.0.0.1 refused: HEADER frame of {MAX_HEADER + 1} bytes; at most {MAX_HEADER} allowed"
+    ]
+    assert len(r.handled) == 1 and r.vetted == ["req-1"]
 
 
 @pytest.mark.parametrize(
-    ("rid", "token", "why"),
+    ("rid", "secret", "why"),
     [
-        ("req-1", "guessed", "of req-1 from 127.0.0.1 refused: wrong transfer token for req-1"),
-        ("req-1", "", "of req-1 from 127.0.0.1 refused: wrong transfer token for req-1"),
-        ("req-99", TOKEN, "of req-99 from 127.0.0.1 refused: no decode task for 'req-99' here"),
+        ("req-1", "guessed", "of req-1 from 127.0.0.1 refused: wrong transfer secret for req-1"),
+        ("req-1", "", "of req-1 from 127.0.0.1 refused: wrong transfer secret for req-1"),
+        ("req-99", SECRET, "of req-99 from 127.0.0.1 refused: no decode task for 'req-99' here"),
     ],
 )
-async def test_a_header_the_vet_refuses_is_cut_before_any_kv_is_read(rig, refusals, rid, token, why):
+async def test_a_header_the_vet_refuses_is_cut_before_any_kv_is_read(rig, refusals, rid, secret, why):
     r = await rig(stall_s=5.0)
     peer = await Peer.dial(r.rx.port)
-    sent = await peer.send(header(rid, token))  # the header alone: the layers would follow
+    sent = await peer.send(header(rid, secret))  # the header alone: the layers would follow
     assert await peer.cut() - sent < 2.0  # refused on the header, not after waiting for layers
     assert refusals() == [f"KV transfer {why}"]
     assert r.vetted == [rid] and r.handled == [] and r.rx.refused == 1
     peer.close()
     with pytest.raises(KVTransferError):  # the sender of a whole push learns it failed
-        await send_kv("127.0.0.1", r.rx.port, push(rid, token), stall_s=5.0)
+        await send_kv("127.0.0.1", r.rx.port, push(rid, secret), stall_s=5.0)
     assert r.handled == [] and r.rx.refused == 2 and len(refusals()) == 2
 
 
@@ -222,25 +288,107 @@ async def test_a_push_with_a_short_layer_fails_on_both_sides(rig, refusals):
 
 
 LAYERS = b"".join(frame(Frame.LAYER, d) for d in layers())
+OVERSIZED = {"token_id": 7, "x": "y" * MAX_CONTROL}  # a field the codec would ignore, but too long a frame
+BAD_HEADERS = {  # each refused on decode, "bad HEADER frame: " and this
+    "not msgpack": (frame(Frame.HEADER, b"\xc1\xc1"), "TransferHead: not msgpack"),
+    "not a map": (packed(Frame.HEADER, [1, 2, 3]), "TransferHead: expected a map, got list"),
+    "a request id that is no string": (
+        packed(Frame.HEADER, {**dataclasses.asdict(head()), "request_id": 5}),
+        "TransferHead.request_id: expected str, got int",
+    ),
+    "no secret": (
+        packed(Frame.HEADER, {k: v for k, v in dataclasses.asdict(head()).items() if k != "secret"}),
+        "missing 1 required positional argument: 'secret'",
+    ),
+    "no sender and no kv": (
+        packed(Frame.HEADER, {"request_id": "req-1", "secret": SECRET}),
+        "missing 2 required positional arguments: 'sender' and 'kv'",
+    ),
+    "kv that is not a map": (
+        packed(Frame.HEADER, {**dataclasses.asdict(head()), "kv": 5}),
+        "KVHeader: expected a map, got int",
+    ),
+    "no num_layers": (raw_header(drop=("num_layers",)), "missing 1 required positional argument: 'num_layers'"),
+    "no head_dim": (raw_header(drop=("head_dim",)), "missing 1 required positional argument: 'head_dim'"),
+    "no dtype": (raw_header(drop=("dtype",)), "missing 1 required positional argument: 'dtype'"),
+    "num_layers None": (raw_header(num_layers=None), "KVHeader.num_layers: expected int, got NoneType"),
+    "num_layers a string": (raw_header(num_layers="three"), "KVHeader.num_layers: expected int, got str"),
+    "num_layers a bool": (raw_header(num_layers=True), "KVHeader.num_layers: expected int, got bool"),
+    "head_dim a float": (raw_header(head_dim=16.0), "KVHeader.head_dim: expected int, got float"),
+    "an unknown dtype": (raw_header(dtype="float99"), "KVHeader: KV header out of range: KVHeader(start=0, end=8"),
+    "an unknown wire format": (raw_header(wire="fp4"), "KVHeader.wire: 'fp4' is not one of native, bf16, fp8, int8"),
+    "a negative start": (raw_header(start=-16), "KV header out of range: KVHeader(start=-16, end=8"),
+    "a token range that ends before it starts": (raw_header(start=16), "out of range: KVHeader(start=16, end=8"),
+    "a negative kv_heads": (raw_header(kv_heads=-1), "KV header out of range: KVHeader(start=0, end=8, num_layers=3"),
+    "a negative head_dim": (raw_header(head_dim=-16), "KV header out of range: KVHeader(start=0, end=8, num_layers=3"),
+    "a negative num_layers": (
+        raw_header(num_layers=-1),
+        "KV header out of range: KVHeader(start=0, end=8, num_layers=-1",
+    ),
+    "a token range of 2^40": (raw_header(end=2**40), "KV header out of range: KVHeader(start=0, end=1099511627776"),
+    "2^21 layers": (
+        raw_header(num_layers=2**21),
+        "KV header out of range: KVHeader(start=0, end=8, num_layers=2097152",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HEADERS)
+async def test_a_header_with_a_bad_field_is_refused_on_decode_before_the_vet_or_any_layer(rig, refusals, case):
+    payload, why = BAD_HEADERS[case]
+    r = await rig(stall_s=5.0)
+    peer = await Peer.dial(r.rx.port)
+    sent = await peer.send(payload)  # the header alone: waiting for a layer would take stall_s
+    assert await peer.cut() - sent < 2.0
+    [line] = refusals()
+    assert line.startswith("KV transfer from 127.0.0.1 refused: bad HEADER frame: ") and why in line, line
+    assert r.vetted == [] and r.handled == [] and r.rx.refused == 1
+    peer.close()
+
+
+async def test_a_bad_header_is_refused_the_same_when_nothing_vets(rig, refusals):
+    """A receiver without a vet (benchmarks/handoff_micro.py) still refuses, logs and counts each."""
+    r = await rig(stall_s=5.0)
+    r.rx.vet = None
+    for payload, _ in BAD_HEADERS.values():
+        peer = await Peer.dial(r.rx.port)
+        sent = await peer.send(payload)
+        assert await peer.cut() - sent < 2.0
+        peer.close()
+    assert r.handled == [] and r.rx.refused == len(BAD_HEADERS)
+    lines = refusals()
+    assert len(lines) == len(BAD_HEADERS)
+    assert all(line.startswith("KV transfer from 127.0.0.1 refused: bad HEADER frame: ") for line in lines)
+    assert all(why in line for line, (_, why) in zip(lines, BAD_HEADERS.values()))
+
+
 MALFORMED = {
     "a layer first": (frame(Frame.LAYER, b"\0" * LAYER), "expected a HEADER frame, got type 3"),
     "an unknown frame type": (struct.pack(">IB", 5, 9) + b"\0" * 4, "expected a HEADER frame, got type 9"),
-    "a header that is not msgpack": (frame(Frame.HEADER, b"\xc1\xc1"), "HEADER is not msgpack"),
-    "a header that is not a map": (packed(Frame.HEADER, [1, 2, 3]), "HEADER is not a map"),
-    "a request id that is no string": (
-        packed(Frame.HEADER, {"request_id": 5, "kv": KV}),
-        "HEADER lacks request_id, sender, token or kv",
+    "a first token that is not msgpack": (
+        header() + LAYERS + frame(Frame.FIRST_TOKEN, b"\xc1"),
+        "bad FIRST_TOKEN frame: FirstToken: not msgpack",
     ),
-    "a header without kv": (
-        packed(Frame.HEADER, {"request_id": "req-1", "token": TOKEN}),
-        "HEADER lacks request_id, sender, token or kv",
+    "a first token without its token id": (
+        header() + LAYERS + packed(Frame.FIRST_TOKEN, {"stats": {}}),
+        "bad FIRST_TOKEN frame: FirstToken: FirstToken.__init__() missing 1 required positional argument: 'token_id'",
     ),
-    "an unknown dtype": (header(dtype="float99"), "bad KV header"),
-    "a negative token range": (header(start=16), "bad KV header"),
-    "a token range of 2^40": (header(end=2**40), "bad KV header"),
-    "a DONE that is not msgpack": (header() + LAYERS + frame(Frame.DONE, b"\xc1"), "DONE is not msgpack"),
-    "a DONE past MAX_CONTROL": (header() + LAYERS + packed(Frame.DONE, {"x": "y" * MAX_CONTROL}), "DONE frame of"),
-    "a fourth layer": (header() + LAYERS + frame(Frame.LAYER, layers(1)[0]), "expected a DONE frame, got type 3"),
+    "a first token id that is no integer": (
+        header() + LAYERS + packed(Frame.FIRST_TOKEN, {"token_id": "7"}),
+        "bad FIRST_TOKEN frame: FirstToken.token_id: expected int, got str",
+    ),
+    "first-token stats that are not a map": (
+        header() + LAYERS + packed(Frame.FIRST_TOKEN, {"token_id": 7, "stats": [1]}),
+        "bad FIRST_TOKEN frame: RequestStats: expected a map, got list",
+    ),
+    "a first token past MAX_CONTROL": (
+        header() + LAYERS + packed(Frame.FIRST_TOKEN, OVERSIZED),
+        f"FIRST_TOKEN frame of {len(msgpack.packb(OVERSIZED))} bytes; at most {MAX_CONTROL} allowed",
+    ),
+    "a fourth layer": (
+        header() + LAYERS + frame(Frame.LAYER, layers(1)[0]),
+        "expected a FIRST_TOKEN frame, got type 3",
+    ),
 }
 
 
@@ -252,31 +400,9 @@ async def test_malformed_frames_are_refused(rig, refusals, case):
     sent = await peer.send(payload)
     assert await peer.cut() - sent < 2.0
     [line] = refusals()
-    assert "from 127.0.0.1 refused: " in line and why in line
+    assert "from 127.0.0.1 refused: " in line and why in line, line
     assert r.handled == [] and r.rx.refused == 1
     peer.close()
-
-
-async def test_a_header_without_num_layers_is_refused_like_any_bad_header_when_nothing_vets(rig, refusals):
-    """A receiver without a vet (benchmarks/handoff_micro.py) still refuses, logs and counts it."""
-    r = await rig(stall_s=5.0)
-    r.rx.vet = None
-    without = packed(
-        Frame.HEADER,
-        {
-            "request_id": "req-1",
-            "sender": "prefill-0",
-            "token": TOKEN,
-            "kv": {k: v for k, v in KV.items() if k != "num_layers"},
-        },
-    )
-    for head in (without, header(num_layers=None), header(num_layers="three")):
-        peer = await Peer.dial(r.rx.port)
-        sent = await peer.send(head)
-        assert await peer.cut() - sent < 2.0
-        peer.close()
-    assert r.handled == [] and r.rx.refused == 3
-    assert all("refused: bad KV header" in line for line in refusals()) and len(refusals()) == 3
 
 
 WHOLE = transfer_bytes()
@@ -285,8 +411,8 @@ CUTS = {  # where the sender's stream ends (it closes its side) before the trans
     "mid header": len(header()) - 3,
     "after the header": len(header()),
     "mid layer": len(header()) + 5 + LAYER // 2,
-    "before DONE": len(header()) + 3 * (5 + LAYER),
-    "mid DONE": len(WHOLE) - 2,
+    "before the first token": len(header()) + 3 * (5 + LAYER),
+    "mid first token": len(WHOLE) - 2,
 }
 
 
@@ -307,7 +433,7 @@ async def test_a_truncated_transfer_is_refused(rig, refusals, cut):
 async def test_a_retried_push_of_a_committed_transfer_is_acked_and_not_handled_again(rig, refusals):
     r = await rig()
     r.have.add("req-1")  # the first attempt landed and its ACK was lost: the sender pushes it all again
-    big = {**KV, "end": 1024}
+    big = dataclasses.replace(KV, end=1024)
     data = layers(size=layer_bytes(1024, 2, 16, "float32", "native"))
     for _ in range(3):
         assert await send_kv("127.0.0.1", r.rx.port, push(kv=big, data=data), stall_s=5.0) > 3 * len(data[0])
@@ -333,11 +459,11 @@ async def test_one_connection_past_max_per_peer_is_refused_while_the_others_proc
     assert refusals() == ["KV transfer from 127.0.0.1 refused: more than 2 connections from 127.0.0.1"]
     other = await Peer.dial(r.rx.port, host="127.0.0.2")  # another peer has its own allowance
     await other.send(transfer_bytes("req-4"))
-    assert await other.ack() == {"ok": True, "error": ""}
+    assert await other.ack() == TransferAck(ok=True, error="")
     rest = transfer_bytes()[len(half) :]
     await first.send(rest)
     await second.send(rest)
-    assert await first.ack() == {"ok": True, "error": ""} and await second.ack() == {"ok": True, "error": ""}
+    assert await first.ack() == TransferAck() and await second.ack() == TransferAck()
     assert sorted(t.request_id for t in r.handled) == ["req-1", "req-2", "req-4"]
     assert all(t.layers == layers() for t in r.handled) and r.rx.refused == 1
     for peer in (first, second, extra, other):
@@ -367,15 +493,17 @@ async def test_a_slow_sender_that_keeps_making_progress_is_not_a_stall(rig, refu
         await peer.send(data[i : i + step])
         await asyncio.sleep(gap_s)  # the pace under test, not a wait for the receiver
     took = loop.time() - start
-    await peer.send(packed(Frame.DONE, DONE))
-    assert await peer.ack() == {"ok": True, "error": ""}
+    await peer.send(packed(Frame.FIRST_TOKEN, FIRST))
+    assert await peer.ack() == TransferAck(ok=True, error="")
     assert took > stall_s  # the layer took longer than stall_s, and still arrived
     [t] = r.handled
     assert t.layers == [layer] and r.rx.refused == 0 and refusals() == []
     peer.close()
 
 
-@pytest.mark.parametrize("stop", ["before the header", "mid header", "after the header", "mid layer", "before DONE"])
+@pytest.mark.parametrize(
+    "stop", ["before the header", "mid header", "after the header", "mid layer", "before the first token"]
+)
 async def test_a_sender_that_stops_sending_fails_on_the_receiver_after_stall_s(rig, refusals, stop):
     stall_s = 0.3
     r = await rig(stall_s=stall_s)
@@ -390,9 +518,9 @@ async def test_a_sender_that_stops_sending_fails_on_the_receiver_after_stall_s(r
     peer.close()
 
 
-@pytest.mark.parametrize("stop", ["mid header", "mid DONE"])
+@pytest.mark.parametrize("stop", ["mid header", "mid first token"])
 async def test_a_small_frames_body_must_follow_its_length_at_once(rig, refusals, stop):
-    r = await rig(stall_s=5.0)  # a layer may take its time; a header or DONE body may not
+    r = await rig(stall_s=5.0)  # a layer may take its time; a header or first token's body may not
     peer = await Peer.dial(r.rx.port)
     sent = await peer.send(WHOLE[: CUTS[stop]])
     took = await peer.cut() - sent
@@ -414,7 +542,7 @@ async def test_send_kv_gives_up_on_a_receiver_that_stops_reading_or_never_answer
     port = server.sockets[0].getsockname()[1]
     loop = asyncio.get_running_loop()
     huge = 16 << 20  # more than the socket buffers hold
-    for p in (push(), push(kv={**KV, "end": huge // 256, "num_layers": 1}, data=[bytes(huge)])):
+    for p in (push(), push(kv=dataclasses.replace(KV, end=huge // 256, num_layers=1), data=[bytes(huge)])):
         start = loop.time()  # the first waits for an ACK that never comes; the second, for a full window
         with pytest.raises(KVTransferError, match="stalled"):
             await asyncio.wait_for(send_kv("127.0.0.1", port, p, stall_s=stall_s), stall_s + 5.0)
@@ -456,7 +584,7 @@ async def test_over_mutual_tls_a_prefill_peer_is_served_and_any_other_refused(ri
             "127.0.0.1", r.rx.port, push("req-2"), 5.0, tls=secrets.kv_client_context("md-0"), server_name="md-0"
         )
     assert refusals() == ["KV transfer from 127.0.0.1 refused: the peer's certificate is not a prefill instance's"]
-    with pytest.raises(KVTransferError):  # the right certificate, the wrong token
+    with pytest.raises(KVTransferError):  # the right certificate, the wrong secret
         await send_kv(
             "127.0.0.1",
             r.rx.port,
@@ -465,5 +593,5 @@ async def test_over_mutual_tls_a_prefill_peer_is_served_and_any_other_refused(ri
             tls=secrets.kv_client_context("prefill-0"),
             server_name="md-0",
         )
-    assert "of req-3 from 127.0.0.1 refused: wrong transfer token" in refusals()[-1]
+    assert "of req-3 from 127.0.0.1 refused: wrong transfer secret" in refusals()[-1]
     assert len(r.handled) == 1 and r.rx.refused == 2 and r.vetted == ["req-1", "req-3"]

@@ -47,7 +47,8 @@ async def test_the_push_runs_on_the_connection_dialed_before_its_kv(make_link, s
     sent_push = push()
     await send_kv("127.0.0.1", link.ports["md-0"], sent_push, 10.0, conn=conn)
     [transfer] = got
-    assert transfer.layers == sent_push.layers and transfer.done == sent_push.done
+    assert transfer.head == sent_push.head and transfer.layers == sent_push.layers
+    assert transfer.first == sent_push.first
     assert accepted(link) == 1  # no second connection: the push went on the early one
     await settle(rx, link)
     assert rx.refused == 0 and refusals() == []

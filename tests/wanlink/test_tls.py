@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv_transport import KVPush, KVReceiver, KVTransferError, Transfer, send_kv
-from shared.messages import WanControl
+from shared.kv_transport import FirstToken, KVPush, KVReceiver, KVTransferError, Transfer, TransferHead, send_kv
+from shared.messages import RequestStats, WanControl
+from shared.runtime.kv_payload import KVHeader
 from tests.wanlink.conftest import Tap, until
 
 MARKER = b"PLAINTEXT-KV-MARKER-0123456789"
-KV = {"start": 0, "end": 64, "kv_heads": 4, "head_dim": 64, "dtype": "float32", "num_layers": 4}
+KV = KVHeader(start=0, end=64, num_layers=4, kv_heads=4, head_dim=64, dtype="float32")
 LAYER = 2 * 64 * 4 * 64 * 4  # K and V of one layer, float32
 
 
 def push() -> KVPush:
-    layers = [(b"layer %d " % i + MARKER * (LAYER // len(MARKER) + 1))[:LAYER] for i in range(KV["num_layers"])]
-    return KVPush("req-1", "prefill-0", "token-1", KV, layers, {"first_token": 7, "stats": {"n": 1}}, wan=True)
+    layers = [(b"layer %d " % i + MARKER * (LAYER // len(MARKER) + 1))[:LAYER] for i in range(KV.num_layers)]
+    head = TransferHead(request_id="req-1", sender="prefill-0", secret="secret-1", kv=KV, wan=True)
+    return KVPush(head, layers, FirstToken(7, RequestStats(prefill_ms=3.5, wan_kv_bytes=KV.num_layers * LAYER)))
 
 
 async def receiver(secrets, stall_s: float = 10.0) -> tuple[KVReceiver, list[Transfer]]:
@@ -43,12 +45,13 @@ async def test_a_mutual_tls_kv_push_crosses_intact_and_opaque(make_link, secrets
         "127.0.0.1", link.ports["md-0"], sent_push, 10.0, tls=secrets.kv_client_context("prefill-0"), server_name="md-0"
     )
     [transfer] = got
-    assert (transfer.request_id, transfer.sender, transfer.token) == ("req-1", "prefill-0", "token-1")
-    assert transfer.layers == sent_push.layers and transfer.done == sent_push.done
+    assert transfer.head == sent_push.head and (transfer.request_id, transfer.via_wan) == ("req-1", True)
+    assert transfer.layers == sent_push.layers and transfer.first == sent_push.first
     await until(lambda: not link.control(WanControl()).connections.get("md-0"), what="the connection to close")
     lines = link.control(WanControl()).lines
     ab, ba = lines["a-b"].bytes_by_forward["md-0"], lines["b-a"].bytes_by_forward["md-0"]
     assert MARKER not in tap.to_upstream and b"layer 0" not in tap.to_upstream
+    assert b"secret-1" not in tap.to_upstream  # nor the HEADER's transfer secret
     captured = {d: (tmp_path / f"md-0.{d}.bin").read_bytes() for d in ("a-b", "b-a")}
     assert captured == {"a-b": tap.to_upstream, "b-a": tap.from_upstream}
     # the counts are the bytes that crossed; TLS adds a handshake and ~0.2% framing to the payload
