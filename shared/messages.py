@@ -362,13 +362,7 @@ class InstanceInfo(Message):
     cached_blocks: int = 0  # held only by the prefix cache (reusable)
     busy_s: float = 0.0  # engine steps since start, in seconds (busy fraction = its rate)
     started_at: float = 0.0
-    updated_at: float = 0.0  # when the load figures were sampled (wall clock)
-
-    @property
-    def load(self) -> float:
-        """Share of the KV pool in use, plus queued work: the figure routing balances."""
-        used = 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
-        return used + 0.1 * (self.running + self.waiting)
+    updated_at: float = 0.0  # when the figures were sampled (wall clock)
 
 
 @dataclass

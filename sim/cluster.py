@@ -142,7 +142,7 @@ class SimCluster:
             run.reason = f"no capacity: {e}"
             self._release(run)
             return
-        self.registry.dispatch(list(d.instances.values()))
+        self.registry.dispatch(d.instance_ids)
         self.pipeline.start(run, d)
 
     def _finished(self, run: RequestRun) -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.inputs import WanBacklog
 from services.scheduler.policy import Decision
-from shared.pipelines import Handoff, Pipeline, decoders_of, hands_off
+from shared.pipelines import ROLES_OF, Handoff, Pipeline, decoders_of, hands_off
 from sim.decoder import DecodeInstance, Slot
 from sim.events import EventLoop
 from sim.link import DirectLink, SharedLink
@@ -80,23 +80,21 @@ class Serving:
 
     def start(self, run: RequestRun, d: Decision) -> None:
         run.pipeline, run.handoff, run.reason, run.handoff_reason = d.pipeline, d.handoff, d.reason, d.handoff_reason
-        run.instances = dict(d.instances)
+        run.instances = {role: getattr(d, role) for role in ROLES_OF[d.pipeline]}
         run.estimates = d.estimates.as_dict()
         run.hit["md"] = d.md_cached_tokens
         for role in decoders_of(d.pipeline):
-            self.instances[d.instances[role]].pending += 1
-        prefill_dc = self.instances[d.instances["prefill"]].dc
-        if "md" in d.instances and self.instances[d.instances["md"]].dc != prefill_dc:  # as the scheduler does
+            self.instances[getattr(d, role)].pending += 1
+        prefill_dc = self.instances[d.prefill].dc
+        if d.md and self.instances[d.md].dc != prefill_dc:  # as the scheduler does
             owed = (run.req.prompt_len - d.starts.get("md", 0)) * self.kv_bytes_per_token
             self.backlog.add(run.req.request_id, owed, self.loop.now / 1000.0)
         if hands_off(d.pipeline):
             chunk = d.chunk_tokens or self.chunk_tokens
-            self.handoffs[run.req.request_id] = Relayed(
-                self.instances[d.instances["rld"]], self.instances[d.instances["md"]]
-            )
+            self.handoffs[run.req.request_id] = Relayed(self.instances[d.rld], self.instances[d.md])
             run.marks["chunk"] = chunk
-        prefill = self.instances[d.instances["prefill"]]
-        across = any(self.instances[d.instances[role]].dc != prefill.dc for role in decoders_of(d.pipeline))
+        prefill = self.instances[d.prefill]
+        across = any(self.instances[getattr(d, role)].dc != prefill.dc for role in decoders_of(d.pipeline))
         if across and self.control_delay_ms > 0:  # dispatch to the other site, its ack back, then prefill
             self.loop.after(2 * self.control_delay_ms, prefill.submit, run, lambda r: self._prefilled(r, d))
         else:
@@ -105,9 +103,9 @@ class Serving:
     # -- 2. KV on every path ----------------------------------------------------------------
     def _prefilled(self, run: RequestRun, d: Decision) -> None:
         run.state = RunState.KV_IN_FLIGHT
-        prefill = self.instances[d.instances["prefill"]]
+        prefill = self.instances[d.prefill]
         for role in decoders_of(d.pipeline):
-            self._push(run, prefill, self.instances[d.instances[role]], d.starts.get(role, 0))
+            self._push(run, prefill, self.instances[getattr(d, role)], d.starts.get(role, 0))
 
     def _push(self, run: RequestRun, prefill: PrefillInstance, dec: DecodeInstance, start: int) -> None:
         tokens = run.req.prompt_len - start

@@ -42,7 +42,7 @@ class InstanceView:
     id: str
     role: str
     dc: str
-    load: float = 0.0  # the registry's single load figure; used when the richer ones are absent
+    occupancy: float = 0.0  # a view without pool or queue figures (a bare test or simulator view): this
     hit_tokens: int = 0  # prefix of this request the instance holds (from the Redis index)
     running: int = 0
     waiting: int = 0

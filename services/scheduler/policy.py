@@ -81,7 +81,7 @@ __all__ = [
     "choose_plan",
 ]
 
-QUEUE_WEIGHT = 0.1  # load per running or waiting request, as the registry's `load` counts it
+QUEUE_WEIGHT = 0.1  # occupancy per request running, waiting or pending
 NO_ROOM_PENALTY = 1.0  # an instance that would have to evict or wait for blocks
 
 
@@ -156,7 +156,9 @@ class PlanEstimates:
 class Decision:
     pipeline: str
     handoff: str
-    instances: dict[str, str] = field(default_factory=dict)  # role -> instance id
+    prefill: str = ""  # the instance of each role it runs on, as a `Plan` names them ("": none)
+    rld: str = ""
+    md: str = ""
     md_cached_tokens: int = 0
     starts: dict[str, int] = field(default_factory=dict)  # role -> first token the decoder needs
     reason: str = ""  # why this pipeline
@@ -166,12 +168,17 @@ class Decision:
     kv_wire: str = WireFormat.NATIVE  # how KV crosses the WAN for this request
     kv_wire_reason: str = ""
 
+    @property
+    def instance_ids(self) -> list[str]:
+        return [i for i in (self.prefill, self.rld, self.md) if i]
+
 
 # -- instance choice ------------------------------------------------------------------------
-def instance_load(v: InstanceView) -> float:
+def occupancy(v: InstanceView) -> float:
+    """How busy an instance is: the share of its KV pool in use, plus its queued requests."""
     queued = v.running + v.waiting + v.pending
     if v.total_blocks <= 0 and not queued:
-        return v.load  # only the registry's single figure is known
+        return v.occupancy  # the view carries no pool or queue figures
     used = 1.0 - v.free_blocks / v.total_blocks if v.total_blocks > 0 else 0.0
     return used + QUEUE_WEIGHT * queued
 
@@ -180,7 +187,7 @@ def cost(v: InstanceView, req: PlanRequest, config: PolicyConfig) -> float:
     hit = min(v.hit_tokens, req.prompt_len)
     need = req.prompt_len - hit + (req.max_tokens if v.role != "prefill" else 0)
     no_room = v.total_blocks > 0 and math.ceil(need / v.block_size) > v.free_blocks
-    return instance_load(v) + NO_ROOM_PENALTY * no_room - config.hit_weight * hit / max(req.prompt_len, 1)
+    return occupancy(v) + NO_ROOM_PENALTY * no_room - config.hit_weight * hit / max(req.prompt_len, 1)
 
 
 def is_full(v: InstanceView) -> bool:
@@ -347,7 +354,7 @@ def choose_plan(
     return Decision(
         pipeline=pipeline,
         handoff=handoff,
-        instances={role: i.id for role, i in picked.items()},
+        **{role: i.id for role, i in picked.items()},
         md_cached_tokens=starts.get("md", 0),
         starts=starts,
         reason=reason,

@@ -238,9 +238,9 @@ class Scheduler:
             sub.request_id,
             pipeline=d.pipeline,
             handoff=d.handoff,
-            prefill=d.instances.get("prefill", ""),
-            rld=d.instances.get("rld", ""),
-            md=d.instances.get("md", ""),
+            prefill=d.prefill,
+            rld=d.rld,
+            md=d.md,
             md_cached_tokens=d.md_cached_tokens,
             reason=d.reason,
             handoff_reason=d.handoff_reason,
@@ -250,7 +250,7 @@ class Scheduler:
             kv_wire_reason=d.kv_wire_reason,
         )
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
-        for iid in d.instances.values():  # before any await: a request planned meanwhile must see these
+        for iid in d.instance_ids:  # before any await: a request planned meanwhile must see these
             self.dispatched.add(iid, time.time())
         prefill = alive[plan.prefill]
         targets = [

@@ -25,7 +25,7 @@ def test_pinned_default_is_relay_then_main_on_the_least_loaded_instances():
     d = choose_plan(PlanRequest("r", 100, 10), fleet(), PINNED)
     assert d.pipeline == "p-rld-md" and d.handoff == "oneshot" and d.reason == "default"
     assert d.handoff_reason == "default" and d.chunk_tokens == 0
-    assert d.instances == {"prefill": "prefill-1", "rld": "rld-0", "md": "md-1"}
+    assert (d.prefill, d.rld, d.md) == ("prefill-1", "rld-0", "md-1")
     assert d.starts == {"rld": 0, "md": 0}
 
 
@@ -37,28 +37,30 @@ def test_pinned_main_decode_ignores_the_slo_rules():
 
 def test_prefix_hit_outweighs_a_small_load_difference():
     d = choose_plan(PlanRequest("r", 1000, 10), fleet(md_0=960, prefill_0=960), PINNED)
-    assert d.instances["md"] == "md-0" and d.instances["prefill"] == "prefill-0"
+    assert d.md == "md-0" and d.prefill == "prefill-0"
     assert d.md_cached_tokens == 960 and d.starts["md"] == 960
 
 
 def test_a_much_busier_warm_instance_loses():
     views = [v if v.id != "md-0" else InstanceView("md-0", "md", "B", 3.0, 960) for v in fleet()]
-    assert choose_plan(PlanRequest("r", 1000, 10), views, PINNED).instances["md"] == "md-1"
+    assert choose_plan(PlanRequest("r", 1000, 10), views, PINNED).md == "md-1"
 
 
 def test_richer_figures_warm_beats_slightly_busier_and_busy_loses():
     figures = {"total_blocks": 1000, "free_blocks": 900}
     warm = {**figures, "hit_tokens": 960, "running": 3}
     views = plain_fleet("prefill-0", "rld-0", "md-0", "md-1", md_0=warm, md_1={**figures, "running": 1})
-    assert choose_plan(PlanRequest("r", 1000, 10), views, AUTO).instances["md"] == "md-0"
+    assert choose_plan(PlanRequest("r", 1000, 10), views, AUTO).md == "md-0"
     busy = {**warm, "running": 12, "waiting": 4}
     views = plain_fleet("prefill-0", "rld-0", "md-0", "md-1", md_0=busy, md_1={**figures, "running": 1})
-    assert choose_plan(PlanRequest("r", 1000, 10), views, AUTO).instances["md"] == "md-1"
+    assert choose_plan(PlanRequest("r", 1000, 10), views, AUTO).md == "md-1"
 
 
-def test_richer_figures_override_the_single_load_figure():
-    views = plain_fleet("prefill-0", "rld-0", "md-0", "md-1", md_0={"load": 0.0, "running": 8}, md_1={"load": 0.5})
-    assert choose_plan(PlanRequest("r", 100, 10), views, AUTO).instances["md"] == "md-1"
+def test_richer_figures_override_a_bare_occupancy_figure():
+    views = plain_fleet(
+        "prefill-0", "rld-0", "md-0", "md-1", md_0={"occupancy": 0.0, "running": 8}, md_1={"occupancy": 0.5}
+    )
+    assert choose_plan(PlanRequest("r", 100, 10), views, AUTO).md == "md-1"
 
 
 def test_an_instance_without_room_for_the_request_loses():
@@ -71,18 +73,18 @@ def test_an_instance_without_room_for_the_request_loses():
         md_0={"total_blocks": 1000, "free_blocks": 50},
         md_1={"total_blocks": 1000, "free_blocks": 500, "running": 5},
     )
-    assert choose_plan(PlanRequest("r", 1000, 500), views, AUTO).instances["md"] == "md-1"
+    assert choose_plan(PlanRequest("r", 1000, 500), views, AUTO).md == "md-1"
 
 
 def test_forced_plan_is_honoured_pinned_or_auto():
     for cfg in (PINNED, AUTO):
         d = choose_plan(PlanRequest("r", 10, 5, pipeline="p-md"), fleet(), cfg)
-        assert d.pipeline == "p-md" and d.handoff == "none" and d.reason == "forced" and "rld" not in d.instances
+        assert d.pipeline == "p-md" and d.handoff == "none" and d.reason == "forced" and not d.rld
         d = choose_plan(PlanRequest("r", 10, 5, pipeline="p-rld-md", handoff="catchup"), fleet(), cfg)
         assert (d.pipeline, d.handoff, d.handoff_reason, d.reason) == ("p-rld-md", "catchup", "forced", "forced")
         assert d.chunk_tokens == cfg.catchup_chunk
         d = choose_plan(PlanRequest("r", 10, 5, pipeline="p-rld"), fleet(), cfg)
-        assert set(d.instances) == {"prefill", "rld"} and d.md_cached_tokens == 0 and d.handoff == "none"
+        assert d.instance_ids == [d.prefill, d.rld] and not d.md and d.md_cached_tokens == 0 and d.handoff == "none"
 
 
 def test_without_relay_the_default_falls_back_to_main_decode():
@@ -94,7 +96,7 @@ def test_without_relay_the_default_falls_back_to_main_decode():
 
 def test_avoided_and_missing_instances():
     d = choose_plan(PlanRequest("r", 10, 5, avoid=frozenset({"md-1"})), fleet(), AUTO)
-    assert d.instances["md"] == "md-0"
+    assert d.md == "md-0"
     with pytest.raises(NoCapacity, match="md"):  # no relay to fall back on either
         choose_plan(PlanRequest("r", 10, 5, avoid=frozenset({"md-0", "md-1", "rld-0"})), fleet(), AUTO)
     with pytest.raises(NoCapacity, match="prefill"):
@@ -106,7 +108,7 @@ def test_without_a_main_decoder_datacenter_a_serves_alone():
     requests (p-rld) rather than the cluster answering 503; a forced pipeline is still honoured."""
     alone = [v for v in fleet() if v.role != "md"]
     d = choose_plan(PlanRequest("r", 1500, 600), alone, AUTO)
-    assert (d.pipeline, d.reason, set(d.instances)) == ("p-rld", "no-md-alive", {"prefill", "rld"})
+    assert (d.pipeline, d.reason, bool(d.prefill and d.rld), d.md) == ("p-rld", "no-md-alive", True, "")
     d = choose_plan(PlanRequest("r", 10, 5, avoid=frozenset({"md-0", "md-1"})), fleet(), AUTO)
     assert d.pipeline == "p-rld" and d.reason == "no-md-alive"
     with pytest.raises(NoCapacity, match="md"):
@@ -148,4 +150,4 @@ def test_service_call_shapes_still_work():
         [InstanceView("p", "prefill", "A", 0.1, 0), view("rld-0"), view("md-0")],
         cfg,
     )
-    assert d.pipeline == "p-rld-md" and d.instances["prefill"] == "p"
+    assert d.pipeline == "p-rld-md" and d.prefill == "p"

@@ -33,7 +33,7 @@ def test_low_hit_relays():
     assert (d.pipeline, d.reason) == ("p-rld-md", "slo-miss-relay")
     assert d.estimates.ttft_ms["p-md"] > CFG.ttft_slo_ms
     assert d.estimates.ttft_ms["p-rld-md"] < d.estimates.ttft_ms["p-md"]
-    assert d.instances == {"prefill": "prefill-0", "rld": "rld-0", "md": "md-0"}
+    assert (d.prefill, d.rld, d.md) == ("prefill-0", "rld-0", "md-0")
 
 
 def test_the_live_wan_estimate_decides_when_md_lacks_the_prompt():
@@ -80,7 +80,7 @@ def test_no_main_decoder_alive_leaves_datacenter_a_serving_alone():
 def test_long_uncached_input_with_short_output_stays_on_relay():
     d = choose_plan(request(3000, 100), fleet(), CFG)
     assert (d.pipeline, d.reason, d.handoff) == ("p-rld", "anomalous", "none")
-    assert d.instances == {"prefill": "prefill-0", "rld": "rld-0"} and d.md_cached_tokens == 0
+    assert (d.prefill, d.rld, d.md) == ("prefill-0", "rld-0", "") and d.md_cached_tokens == 0
     assert d.estimates.uncached_tokens == 3000
 
 
@@ -167,7 +167,7 @@ def test_the_relay_finishes_alone_exactly_when_its_backlog_covers_the_answer():
     for max_tokens in (1, b - 1, b):
         d = choose_plan(request(2000, max_tokens), views, RULES, wan_mbps=100.0)
         assert (d.pipeline, d.reason, d.handoff, d.handoff_reason) == ("p-rld", "relay-finishes", "none", "")
-        assert d.instances == {"prefill": "prefill-0", "rld": "rld-0"} and "md" not in d.starts
+        assert (d.prefill, d.rld, d.md) == ("prefill-0", "rld-0", "") and "md" not in d.starts
         assert (d.estimates.backlog_tokens, d.kv_wire, d.kv_wire_reason) == (max_tokens, "native", "")
     d = choose_plan(request(2000, b + 1), views, RULES, wan_mbps=100.0)
     assert (d.pipeline, d.reason, d.estimates.backlog_tokens) == ("p-rld-md", "slo-miss-relay", b)
@@ -243,7 +243,7 @@ def test_auto_wire_narrows_for_the_lines_backlog_too():
 # -- oscillation guard (relay admission control) --------------------------------------------
 def test_saturated_relay_sends_low_hit_to_main_with_the_penalty():
     d = choose_plan(request(1500), fleet(rld_0={"running": 30, "waiting": 2}), CFG)
-    assert (d.pipeline, d.reason) == ("p-md", "rld-saturated") and "rld" not in d.instances
+    assert (d.pipeline, d.reason) == ("p-md", "rld-saturated") and not d.rld
     assert d.estimates.ttft_ms["p-md"] > CFG.ttft_slo_ms  # the penalty, taken knowingly
 
 
@@ -263,13 +263,13 @@ def test_requests_planned_onto_the_relay_count_before_their_kv_lands():
     d = choose_plan(request(1500), fleet(rld_0={"pending": 32}), CFG)
     assert (d.pipeline, d.reason, d.estimates.rld_busy) == ("p-md", "rld-saturated", 32)
     views = fleet("prefill-0", "rld-0", "rld-1", "md-0", rld_0={"pending": 3}, rld_1={"running": 2})
-    assert choose_plan(request(1500), views, CFG).instances["rld"] == "rld-1"
+    assert choose_plan(request(1500), views, CFG).rld == "rld-1"
 
 
 def test_the_least_busy_relay_is_the_one_the_guard_checks():
     views = fleet("prefill-0", "rld-0", "rld-1", "md-0", rld_0={"running": 32}, rld_1={"running": 10})
     d = choose_plan(request(1500), views, CFG)
-    assert (d.pipeline, d.instances["rld"]) == ("p-rld-md", "rld-1")
+    assert (d.pipeline, d.rld) == ("p-rld-md", "rld-1")
 
 
 # -- bounded queues -------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_a_full_instance_is_skipped_for_one_with_room():
         md_1={"held": 7, "capacity": 8},
     )
     d = choose_plan(request(1500), views, dataclasses.replace(CFG, default_pipeline="p-md"))
-    assert d.instances["md"] == "md-1"  # the warm one has no room left
+    assert d.md == "md-1"  # the warm one has no room left
 
 
 def test_every_instance_of_a_role_full_is_saturated_not_dead():
@@ -303,7 +303,7 @@ def test_a_full_relay_sends_the_request_to_main_decode():
 
 
 def test_unbounded_instances_are_never_full():
-    assert choose_plan(request(1500), fleet(md_0={"held": 10_000}), CFG).instances["md"] == "md-0"
+    assert choose_plan(request(1500), fleet(md_0={"held": 10_000}), CFG).md == "md-0"
 
 
 # -- the KV wire format over the WAN --------------------------------------------------------
