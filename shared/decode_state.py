@@ -1,20 +1,15 @@
 """A request's state on a decoder: the phases it moves through and how it ends.
 
 `DecodeRequest` is owned by `DecoderService` (shared/decoder.py), which alone adds and removes
-it; the handoff sides (shared/handoff.py) move its phase and read its fields through the
-`Decoder` protocol below.
+it; the roles' own parts (services/rld, services/md) move its phase and read its fields.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Protocol
 
-from shared.bus import Bus
-from shared.config import ClusterConfig, InstanceConfig
 from shared.messages import DecodeTask, RequestStats
 from shared.runtime.kv_payload import KVPayload
 from shared.runtime.sequence import Sequence
@@ -54,22 +49,3 @@ class DecodeRequest:
     @property
     def id(self) -> str:
         return self.task.request_id
-
-
-class Decoder(Protocol):
-    """What the handoff sides use of their `DecoderService`."""
-
-    cfg: ClusterConfig
-    inst: InstanceConfig
-    bus: Bus
-    worker: Any  # EngineWorker: `await worker.call(fn)` runs fn(engine) on the engine thread
-    requests: dict[str, DecodeRequest]
-    vocab_size: int
-
-    def spawn(self, coro: Coroutine) -> asyncio.Task: ...
-
-    def spawn_for(self, req: DecodeRequest, coro: Coroutine) -> asyncio.Task: ...
-
-    def end(self, rid: str, how: End) -> DecodeRequest | None: ...
-
-    def room_freed(self) -> None: ...

@@ -1,4 +1,7 @@
-"""DecoderService: the decode side of relay-decode (rld) and main-decode (md).
+"""DecoderService: what relay-decode (rld) and main-decode (md) both run.
+
+Each role's own part is a subclass in its service (`RelayDecoder` in services/rld/service.py,
+`MainDecoder` in services/md/service.py), filling in the hooks at the end of this class.
 
 Lifecycle of a request on a decoder: one `DecodeRequest` in `requests`; its `phase` says where.
 1. PENDING: the scheduler's `DecodeTask` is remembered (with a deadline) and acked. A duplicate
@@ -9,7 +12,7 @@ Lifecycle of a request on a decoder: one `DecodeRequest` in `requests`; its `pha
    sender gets its ACK and prefill's first token goes out as index 0. On md a `p-rld-md`
    request runs as a SHADOW instead: it computes the relay's tokens and streams nothing.
 4. Each engine step's tokens are published on `pdd.tokens.<request>` in order. The relay ->
-   main handoff (HANDING_OFF on the relay) is `shared/handoff.py`: both sides in one place.
+   main handoff (HANDING_OFF on the relay) is the two roles' own part (their services).
 5. The request ends one way (`End`): FINISHED (the final chunk carries finish_reason and
    stats), HANDED_OFF (relay: main-decode took it), ABORTED (broadcast), DROPPED (only this
    copy: its KV push failed, or the plan changed), FAILED (its KV never came, or could not be
@@ -28,7 +31,6 @@ from collections import deque
 
 from shared import subjects
 from shared.decode_state import DecodeRequest, End, Phase
-from shared.handoff import MainSide, RelaySide
 from shared.instance import InstanceFigures, InstanceService
 from shared.kv_transport import KVReceiver, Transfer, Verdict
 from shared.messages import Abort, Ack, DecodeTask, Drop, TokenChunk, WanSample
@@ -45,8 +47,6 @@ log = logging.getLogger(__name__)
 class DecoderService(InstanceService):
     def __init__(self, cfg, inst) -> None:
         super().__init__(cfg, inst)
-        self.role = inst.role
-        self.side = RelaySide(self) if inst.role == "rld" else MainSide(self)
         self.requests: dict[str, DecodeRequest] = {}
         self.aborted = RecentIds()  # a task arriving after its abort is refused
         self.receiver: KVReceiver | None = None
@@ -64,7 +64,7 @@ class DecoderService(InstanceService):
         self.info.kv_host, self.info.kv_port = self.cfg.kv_endpoint(dataclasses.replace(self.inst, kv_port=port))
         await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
         await self.bus.serve(subjects.decode_drop(self.inst.id), Drop, self.on_drop)
-        await self.side.serve()
+        await self.serve_role()
         self.spawn(self._publisher())
         self.spawn(self._watchdog())
         self.spawn(self._unparker())
@@ -194,7 +194,7 @@ class DecoderService(InstanceService):
             namespace=namespace_of(self.cfg.model, task.cache_salt),
         )
         seq.prompt_len = len(task.prompt_ids)
-        seq.shadow = self.side.shadows(task)
+        seq.shadow = self.shadows(task)
         req.parked, req.phase = (seq, KVPayload(header, layers), first), Phase.PARKED
         self.parked.append(req.id)
         await self._admit_parked()
@@ -239,14 +239,11 @@ class DecoderService(InstanceService):
         if not seq.shadow:
             self.emit(TokenOutput(req.id, first, 0, done))
         if req.id in self.requests:
-            await self.side.admitted(req, done)
+            await self.on_admitted(req, done)
 
     def _admitted(self, req: DecodeRequest, seq: Sequence) -> None:
         req.phase = Phase.SHADOW if seq.shadow else Phase.RUNNING
-        if self.role == "md":
-            req.stats.md_hit_tokens = seq.cached_tokens
-        else:
-            req.stats.rld_hit_tokens = seq.cached_tokens
+        self.count_hit(req, seq.cached_tokens)
         if seq.imported is not None:
             req.stats.recomputed_tokens = seq.imported[0] - seq.num_computed
             log.info(
@@ -287,7 +284,7 @@ class DecoderService(InstanceService):
             error=out.error or "",
         )
         if req is not None:
-            self.side.emitting(req, out)
+            self.on_emit(req, out)
         if out.finish_reason is not None:
             chunk.stats = req.stats if req else None
             self.end(out.seq_id, End.FINISHED if out.error is None else End.FAILED)
@@ -303,7 +300,7 @@ class DecoderService(InstanceService):
     # -- 5. abort, drop and deadlines -------------------------------------------------------
     async def on_abort(self, msg: Abort) -> None:
         req = self.requests.get(msg.request_id)
-        if msg.keep_kv and req is not None and self.role == "md" and req.phase in (Phase.PENDING, Phase.PARKED):
+        if msg.keep_kv and req is not None and self.keeps_kv(req):
             req.cache_only = True  # its KV lands into the prefix cache, then it ends (`_admit_parked`)
             return
         self.aborted.add(msg.request_id)
@@ -341,8 +338,33 @@ class DecoderService(InstanceService):
         for req in list(self.requests.values()):
             if req.phase == Phase.PENDING and now - req.accepted_at > limit:
                 error = f"KV did not arrive within {limit:.0f}s"
-                if not self.side.kv_never_came(req):
+                if not self.kv_never_came(req):
                     self.emit(TokenOutput(req.id, None, 0, FinishReason.ERROR, error))
+
+    # -- what each role fills in (services/rld/service.py, services/md/service.py) ------------
+    async def serve_role(self) -> None:
+        """Subscribe the role's own subjects (its side of the handoff)."""
+
+    def shadows(self, task: DecodeTask) -> bool:
+        """Whether the request runs here as a shadow (computes KV, samples nothing)."""
+        return False
+
+    async def on_admitted(self, req: DecodeRequest, done: str | None) -> None:
+        """The request joined the batch (`done`: prefill's first token already ended it)."""
+
+    def on_emit(self, req: DecodeRequest, out: TokenOutput) -> None:
+        """A token (or the end) of the request is going out."""
+
+    def kv_never_came(self, req: DecodeRequest) -> bool:
+        """Its KV missed the deadline: True when the role dealt with that, else it fails."""
+        return False
+
+    def keeps_kv(self, req: DecodeRequest) -> bool:
+        """On an abort that keeps KV (finished on the relay): let the KV land into the cache."""
+        return False
+
+    def count_hit(self, req: DecodeRequest, tokens: int) -> None:
+        """Record the prefix-cache hit of an admitted request, in this role's own field."""
 
 
 def _start_problem(task: DecodeTask, block_size: int) -> str:

@@ -303,7 +303,23 @@ class TokenChunk(Message):
     blame: str = ""  # with an error: the instance it came from (the gateway moves the request off it)
 
 
-# -- the handoff (shared/handoff.py) --------------------------------------------------------
+# -- the handoff (services/rld/service.py sends, services/md/service.py receives) ------------
+# A `p-rld-md` request runs on both decoders at once: the relay streams to the user while
+# main-decode's copy of the prompt KV crosses the WAN; main-decode holds it as a *shadow*
+# (computes KV, samples nothing). Then, token ids only, never KV:
+#
+#     md  -> rld   KVReady(request, md)        the shadow holds the prompt KV: hand over
+#     rld -> md    HandoffChunk(start, ids)    catch-up only: a chunk of the relay's tokens, while
+#                  <- Ack once extended        the relay keeps streaming; repeated until the gap
+#                                              is at most `final_tokens`
+#     rld -> md    HandoffChunk(..., final)    the relay stops; every token md lacks; acked at once
+#                  <- Ack                      md samples from the next index on; the relay lets go
+#
+# One-shot is the final chunk alone. If a chunk cannot be delivered (md died or dropped its copy)
+# the relay keeps the request and finishes it: the user's stream never breaks. When main-decode
+# will never get the request (its KV push failed, or never came), `FinishOnRelay` tells the relay
+# so; a request that ends on the relay tells md (an `Abort` with `keep_kv`) it is over: md lets the
+# KV on its way land into its prefix cache (`handoff.warm_md_cache`) and drops the rest.
 @dataclass
 class KVReady(Message):
     """md -> rld: main-decode holds this request's prompt KV; hand the request over."""

@@ -18,10 +18,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.metrics import GatewayMetrics
+from services.md.service import MainDecoder
 from services.prefill.service import Prefiller
+from services.rld.service import RelayDecoder
 from services.scheduler.service import Scheduler
 from shared.config import DEFAULT_CONFIG, load_config
-from shared.decoder import DecoderService
 from shared.runtime.engine import EngineFigures
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "pdd.json"
@@ -51,7 +52,7 @@ def rendered_metrics() -> dict[str, bytes]:
     cfg = load_config(DEFAULT_CONFIG)
     out = {"gateway": GatewayMetrics("model").render(), "scheduler": Scheduler(cfg).metrics.render()}
     for inst in cfg.instances:
-        service = Prefiller(cfg, inst) if inst.role == "prefill" else DecoderService(cfg, inst)
+        service = {"prefill": Prefiller, "rld": RelayDecoder, "md": MainDecoder}[inst.role](cfg, inst)
         service.metrics.engine_figures(EngineFigures)  # as InstanceService.start registers the engine's figures
         out[inst.id] = service.metrics.render()
     return out

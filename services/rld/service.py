@@ -1,7 +1,8 @@
 """Relay-decode (datacenter A, a small pool): hide the WAN by streaming at once, then let go.
 
-Lifecycle of a request here (the decode side, shared with main-decode, is `shared/decoder.py`;
-the handoff, both sides, is `shared/handoff.py`):
+Lifecycle of a request here (what both decoders run is `shared/decoder.py`; this module is
+what only the relay does: the sending side of the handoff, finishing alone; the receiving side
+is `services/md/service.py`, the messages' order `shared/messages.py`'s handoff section):
 1. DecodeTask from the scheduler -> pending, acked.
 2. KV from prefill arrives in-DC (tens of ms) -> imported; decoding starts at once and tokens
    stream to the user ("eager tokens") while main-decode's copy is still on the WAN.
@@ -18,9 +19,117 @@ the handoff, both sides, is `shared/handoff.py`):
 
 from __future__ import annotations
 
+import copy
+import logging
+import time
+
+from shared import subjects
+from shared.bus import BusTimeout
+from shared.decode_state import DecodeRequest, End, Phase
 from shared.decoder import DecoderService
 from shared.instance import service_main
+from shared.messages import Abort, Ack, FinishOnRelay, HandoffChunk, KVReady
+from shared.pipelines import Handoff
+from shared.runtime.engine import TokenOutput
+from shared.runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
+ROLE = "rld"
+
+
+class RelayDecoder(DecoderService):
+    """The relay: streams at once, hands over when main-decode is ready, then lets go."""
+
+    role = ROLE
+
+    async def serve_role(self) -> None:
+        iid = self.inst.id
+        await self.bus.serve(subjects.handoff_ready(iid), KVReady, self.on_ready)
+        await self.bus.serve(subjects.finish_on_relay(iid), FinishOnRelay, self.on_finish_here)
+
+    def count_hit(self, req: DecodeRequest, tokens: int) -> None:
+        req.stats.rld_hit_tokens = tokens
+
+    async def on_admitted(self, req: DecodeRequest, done: str | None) -> None:
+        if done is None and req.md_ready:  # main-decode was ready before the relay
+            self._start(req)
+
+    async def on_ready(self, msg: KVReady) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.md_ready or req.alone:
+            return  # finished here already, a duplicate, or a late one
+        req.md_ready = True
+        if req.phase == Phase.RUNNING:
+            self._start(req)
+
+    async def on_finish_here(self, msg: FinishOnRelay) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is not None and not req.md_ready:
+            log.info("%s: %s: main-decode will not get it (%s); finishing on relay", self.inst.id, req.id, msg.reason)
+            req.alone = True
+
+    def on_emit(self, req: DecodeRequest, out: TokenOutput) -> None:
+        if out.finish_reason is not None and req.task.plan.md and not req.alone:  # ends here, before the handoff
+            keep = self.cfg.handoff.warm_md_cache  # md's KV still lands, into its cache only
+            self.spawn(self.bus.publish(subjects.ABORT, Abort(req.id, reason="finished on relay", keep_kv=keep)))
+
+    # -- the handoff ----------------------------------------------------------------------
+    def _start(self, req: DecodeRequest) -> None:
+        req.phase = Phase.HANDING_OFF
+        self.spawn_for(req, self._handoff(req))
+
+    async def _handoff(self, req: DecodeRequest) -> None:
+        sent = await self._catch_up(req) if req.task.plan.handoff == Handoff.CATCHUP else 1
+        if sent is None:
+            req.phase = Phase.RUNNING  # md is gone: the relay finishes the request
+            return
+        await self._final(req, sent)
+
+    async def _catch_up(self, req: DecodeRequest) -> int | None:
+        """Send chunks while the relay keeps decoding; returns how many tokens md holds, or
+        None when the request ended here meanwhile or md stopped answering."""
+        cfg = self.cfg.handoff
+        chunk_tokens = req.task.plan.chunk_tokens or cfg.chunk_tokens
+        sent = 1  # prefill's first token travelled with the KV
+        while True:
+            generated = await self.worker.call(lambda e: e.generated(req.id))
+            if generated is None:
+                return None
+            if len(generated) - sent <= cfg.final_tokens:
+                return sent
+            chunk = HandoffChunk(req.id, sent, generated[sent : sent + chunk_tokens])
+            if not await self._send(req, chunk):
+                return None
+            sent += len(chunk.token_ids)
+
+    async def _final(self, req: DecodeRequest, sent: int) -> None:
+        t0 = time.perf_counter()
+        seq = await self.worker.call(lambda e: e.abort(req.id))  # stop decoding; frees the blocks
+        self.room_freed()  # KV parked for want of blocks may fit now
+        if seq is None:
+            return  # it finished here first
+        stats = copy.copy(req.stats)
+        stats.handoff_stop_ms = (time.perf_counter() - t0) * 1000
+        generated = seq.token_ids[seq.prompt_len :]
+        if await self._send(req, HandoffChunk(req.id, sent, generated[sent:], final=True, stats=stats)):
+            self.end(req.id, End.HANDED_OFF)
+            return
+        log.warning("%s: final handoff of %s failed; finishing it on relay", self.inst.id, req.id)
+        req.phase = Phase.RUNNING
+        again = Sequence(req.id, list(seq.token_ids), seq.params, prompt_len=seq.prompt_len)
+        await self.worker.call(lambda e: e.add(again))
+
+    async def _send(self, req: DecodeRequest, chunk: HandoffChunk) -> bool:
+        subject = subjects.handoff_chunk(req.task.plan.md)
+        try:
+            ack = await self.bus.request(subject, chunk, Ack, self.cfg.handoff.ack_timeout_s)
+        except BusTimeout as e:
+            log.warning("%s: handoff chunk for %s got no ack: %s", self.inst.id, chunk.request_id, e)
+            return False
+        if not ack.ok:
+            log.warning("%s: main-decode refused a handoff chunk of %s: %s", self.inst.id, req.id, ack.error)
+        return ack.ok
 
 
 def main(argv: list[str] | None = None) -> None:
-    service_main(DecoderService, "rld", argv)
+    service_main(RelayDecoder, ROLE, argv)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from services.md.service import MainDecoder
+from services.rld.service import RelayDecoder
 from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
@@ -59,8 +61,8 @@ class DecoderPair:
         self.cfg = config_from_dict({**CONFIG, **config})
         self.nats = InMemoryNats()
         self.bus = self.nats.client("scheduler and gateway")
-        self.rld = DecoderService(self.cfg, self.cfg.instance("rld-0"))
-        self.md = DecoderService(self.cfg, self.cfg.instance("md-0"))
+        self.rld = RelayDecoder(self.cfg, self.cfg.instance("rld-0"))
+        self.md = MainDecoder(self.cfg, self.cfg.instance("md-0"))
         self.engines = {"rld": engine(model), "md": engine(model, md_blocks)}
         self.prefill_engine = engine(model)
         self.chunks: dict[str, list[TokenChunk]] = {}
