@@ -15,6 +15,10 @@ models (`paged_attention`) — with the projected, rotated Q/K/V of all T tokens
    - every multi-token span (prefill chunk, extend) in its own causal SDPA call; a span with no
      cached prefix attends over the freshly projected K/V without a gather.
 
+Batch-invariant runs (the runner's `invariant`, the CPU default) take neither path: every row of
+the step, decode or span, is attended by rows.c over the pool in place (`StepAttention.row_plan`),
+with one fixed order of operations per row (rows.py).
+
 Everything index-like is computed once per step in `StepAttention` (the runner builds it; a CUDA
 graph builds the decode part from static block tables with `decode_context`); the per-layer work
 is tensor ops only, with no host synchronisation, so a decode step can be captured as a graph.
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from shared.runtime import rows
 from shared.runtime.kv_pool import KVPool
 
 if TYPE_CHECKING:
@@ -64,6 +69,7 @@ class StepAttention:
     spans: list[SpanAttention] | None = None
     mirror: MirrorStep | None = None  # decodes served by the mirror instead of the gather
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # reused gather output (CPU)
+    row_plan: rows.RowAttention | None = None  # batch-invariant: every row through rows.c (nothing above)
 
 
 def decode_context(tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +87,9 @@ def attend(
 ) -> torch.Tensor:
     """Attention of T new tokens: q `[T, H, D]`, k/v `[T, KVH, D]` (views are fine) -> `[T, H, D]`."""
     step.pool.store(layer, step.slot_mapping, k, v)
+    if step.row_plan is not None:
+        kv = step.pool.kv[layer]
+        return rows.attend(q, kv[0], kv[1], step.row_plan, step.pool.block_size, scale).to(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if step.mirror is not None:
         step.mirror.attend(layer, q, k, v, out, scale)

@@ -55,18 +55,22 @@ class Dense:
         self.kernel: str | None = None  # what `packed` is laid out for: "skinny", "onednn", None
         self.packed: torch.Tensor | None = None
         self.plain_rows = 0  # inputs of at most this many rows skip the packed weights
+        self.invariant = False  # True: skinny.c for every row count (fp32 in and out)
 
     def pack(self, kernel: str) -> None:
         """Lay the weight out for `kernel` ("skinny" where it takes this weight, else "onednn"; the
         layout of another kernel is dropped first, so at most one packed copy is held)."""
         self.packed = self.kernel = None
-        if kernel == "skinny" and skinny.supports(self.weight):
+        takes = skinny.supports(self.weight) and (self.invariant or self.weight.dtype == torch.float32)
+        if kernel == "skinny" and takes:  # bf16 weights take skinny.c in the invariant mode (fp32 inputs)
             self.packed, self.kernel = skinny.pack(self.weight), "skinny"
             return
         self.packed = _pack(self.weight)
         self.kernel = None if self.packed is None else "onednn"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return skinny.linear(x, self.packed, self.bias)
         rows = x.shape[0]
         if self.packed is None or rows <= self.plain_rows or (self.kernel == "skinny" and rows > SKINNY_MAX_ROWS):
             return F.linear(x, self.weight, self.bias)
@@ -107,7 +111,12 @@ def choose_packed_kernel(layers: list[list[Dense]]) -> tuple[str, str]:
     under skinny.c plain `F.linear`) at most `PREFILL_SLACK` times slower; else "onednn". The
     best of three alternating runs each way. Untimed ("onednn") where one sample step takes longer
     than `PROBE_LIMIT_S`."""
-    sample = [d for layer in layers[:PROBE_LAYERS] for d in layer if skinny.supports(d.weight)]
+    sample = [
+        d
+        for layer in layers[:PROBE_LAYERS]
+        for d in layer
+        if skinny.supports(d.weight) and d.weight.dtype == torch.float32
+    ]
     if not sample:
         return "onednn", "no weight the skinny kernel takes (fp32 on CPU, outputs a multiple of 32)"
     reason = skinny.unavailable_reason()

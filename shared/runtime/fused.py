@@ -21,6 +21,12 @@ the decoder was built; one packed copy is kept beside the concatenated weights, 
 modules are pointed at slices of those (transformers' forward and the plain kernel share them),
 as on a GPU, where nothing else is kept.
 
+Batch-invariant (`invariant=True`, the default on CPU where the kernels build: see runner.py):
+every projection through skinny.c (fp32 or bf16 weights, fp32 sums, at every row count), RMSNorm
+and attention through rows.c, activations in fp32 whatever the weights' dtype. A row's bits then
+do not depend on its batch, the thread count, or whether it is a decode step, an extend or a
+prefill chunk (`invariant_reason` says why a model cannot run so).
+
 `FusedDecoder.for_model` caches one decoder per model, since engines come and go around a model.
 """
 
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.runtime import skinny
+from shared.runtime import rows, skinny
 from shared.runtime.attention import StepAttention, attend
 from shared.runtime.dense import Dense, choose_packed_kernel, choose_small_step_kernel
 
@@ -60,7 +66,32 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def invariant_reason(model: torch.nn.Module) -> str | None:
+    """Why the batch-invariant kernels cannot run this model here (None: they can)."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        return f"the fused loop does not run it ({reason})"
+    w = model.model.embed_tokens.weight
+    if w.device.type != "cpu":
+        return f"the kernels are for the CPU, the model is on {w.device.type}"
+    reason = skinny.unavailable_reason() or rows.unavailable_reason()
+    if reason is not None:
+        return reason
+    cfg, attn = model.config, model.model.layers[0].self_attn
+    if not rows.supports(cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim, torch.float32):
+        return f"head layout {cfg.num_attention_heads}/{cfg.num_key_value_heads} x {attn.head_dim}"
+    if cfg.hidden_size % 16:
+        return f"hidden size {cfg.hidden_size} (RMSNorm takes multiples of 16)"
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    odd = next((m for m in linears if not skinny.supports(m.weight)), None)
+    if odd is not None:
+        return f"a {odd.weight.dtype} projection of {odd.weight.shape[0]} outputs (skinny.c takes multiples of 32)"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool = False) -> torch.Tensor:
+    if invariant:
+        return rows.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:  # the fused kernel equals transformers' RMSNorm exactly in fp32
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()  # transformers' order of operations, so bf16 rounding matches
@@ -80,24 +111,31 @@ class _Layer:
 
 
 class FusedDecoder:
-    def __init__(self, model: torch.nn.Module) -> None:
-        reason = unsupported_reason(model)
+    def __init__(self, model: torch.nn.Module, invariant: bool = False) -> None:
+        reason = invariant_reason(model) if invariant else unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"the fused decoder does not support this model: {reason}")
+            raise ValueError(f"the fused decoder cannot run this model{' invariantly' * invariant}: {reason}")
         cfg, inner = model.config, model.model
         attn0 = inner.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn0.head_dim
         self.scale = float(attn0.scaling)
         self.eps = cfg.rms_norm_eps
+        self.invariant = invariant
         self.embed = inner.embed_tokens.weight.detach()
-        self.norm = inner.norm.weight.detach()
+        self.norm = self._norm_weight(inner.norm)
         with torch.no_grad():
-            self.layers = [_layer(layer) for layer in inner.layers]
+            self.layers = [_layer(layer, self._norm_weight) for layer in inner.layers]
             self.lm_head = Dense([model.lm_head])
             per_layer = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in self.layers]
             self._denses = [d for denses in per_layer for d in denses] + [self.lm_head]
-            self.kernel, self.kernel_note = choose_packed_kernel(per_layer)
-            self.use_kernel(self.kernel)
+            if invariant:  # skinny.c for every row count: nothing timed, nothing on MKL
+                self.kernel, self.kernel_note = "skinny", "batch-invariant: every step"
+                for d in self._denses:
+                    d.invariant = True
+                    d.pack("skinny")
+            else:
+                self.kernel, self.kernel_note = choose_packed_kernel(per_layer)
+                self.use_kernel(self.kernel)
         if any(d.packed is not None for d in self._denses):  # CPU; on a GPU nothing is packed
             logger.info("fused decoder: %s kernel for packed weights (%s)", self.kernel, self.kernel_note)
         self.rotary = inner.rotary_emb
@@ -106,10 +144,18 @@ class FusedDecoder:
         self.sin: torch.Tensor | None = None  # sin with its first half negated (see `_rope`)
         self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def _norm_weight(self, norm: torch.nn.Module | None) -> torch.Tensor | None:
+        if norm is None:
+            return None
+        w = norm.weight.detach()
+        return w.float() if self.invariant else w
+
     def use_kernel(self, kernel: str) -> None:
         """Pack every weight for `kernel` ("skinny" or "onednn"), then time plain `F.linear` against
         it for small steps again (`plain_rows`). Raises `skinny.Unavailable` for "skinny" where
         skinny.c cannot be built."""
+        if self.invariant:
+            raise ValueError("a batch-invariant decoder runs skinny.c on every step")
         if kernel == "skinny":
             skinny.load()
         with torch.no_grad():
@@ -129,11 +175,12 @@ class FusedDecoder:
             d.plain_rows = rows
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> FusedDecoder:
-        """The model's cached decoder, rebuilt if the model moved or changed dtype since (`.to()`)."""
+    def for_model(cls, model: torch.nn.Module, invariant: bool = False) -> FusedDecoder:
+        """The model's cached decoder, rebuilt if the model moved or changed dtype since (`.to()`),
+        or was built for the other mode."""
         decoder = _decoders.get(model)
-        if decoder is None or decoder.source != _source(model):
-            decoder = _decoders[model] = cls(model)
+        if decoder is None or decoder.source != _source(model) or decoder.invariant != invariant:
+            decoder = _decoders[model] = cls(model, invariant)
         return decoder
 
     def ensure_positions(self, n: int) -> None:
@@ -145,7 +192,8 @@ class FusedDecoder:
             self._retired.append((self.cos, self.sin))
         n = max(n, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
         pos = torch.arange(n, device=self.embed.device).unsqueeze(0)
-        cos, sin = self.rotary(self.embed[:1], pos)  # the model's own rotary module: same values
+        like = self.embed[:1].float() if self.invariant else self.embed[:1]
+        cos, sin = self.rotary(like, pos)  # the model's own rotary module: same values
         half = self.head_dim // 2
         self.cos = cos[0]
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
@@ -155,28 +203,30 @@ class FusedDecoder:
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         h = F.embedding(ids, self.embed)
+        if self.invariant:
+            h = h.float()
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, cos, sin, step)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(rms_norm(hidden, self.norm, self.eps))
+        return self.lm_head(rms_norm(hidden, self.norm, self.eps, self.invariant))
 
     def _layer(
         self, i: int, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention
     ) -> torch.Tensor:
-        t, (nh, nkv, d) = h.shape[0], (self.heads, self.kv_heads, self.head_dim)
-        qkv = layer.qkv(rms_norm(h, layer.ln1, self.eps))
+        t, (nh, nkv, d), inv = h.shape[0], (self.heads, self.kv_heads, self.head_dim), self.invariant
+        qkv = layer.qkv(rms_norm(h, layer.ln1, self.eps, inv))
         if layer.q_norm is None:
             _rope(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # q and k in one go
             q, k = qkv[:, : nh * d].view(t, nh, d), qkv[:, nh * d : (nh + nkv) * d].view(t, nkv, d)
         else:
-            q = _rope(rms_norm(qkv[:, : nh * d].view(t, nh, d), layer.q_norm, self.eps), cos, sin)
-            k = _rope(rms_norm(qkv[:, nh * d : (nh + nkv) * d].view(t, nkv, d), layer.k_norm, self.eps), cos, sin)
+            q = _rope(rms_norm(qkv[:, : nh * d].view(t, nh, d), layer.q_norm, self.eps, inv), cos, sin)
+            k = _rope(rms_norm(qkv[:, nh * d : (nh + nkv) * d].view(t, nkv, d), layer.k_norm, self.eps, inv), cos, sin)
         v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
         a = attend(step, i, q, k, v, self.scale)
         h = h + layer.o(a.view(t, nh * d))
-        gate, up = layer.gate_up(rms_norm(h, layer.ln2, self.eps)).split(layer.gate_up.sizes, dim=-1)
+        gate, up = layer.gate_up(rms_norm(h, layer.ln2, self.eps, inv)).split(layer.gate_up.sizes, dim=-1)
         return h + layer.down(F.silu(gate) * up)
 
 
@@ -194,17 +244,15 @@ def _source(model: torch.nn.Module) -> tuple:
     return w.data_ptr(), w.dtype, w.device
 
 
-def _layer(block: torch.nn.Module) -> _Layer:
+def _layer(block: torch.nn.Module, norm_weight) -> _Layer:
     attn, mlp = block.self_attn, block.mlp
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
     return _Layer(
-        ln1=block.input_layernorm.weight.detach(),
-        ln2=block.post_attention_layernorm.weight.detach(),
+        ln1=norm_weight(block.input_layernorm),
+        ln2=norm_weight(block.post_attention_layernorm),
         qkv=Dense([attn.q_proj, attn.k_proj, attn.v_proj]),
         o=Dense([attn.o_proj]),
         gate_up=Dense([mlp.gate_proj, mlp.up_proj]),
         down=Dense([mlp.down_proj]),
-        q_norm=None if q_norm is None else q_norm.weight.detach(),
-        k_norm=None if k_norm is None else k_norm.weight.detach(),
+        q_norm=norm_weight(getattr(attn, "q_norm", None)),
+        k_norm=norm_weight(getattr(attn, "k_norm", None)),
     )

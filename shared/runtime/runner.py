@@ -6,6 +6,11 @@ Python), builds the attention plan once (`StepAttention`), runs the model once, 
 next-token logits for the sequences whose work reaches their last known token.
 
 Which pieces run:
+- batch-invariant by default on CPU (`invariant`): skinny.c, rows.c and fp32 activations for every
+  row, so a sequence's tokens do not depend on what shares its step (fused.py); no mirror, every
+  row's attention read from the pool in place. `invariant=False` is the fastest non-invariant
+  path below (oneDNN/MKL, the mirror, SDPA), kept for comparison and for models the kernels do
+  not take;
 - the forward: the runtime's fused layer loop (fused.py) for Llama-family models, otherwise
   transformers' forward with the paged attention plugged in (attention.py);
 - decode attention: on CPU the decode mirror (mirror.py: contiguous per-sequence KV, no gather
@@ -16,19 +21,22 @@ Which pieces run:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from shared.runtime import rows
 from shared.runtime.attention import SpanAttention, StepAttention, decode_context
 from shared.runtime.batch import Batch, pack
 from shared.runtime.cuda_graphs import DecodeGraphs
-from shared.runtime.fused import FusedDecoder, unsupported_reason
+from shared.runtime.fused import FusedDecoder, invariant_reason, unsupported_reason
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.mirror import DecodeMirror
 from shared.runtime.sequence import Sequence
 
 DEFAULT_MIRROR_BYTES = 1 << 30  # CPU decode mirror budget; 0 turns it off
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,11 +54,14 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         fused: bool | None = None,
         mirror_bytes: int | None = None,
+        invariant: bool | None = None,
     ) -> None:
         """`cuda_graphs`: replay decode steps from CUDA graphs (default: on when the pool is on a GPU and
         the fused decoder runs the model).
         `fused`: the fused layer loop (default: when the model supports it). `mirror_bytes`: the
-        CPU decode mirror's budget (default 1 GiB; 0 = gather every step)."""
+        CPU decode mirror's budget (default 1 GiB; 0 = gather every step).
+        `invariant`: batch-invariant kernels (default: on where `fused.invariant_reason` finds none
+        against them; a model on CPU that cannot run them is logged with why)."""
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -59,9 +70,10 @@ class ModelRunner:
         if fused and reason:
             raise ValueError(f"fused=True, but the fused decoder does not support this model: {reason}")
         use_fused = fused if fused is not None else reason is None
-        self.decoder = FusedDecoder.for_model(model) if use_fused else None
+        self.invariant = self._invariant(invariant, use_fused, cuda)
+        self.decoder = FusedDecoder.for_model(model, self.invariant) if use_fused else None
         budget = DEFAULT_MIRROR_BYTES if mirror_bytes is None else mirror_bytes
-        self.mirror = DecodeMirror(pool, budget) if budget > 0 and not cuda else None
+        self.mirror = DecodeMirror(pool, budget) if budget > 0 and not cuda and not self.invariant else None
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graphs = None
         if cuda_graphs and not cuda:
@@ -70,6 +82,19 @@ class ModelRunner:
             raise ValueError("CUDA graphs need the fused decoder (a Llama-family model)")
         if cuda_graphs or (cuda_graphs is None and cuda and self.decoder is not None):
             self.graphs = DecodeGraphs(self.decoder, pool)
+
+    def _invariant(self, asked: bool | None, fused: bool, cuda: bool) -> bool:
+        if asked is False or (asked is None and cuda):
+            return False
+        reason = invariant_reason(self.model) if fused else "the fused loop is off"
+        if reason is None and not rows.supports(1, 1, 16, self.pool.dtype):
+            reason = f"a {self.pool.dtype} KV pool"
+        if reason is None:
+            return True
+        if asked:
+            raise ValueError(f"invariant=True, but the batch-invariant kernels cannot run here: {reason}")
+        logger.warning("batch-invariant kernels off (%s): a row's tokens may depend on its batch", reason)
+        return False
 
     @torch.inference_mode()
     def forward(self, work: list[tuple[Sequence, int]]) -> StepResult:
@@ -110,11 +135,11 @@ class ModelRunner:
 
     def plan(self, batch: Batch) -> StepAttention:
         dev = self.device
-        step = StepAttention(
-            pool=self.pool,
-            slot_mapping=torch.tensor(batch.slots, device=dev),
-            spans=[self._span(*s) for s in batch.spans],
-        )
+        step = StepAttention(pool=self.pool, slot_mapping=torch.tensor(batch.slots, device=dev))
+        if self.invariant:
+            step.row_plan = self._row_plan(batch)
+            return step
+        step.spans = [self._span(*s) for s in batch.spans]
         if self.mirror is not None:
             for _, seq, start, _ in batch.spans:
                 self.mirror.recompute(seq, start)
@@ -133,6 +158,18 @@ class ModelRunner:
         step.decode_ctx_slots, step.decode_mask = ctx, mask
         step.buffers = self._gather_buffers(ctx.numel()) if dev.type == "cpu" else None
         return step
+
+    @staticmethod
+    def _row_plan(batch: Batch) -> rows.RowAttention:
+        """Each flat row's block table and key count: a decode at position p sees p + 1 keys, row i
+        of a span from `start` sees start + i + 1."""
+        per_row: list[tuple[list[int], int] | None] = [None] * len(batch.ids)
+        for flat, seq, pos in batch.decodes:
+            per_row[flat] = (seq.block_table, pos + 1)
+        for flat, seq, start, end in batch.spans:
+            for i in range(end - start):
+                per_row[flat + i] = (seq.block_table, start + i + 1)
+        return rows.plan(per_row)
 
     def _span(self, flat: int, seq: Sequence, start: int, end: int) -> SpanAttention:
         n = end - start

@@ -1,0 +1,298 @@
+/* Batch-invariant CPU kernels: attention over the paged KV pool, and RMSNorm.
+ *
+ * "Batch-invariant": a row's result is a fixed sequence of float operations on that row's own
+ * inputs. It does not depend on which other rows share the call, on how many threads run it, or
+ * on whether the row is a decode step or one position of a prefill chunk or extend. So a
+ * sequence decoded step by step, recomputed in one extend on another instance, or batched with
+ * fifteen others, gets the same bits, and greedy decoding gives the same text on every route.
+ *
+ * Attention, per query row t and query head (a row sees keys [0, lens[t]) of its sequence):
+ *   s_j = hsum(q * k_j) * scale          j in order; hsum adds the 16 lanes in one fixed tree
+ *   m   = max_j s_j;  p_j = exp(s_j - m)   vexp below: the same polynomial on every lane
+ *   l   = lane sums of p over j (lane = j mod 16), then hsum
+ *   o   = (sum_j p_j v_j, j in order) / l
+ * K and V are read in place from the pool ([slots][kv_heads][head_dim], fp32 or bf16) through
+ * each row's block table, 16 keys at a time widened to fp32: nothing is gathered per step. Consecutive rows of one sequence (a prefill chunk
+ * or an extend) form a tile that shares every K and V load; a tile's rows are computed with the
+ * same operations as a row alone. Work is split over (tile, KV head) pairs, each done by one
+ * thread from start to end.
+ *
+ * Built by shared/runtime/cbuild.py with `cc -O3 -march=native -fopenmp` (GCC vector extensions:
+ * one AVX-512 register per v16). The OpenMP runtime is torch's own libgomp. */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+
+#define TILE_ROWS 32 /* rows of one sequence sharing K/V loads */
+
+int rows_abi(void) { return 1; }
+
+static inline v16 load16(const void *base, int bf16, size_t at) {
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)base + at, sizeof h);
+        v16i w = __builtin_convertvector(h, v16i) << 16;
+        return (v16)w;
+    }
+    v16 f;
+    memcpy(&f, (const float *)base + at, sizeof f);
+    return f;
+}
+
+static inline float hsum(v16 a) {
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    float d0 = c[0] + c[2], d1 = c[1] + c[3];
+    return d0 + d1;
+}
+
+/* e^x for x <= 0 (Cephes' expf polynomial, ~1 ulp); 0 below -87.3. */
+static inline v16 vexp(v16 x) {
+    const v16 lo = (v16){0} - 87.3365f;
+    v16i under = x < lo;
+    v16i keep = ~under;
+    x = (v16)(((v16i)x & keep) | ((v16i)lo & under));
+    v16 t = x * 1.44269504088896341f;
+    v16 n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 z = r * r;
+    v16 y = 1.9875691500E-4f * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * z + r + 1.0f;
+    v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return (v16)((v16i)(y * (v16)scale) & keep);
+}
+
+struct attn {
+    const float *q; /* [T][H][D] */
+    const void *k, *v; /* the layer's pool: [S][KVH][D] */
+    int bf16;
+    const int32_t *tables; /* block tables, concatenated */
+    const int64_t *table_at; /* [T] where row t's table starts in `tables` */
+    const int32_t *lens; /* [T] keys row t sees */
+    float *out; /* [T][H][D] */
+    int H, KVH, D, block;
+    float scale;
+};
+
+static inline size_t slot_of(const struct attn *a, const int32_t *table, int j) {
+    return (size_t)table[j / a->block] * a->block + j % a->block;
+}
+
+/* Rows [r0, r1) (one sequence, same table, lens ascending or equal), KV head h. */
+/* The workspace of one thread: a tile's queries and P x V sums, one block of K or V in fp32, scores. */
+struct work {
+    v16 *q, *acc; /* [nq][C] */
+    v16 *block; /* [16][C]: 16 keys (or values) of one KV head, widened */
+    float *scores; /* [nq][lpad] */
+    int lpad;
+};
+
+/* The 16 lanes of each of 16 vectors summed, as hsum does it (the same pairs in the same tree:
+ * halves, quarters, then (0+2) + (1+3)): r[j] == hsum(a[j]) bit for bit, in a quarter of the work. */
+static inline v16 hsum16(const v16 *a) {
+    v16 x[8], y[4], z[2];
+    for (int m = 0; m < 8; m++)
+        x[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int m = 0; m < 4; m++)
+        y[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(x[2 * m], x[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int m = 0; m < 2; m++)
+        z[m] = __builtin_shufflevector(y[2 * m], y[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(y[2 * m], y[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Keys (or values) [j0, j0 + 16) of KV head h into w->block as fp32; rows past `end` are zero. */
+static void widen_block(const struct attn *a, const void *pool, const int32_t *table, int h, int j0, int end,
+                        v16 *out) {
+    const int C = a->D / 16;
+    for (int j = 0; j < 16; j++) {
+        if (j0 + j >= end) {
+            memset(out + (size_t)j * C, 0, sizeof(v16) * (size_t)C);
+            continue;
+        }
+        size_t at = (slot_of(a, table, j0 + j) * a->KVH + h) * a->D;
+        for (int c = 0; c < C; c++) out[(size_t)j * C + c] = load16(pool, a->bf16, at + 16 * c);
+    }
+}
+
+/* Rows [r0, r1) (one sequence, one table), KV head h. Query vector i is row r0 + i / G, head
+ * h * G + i % G; it sees len[i] keys. Every query vector's operations are those it would get alone:
+ * a longer row beside it only adds blocks where its p is 0 (acc + 0 * v == acc). C = head_dim / 16
+ * is a constant in each instance (always_inline), so the inner loops unroll. */
+static inline __attribute__((always_inline)) void tile_body(const struct attn *a, int r0, int r1, int h,
+                                                            const struct work *w, const int C) {
+    const int G = a->H / a->KVH, nq = (r1 - r0) * G, lpad = w->lpad;
+    const int32_t *table = a->tables + a->table_at[r0];
+    float *buf = w->scores;
+    int L = 0;
+    for (int r = r0; r < r1; r++) L = a->lens[r] > L ? a->lens[r] : L;
+    const int Lpad = (L + 15) & ~15;
+    int len[TILE_ROWS * 8];
+    for (int i = 0; i < nq; i++) {
+        int r = r0 + i / G, head = h * G + i % G;
+        len[i] = a->lens[r];
+        memcpy(w->q + (size_t)i * C, a->q + ((size_t)r * a->H + head) * a->D, (size_t)C * sizeof(v16));
+    }
+    /* scores, 16 keys at a time: s_j = hsum(sum_c q_c * k_jc) * scale */
+    for (int j0 = 0; j0 < L; j0 += 16) {
+        widen_block(a, a->k, table, h, j0, L, w->block);
+        for (int i = 0; i < nq; i++) {
+            if (j0 >= len[i]) continue;
+            const v16 *qi = w->q + (size_t)i * C;
+            v16 dot[16];
+            for (int j = 0; j < 16; j++) {
+                const v16 *kj = w->block + (size_t)j * C;
+                v16 acc = qi[0] * kj[0];
+                for (int c = 1; c < C; c++) acc += qi[c] * kj[c];
+                dot[j] = acc;
+            }
+            v16 s = hsum16(dot) * a->scale;
+            memcpy(buf + (size_t)i * lpad + j0, &s, sizeof s);
+        }
+    }
+    /* softmax: p in place (0 past a query's keys, up to the tile's), 1 / l per query */
+    float inv[TILE_ROWS * 8];
+    for (int i = 0; i < nq; i++) {
+        float *s = buf + (size_t)i * lpad;
+        int n = len[i], padded = (n + 15) & ~15;
+        for (int j = n; j < padded; j++) s[j] = -INFINITY;
+        v16 mv = (v16){0} - INFINITY;
+        for (int j = 0; j < padded; j += 16) {
+            v16 x;
+            memcpy(&x, s + j, sizeof x);
+            mv = (v16)(((v16i)mv & (v16i)(mv >= x)) | ((v16i)x & (v16i)(mv < x)));
+        }
+        float m = mv[0];
+        for (int l = 1; l < 16; l++) m = mv[l] > m ? mv[l] : m;
+        v16 sum = {0};
+        for (int j = 0; j < padded; j += 16) {
+            v16 x;
+            memcpy(&x, s + j, sizeof x);
+            v16 p = vexp(x - m);
+            memcpy(s + j, &p, sizeof p);
+            sum += p;
+        }
+        memset(s + padded, 0, sizeof(float) * (size_t)(Lpad - padded));
+        inv[i] = 1.0f / hsum(sum);
+    }
+    /* P x V: o_i = sum_j p_ij v_j, j in order, four query vectors' sums in registers at a time */
+    v16 *acc = w->acc;
+    memset(acc, 0, sizeof(v16) * (size_t)nq * C);
+    for (int j0 = 0; j0 < L; j0 += 16) {
+        widen_block(a, a->v, table, h, j0, L, w->block);
+        for (int c0 = 0; c0 < C; c0 += 4) {
+            const int nc = C - c0 < 4 ? C - c0 : 4;
+            for (int i0 = 0; i0 < nq; i0 += 4) {
+                const int ni = nq - i0 < 4 ? nq - i0 : 4;
+                v16 o[4][4];
+                for (int i = 0; i < ni; i++)
+                    for (int c = 0; c < nc; c++) o[i][c] = acc[(size_t)(i0 + i) * C + c0 + c];
+                const float *p = buf + (size_t)i0 * lpad + j0;
+                for (int j = 0; j < 16; j++) {
+                    const v16 *vj = w->block + (size_t)j * C + c0;
+                    for (int i = 0; i < ni; i++) {
+                        float pij = p[(size_t)i * lpad + j];
+                        for (int c = 0; c < nc; c++) o[i][c] += pij * vj[c];
+                    }
+                }
+                for (int i = 0; i < ni; i++)
+                    for (int c = 0; c < nc; c++) acc[(size_t)(i0 + i) * C + c0 + c] = o[i][c];
+            }
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        int r = r0 + i / G, head = h * G + i % G;
+        float *o = a->out + ((size_t)r * a->H + head) * a->D;
+        for (int c = 0; c < C; c++) {
+            v16 x = acc[(size_t)i * C + c] * inv[i];
+            memcpy(o + 16 * c, &x, sizeof x);
+        }
+    }
+}
+
+static void attend_tile(const struct attn *a, int r0, int r1, int h, const struct work *w) {
+    switch (a->D / 16) {
+    case 4: tile_body(a, r0, r1, h, w, 4); break; /* head_dim 64 */
+    case 8: tile_body(a, r0, r1, h, w, 8); break; /* 128 */
+    default: tile_body(a, r0, r1, h, w, a->D / 16); break;
+    }
+}
+
+/* Attention of T query rows (see the header). Returns 0, or -1 for a shape it does not take. */
+int attend_rows(const float *q, const void *k, const void *v, int bf16, const int32_t *tables,
+                const int64_t *table_at, const int32_t *lens, float *out, int T, int H, int KVH, int D,
+                int block, float scale, int threads) {
+    if (D % 16 || D > 256 || H % KVH || H / KVH > 8 || T <= 0) return -1;
+    struct attn a = {q, k, v, bf16, tables, table_at, lens, out, H, KVH, D, block, scale};
+    int *starts = malloc(sizeof(int) * (size_t)(T + 1)), tiles = 0, lmax = 0;
+    if (!starts) return -1;
+    for (int r = 0; r < T; r++) {
+        if (r == 0 || table_at[r] != table_at[r - 1] || r - starts[tiles - 1] == TILE_ROWS) starts[tiles++] = r;
+        lmax = lens[r] > lmax ? lens[r] : lmax;
+    }
+    starts[tiles] = T;
+    int lpad = (lmax + 15) & ~15, failed = 0;
+    size_t nq = (size_t)TILE_ROWS * (H / KVH), vecs = nq * (D / 16);
+#pragma omp parallel num_threads(threads)
+    {
+        struct work w = {aligned_alloc(64, vecs * sizeof(v16)), aligned_alloc(64, vecs * sizeof(v16)),
+                         aligned_alloc(64, (size_t)D * 16 * sizeof(float)),
+                         aligned_alloc(64, ((nq * lpad * sizeof(float)) + 63) & ~(size_t)63), lpad};
+        int ok = w.q && w.acc && w.block && w.scores;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tiles * KVH; t++)
+            if (ok) attend_tile(&a, starts[t / KVH], starts[t / KVH + 1], t % KVH, &w);
+        free(w.q);
+        free(w.acc);
+        free(w.block);
+        free(w.scores);
+    }
+    free(starts);
+    return failed ? -1 : 0;
+}
+
+/* out[t] = (x[t] * 1 / sqrt(mean(x[t]^2) + eps)) * w, n a multiple of 16; rows in parallel. */
+int rms_norm_rows(const float *x, const float *w, float *out, int T, int n, float eps, int threads) {
+    if (n % 16) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * n;
+        float *orow = out + (size_t)t * n;
+        v16 ss = {0};
+        for (int i = 0; i < n; i += 16) {
+            v16 xi;
+            memcpy(&xi, xr + i, sizeof xi);
+            ss += xi * xi;
+        }
+        float r = 1.0f / sqrtf(hsum(ss) / (float)n + eps);
+        for (int i = 0; i < n; i += 16) {
+            v16 xi, wi;
+            memcpy(&xi, xr + i, sizeof xi);
+            memcpy(&wi, w + i, sizeof wi);
+            xi = (xi * r) * wi;
+            memcpy(orow + i, &xi, sizeof xi);
+        }
+    }
+    return 0;
+}
