@@ -61,8 +61,11 @@ def _tiny(kind: str) -> torch.nn.Module:
 
 
 def _runner(model: torch.nn.Module, **kwargs) -> ModelRunner:
+    """The paths this file tests are the non-invariant ones (`invariant=True` where a test says so:
+    tests/runtime/test_invariant.py has the rest)."""
     pool = KVPool(kv_layout(model), 64, 16, next(model.parameters()).dtype, DEVICE)
     kwargs.setdefault("cuda_graphs", False)
+    kwargs.setdefault("invariant", False)
     return ModelRunner(model, pool, **kwargs)
 
 
@@ -94,20 +97,23 @@ def _mixed_steps(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Te
     return out
 
 
-KERNELS = [("onednn", 0), ("skinny", 0), ("onednn", 3)] if DEVICE == "cpu" else [("onednn", 0)]
+KERNELS = [("onednn", 0), ("skinny", 0), ("onednn", 3), ("invariant", 0)] if DEVICE == "cpu" else [("onednn", 0)]
 
 
 @pytest.mark.parametrize(("kernel", "plain_rows"), KERNELS, ids=lambda v: str(v))
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fused_loop_matches_transformers_forward(kind, kernel, plain_rows):
-    """With oneDNN's or skinny.c's packed weights for every step, and with plain F.linear for the
-    3-row decodes."""
+    """With oneDNN's or skinny.c's packed weights for every step, with plain F.linear for the
+    3-row decodes, and batch-invariant (skinny.c and rows.c for every row)."""
     model = _tiny(kind)
     prompts = random_prompts(model.config.vocab_size, [20, 30, 25], seed=5)
-    runner = _runner(model, fused=True)
-    runner.decoder.use_kernel(kernel)
-    assert {d.kernel for d in runner.decoder._denses} == ({kernel} if DEVICE == "cpu" else {None})
-    runner.decoder.plain_rows = plain_rows
+    runner = _runner(model, fused=True, invariant=kernel == "invariant")
+    if kernel == "invariant":
+        assert {d.kernel for d in runner.decoder._denses} == {"skinny"} and runner.mirror is None
+    else:
+        runner.decoder.use_kernel(kernel)
+        assert {d.kernel for d in runner.decoder._denses} == ({kernel} if DEVICE == "cpu" else {None})
+        runner.decoder.plain_rows = plain_rows
     fused = _mixed_steps(runner, prompts)
     plain = _mixed_steps(_runner(model, fused=False, mirror_bytes=0), prompts)
     for i, (x, y) in enumerate(zip(fused, plain)):
@@ -282,7 +288,11 @@ def test_graph_bucket_step_matches_eager_step_and_keeps_kv():
     torch.testing.assert_close(graphed.pool.export_tokens(slots), eager.pool.export_tokens(slots), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{}, {"mirror_bytes": 0}, {"fused": False}], ids=["default", "gather", "hf"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"mirror_bytes": 0}, {"fused": False}, {"invariant": DEVICE == "cpu"}],
+    ids=["mirror", "gather", "hf", "invariant"],
+)
 def test_engine_on_each_path_equals_generate(options):
     model = _tiny("llama")
     ref = reference_model(tiny_llama())  # the same weights (seeded), plain CPU transformers

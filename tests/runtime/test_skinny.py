@@ -1,4 +1,5 @@
-"""skinny.c, the fp32 GEMM for decode steps on CPU (shared/runtime/skinny.py): it computes what
+"""skinny.c, the GEMM for decode steps on CPU (shared/runtime/skinny.py; fp32 weights here, bf16 in
+test_invariant.py): it computes what
 F.linear does for every row count and shape it takes, the same bits for a row whatever the batch
 around it, and where it cannot be built it says why."""
 
@@ -85,7 +86,8 @@ def test_inputs_views_and_empty_batches(kernel):
 def test_which_weights_it_takes():
     assert skinny.supports(torch.empty(64, 8))
     assert not skinny.supports(torch.empty(48, 8))  # outputs not a multiple of 32
-    assert not skinny.supports(torch.empty(64, 8, dtype=torch.bfloat16))
+    assert skinny.supports(torch.empty(64, 8, dtype=torch.bfloat16))
+    assert not skinny.supports(torch.empty(64, 8, dtype=torch.float16))
     assert skinny.pack(torch.arange(64.0 * 3).view(64, 3))[1, 2, 5].item() == (16 + 5) * 3 + 2
 
 
