@@ -29,6 +29,7 @@ test-fast: setup
 
 bench-runtime: setup
 	$(PY) benchmarks/runtime_bench.py
+	$(PY) benchmarks/kernels_bench.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

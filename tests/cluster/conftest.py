@@ -16,6 +16,7 @@ import json
 import re
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,6 +35,7 @@ FLEET = [
     {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
     {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
 ]
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "single-host.yaml"
 KEYS = {"calm": "calm-key", "flooder": "flood-key", "tenant-a": "admin-a", "tenant-b": "admin-b"}
 
 
@@ -65,18 +67,14 @@ def _keys_file() -> str:
 # (~55% busy); two threads cut those tests' time by a fifth. The fleet keeps one: its tests run a
 # dozen requests on five instances at once, where two threads each only contend (its soak slowed).
 CLUSTERS = {  # in the order their tests run (tests/conftest.py): the shortest group first
-    # the demo's heterogeneous fleet (prefill float32, relay and main-decode bfloat16) with API keys
-    # on (services/gateway/auth.py): the front door's and mixed precision's tests
+    # the shipped config itself (configs/single-host.yaml: prefill float32, relay and main-decode
+    # bfloat16, one thread each), with API keys on (services/gateway/auth.py) and a deeper queue:
+    # the front door's and mixed precision's tests, on what `pdd up` runs
     "keyed": {
+        "config": str(SHIPPED_CONFIG),
         "port": 0,
         "gateway": {"keys_file": "<made at launch>"},
         "max_queue": 128,
-        "handoff": {"chunk_tokens": 12, "final_tokens": 3},
-        "instances": [
-            {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192, "threads": 2},
-            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096, "dtype": "bfloat16", "threads": 2},
-            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 8192, "dtype": "bfloat16", "threads": 2},
-        ],
     },
     # two prefill and two main-decode instances (small md pools, so eviction happens; at most
     # 12 requests each, so a burst finds the stage full)
@@ -321,9 +319,11 @@ def tls_overhead(kv_bytes: int) -> int:
 
 @pytest.fixture(scope="session")
 def mixed_reference(smol, smol_dir, smol_tokenizer):
-    """The one-process reference of the heterogeneous fleet: prefill in float32, the KV
-    converted, decoding in bfloat16. `handoff_after=k`: the relay's first k tokens, then
-    main-decode's restart from the same KV with those k tokens extended in one step."""
+    """The one-process reference of the heterogeneous fleet: the prompt prefilled in float32 (its
+    KV and the first token), the KV converted to bfloat16, then greedy decoding in bfloat16, one
+    token per step, alone. With the batch-invariant kernels (shared/runtime/rows.py) this is what
+    every pipeline, handoff mode and load gives: an extend recomputes the relay's KV bit for bit,
+    so where the handoff falls does not matter."""
     from shared.messages import Sampling
     from shared.runtime.engine import Engine
     from shared.runtime.kv_payload import export_kv, import_kv
@@ -333,28 +333,20 @@ def mixed_reference(smol, smol_dir, smol_tokenizer):
     bf16 = load_model(smol_dir, "bfloat16")
     eos = tuple(e if isinstance(e, list) else [e]) if (e := smol.generation_config.eos_token_id) is not None else ()
 
-    def decode(prompt: list[int], known: list[int], payload, n: int, ignore_eos: bool) -> list[int]:
-        e = Engine.for_model(bf16, 512, eos_token_ids=eos)
-        seq = Sequence("d", [*prompt, *known], Sampling(max_tokens=n, ignore_eos=ignore_eos), prompt_len=len(prompt))
-        seq.block_table = e.allocate(e.pool.blocks_for(len(prompt) + n))
-        import_kv(e.pool, seq.block_table, payload)
-        seq.num_computed = len(prompt)
-        e.add(seq)
-        out = list(known)
-        while e.has_work:
-            out += [o.token_id for o in e.step() if o.token_id is not None]
-        return out
-
-    def text_for(
-        prompt: list[int], n: int, ignore_eos: bool = False, handoff_after: int | None = None, ids: bool = False
-    ) -> str | list[int]:
+    def text_for(prompt: list[int], n: int, ignore_eos: bool = False, ids: bool = False) -> str | list[int]:
         p = Engine.for_model(smol, 512)
         p.add(Sequence("p", list(prompt), Sampling(max_tokens=1, ignore_eos=True), hold_kv=True, max_new=1))
         first = next(o.token_id for o in p.step() if o.token_id is not None)
         payload = export_kv(p.pool, p.held["p"].block_table, 0, len(prompt))
-        tokens = decode(prompt, [first], payload, n, ignore_eos)
-        if handoff_after is not None and handoff_after < len(tokens):
-            tokens = decode(prompt, tokens[:handoff_after], payload, n, ignore_eos)
+        e = Engine.for_model(bf16, 512, eos_token_ids=eos)
+        seq = Sequence("d", [*prompt, first], Sampling(max_tokens=n, ignore_eos=ignore_eos), prompt_len=len(prompt))
+        seq.block_table = e.allocate(e.pool.blocks_for(len(prompt) + n))
+        import_kv(e.pool, seq.block_table, payload)
+        seq.num_computed = len(prompt)
+        e.add(seq)
+        tokens = [first]
+        while e.has_work:
+            tokens += [o.token_id for o in e.step() if o.token_id is not None]
         return tokens if ids else smol_tokenizer.decode(tokens, skip_special_tokens=True)
 
     return text_for

@@ -1,10 +1,12 @@
-"""The heterogeneous fleet (the demo's default: prefill float32, relay and main-decode bfloat16)
-against its one-process reference (tests/cluster/conftest.py `mixed_reference`): every pipeline
-says what prefill-in-float32-then-decode-in-bfloat16 says, the KV is converted on receive, the
-handoff's extend runs in main-decode's precision, and the decode-side cache works across
-precisions (only the new tokens' KV crosses). Narrower KV on the WAN lands too."""
+"""The shipped heterogeneous fleet (configs/single-host.yaml: prefill float32, relay and main-decode
+bfloat16) against its one-process reference (tests/cluster/conftest.py `mixed_reference`): every
+plan, handoff mode, repeat and load says what prefill-in-float32-then-decode-in-bfloat16 says
+(the batch-invariant kernels), the KV is converted on receive, and the decode-side cache works
+across precisions (only the new tokens' KV crosses). Narrower KV on the WAN lands too."""
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import pytest
 
@@ -28,31 +30,56 @@ def run(
     return text, obj
 
 
-@pytest.mark.parametrize("pipeline, handoff", [("p-md", None), ("p-rld", None), ("p-rld-md", "oneshot")])
-def test_every_pipeline_equals_the_mixed_reference(keyed, mixed_reference, smol_tokenizer, pipeline, handoff):
-    for prompt in ("def quicksort(items):", fresh_prompt(30, pipeline)):
-        text, pdd = run(keyed, prompt, 32, pipeline, handoff)
-        ids = smol_tokenizer(prompt)["input_ids"]
-        relay = pdd["tokens_by_role"]["rld"] if pipeline == "p-rld-md" and pdd["tokens_by_role"]["md"] else None
-        assert text == mixed_reference(ids, 32, ignore_eos=True, handoff_after=relay), (pipeline, prompt, pdd)
-        assert pdd["pipeline"] == pipeline
+CHATS = [
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "What is your favourite drink, and why?",
+    "Explain recursion to a child.",
+    "List three uses of a paperclip.",
+    "What happens when water freezes?",
+    "Give me a tip for learning to cook.",
+    "Describe a cat in two sentences.",
+]
+PLANS = [("p-md", None), ("p-rld-md", "oneshot"), ("p-rld-md", "catchup"), ("p-rld", None)]
 
 
-def test_catch_up_in_bfloat16_keeps_the_relays_tokens_and_hands_over(keyed, mixed_reference, smol_tokenizer):
-    """Catch-up extends the relay's tokens chunk by chunk; in bfloat16 a chunked extend is not bit
-    for bit a one-step one, so the one-process reference is exact up to the handoff (the relay's
-    tokens) and the request is handed over; docs/kv-wire.md measures how often they part."""
-    prompt = fresh_prompt(40, "catchup-bf16")
-    text, pdd = run(keyed, prompt, 48, "p-rld-md", "catchup")
-    ref = mixed_reference(smol_tokenizer(prompt)["input_ids"], 48, ignore_eos=True, ids=True)
-    relay = pdd["tokens_by_role"]["rld"]
-    assert relay >= 1 and sum(pdd["tokens_by_role"].values()) == 48
-    assert text.startswith(smol_tokenizer.decode(ref[: max(relay - 1, 0)], skip_special_tokens=True))
-    print(
-        f"\ncatch-up in bfloat16: relay {relay} tokens, {pdd['handoff_chunks']} chunks; "
-        f"{'equal to' if text == smol_tokenizer.decode(ref, skip_special_tokens=True) else 'parted from'} "
-        "the one-step reference after the handoff"
-    )
+def chat(keyed, content: str, pdd: dict | None = None, headers: dict = ADMIN) -> tuple[str, dict]:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 64, "temperature": 0}
+    text, obj, _ = stream_completion(keyed.url + "/v1/chat/completions", {**body, "pdd": pdd or {}}, headers=headers)
+    return text, obj
+
+
+def burst(keyed, requests: list[tuple[str, dict | None]]) -> list[tuple[str, dict]]:
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: chat(keyed, *r), requests))
+
+
+def test_one_answer_per_prompt_on_every_plan_load_and_repeat(keyed, mixed_reference, smol_tokenizer):
+    """The shipped fleet (prefill float32, decoders bfloat16) gives each greedy chat prompt one
+    text: through p-md, a one-shot and a catch-up handoff and the relay alone, twice each (the
+    second time from both sides' prefix caches), and once more in a burst of 16 with 8 unrelated
+    requests; and that text is the one-process mixed reference. Each plan's 8 prompts run at once,
+    so every answer is also computed in a batch of 8. Prints the divergence table."""
+    texts: dict[str, list[tuple[str, str]]] = {c: [] for c in CHATS}
+    for repeat in range(2):
+        for pipeline, handoff in PLANS:
+            pdd = {"pipeline": pipeline, **({"handoff": handoff} if handoff else {})}
+            for content, (text, obj) in zip(CHATS, burst(keyed, [(c, pdd) for c in CHATS])):
+                assert obj["pipeline"] == pipeline, obj
+                texts[content].append((f"{pipeline}{'-' + handoff if handoff else ''}#{repeat + 1}", text))
+    unrelated = [(f"Count from {i} to {i + 20}, one number per line.", None) for i in range(8)]
+    for content, (text, _) in zip(CHATS, burst(keyed, [(c, None) for c in CHATS] + unrelated)):
+        texts[content].append(("burst-of-16", text))
+    print("\nprompt | distinct texts | routes that part from the reference")
+    parted = {}
+    for content, runs in texts.items():
+        template = smol_tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        ref = mixed_reference(smol_tokenizer(template, add_special_tokens=False)["input_ids"], 64)
+        parted[content] = [route for route, text in runs if text != ref]
+        print(f"{content[:32]:32} | {len({t for _, t in runs})} | {', '.join(parted[content]) or '-'}")
+    assert not any(parted.values()), parted
 
 
 def test_the_decode_side_cache_and_incremental_kv_work_across_precisions(keyed):
