@@ -43,8 +43,13 @@ CHATS = [
 PLANS = [("p-md", None), ("p-rld-md", "oneshot"), ("p-rld-md", "catchup"), ("p-rld", None)]
 
 
+SEEDED = "Tell me a short story about a lighthouse."  # sampled at temperature 0.8 with a seed
+
+
 def chat(keyed, content: str, pdd: dict | None = None, headers: dict = ADMIN) -> tuple[str, dict]:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 64, "temperature": 0}
+    if content == SEEDED:
+        body |= {"temperature": 0.8, "seed": 7}
     text, obj, _ = stream_completion(keyed.url + "/v1/chat/completions", {**body, "pdd": pdd or {}}, headers=headers)
     return text, obj
 
@@ -59,17 +64,20 @@ def test_one_answer_per_prompt_on_every_plan_load_and_repeat(keyed, mixed_refere
     text: through p-md, a one-shot and a catch-up handoff and the relay alone, twice each (the
     second time from both sides' prefix caches), and once more in a burst of 16 with 8 unrelated
     requests; and that text is the one-process mixed reference. Each plan's 8 prompts run at once,
-    so every answer is also computed in a batch of 8. Prints the divergence table."""
-    texts: dict[str, list[tuple[str, str]]] = {c: [] for c in CHATS}
+    so every answer is also computed in a batch of 9: a seeded sampled request rides along, and
+    it too has one text. Prints the divergence table."""
+    texts: dict[str, list[tuple[str, str]]] = {c: [] for c in [*CHATS, SEEDED]}
     for repeat in range(2):
         for pipeline, handoff in PLANS:
             pdd = {"pipeline": pipeline, **({"handoff": handoff} if handoff else {})}
-            for content, (text, obj) in zip(CHATS, burst(keyed, [(c, pdd) for c in CHATS])):
+            for content, (text, obj) in zip([*CHATS, SEEDED], burst(keyed, [(c, pdd) for c in [*CHATS, SEEDED]])):
                 assert obj["pipeline"] == pipeline, obj
                 texts[content].append((f"{pipeline}{'-' + handoff if handoff else ''}#{repeat + 1}", text))
     unrelated = [(f"Count from {i} to {i + 20}, one number per line.", None) for i in range(8)]
     for content, (text, _) in zip(CHATS, burst(keyed, [(c, None) for c in CHATS] + unrelated)):
         texts[content].append(("burst-of-16", text))
+    seeded = texts.pop(SEEDED)
+    assert len({t for _, t in seeded}) == 1, seeded
     print("\nprompt | distinct texts | routes that part from the reference")
     parted = {}
     for content, runs in texts.items():
