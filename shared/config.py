@@ -53,6 +53,9 @@ class InstanceConfig:
     max_running: int = 32
     max_waiting: int = 64  # requests held beyond max_running (queued, or KV on its way); past it, refused
     prefix_cache: bool = True  # radix cache of earlier requests' KV (the DRC on decoders)
+    batch_invariant: bool = (
+        True  # CPU: one answer whatever the batch or route (docs/runtime.md); false: fastest kernels
+    )
     host: str = ""  # where others reach this instance ("" = the cluster's host)
     kv_port: int = 0  # decoders: the KV listener (0 = any free port; name one so a firewall can)
     metrics_port: int = 0  # Prometheus /metrics (0 = none)

@@ -64,9 +64,10 @@ def test_an_instance_is_built_on_its_device():
 
 @pytest.mark.model
 def test_an_engine_chooses_its_kernels_at_its_own_thread_count(monkeypatch):
-    """The runner times its kernels while it is built (the packed weights' kernel, then plain
-    F.linear for small steps): at the thread count the engine thread will run (the instance's
-    `threads`), and the caller's count is left as it was."""
+    """Without batch invariance the runner times its kernels while it is built (the packed
+    weights' kernel, then plain F.linear for small steps): at the thread count the engine thread
+    will run (the instance's `threads`), and the caller's count is left as it was. The default
+    (batch-invariant) engine times nothing: skinny.c runs every step."""
     from shared.runtime import fused
     from shared.runtime.build import build_engine
 
@@ -85,5 +86,6 @@ def test_an_engine_chooses_its_kernels_at_its_own_thread_count(monkeypatch):
     inst = dataclasses.replace(demo.instance("prefill-0"), kv_tokens=256, dtype="float32", threads=1)
     before = torch.get_num_threads()
     assert before != 1  # tests/conftest.py: 2
-    build_engine(demo, inst)
+    assert build_engine(demo, inst).runner.invariant and seen == []
+    assert not build_engine(demo, dataclasses.replace(inst, batch_invariant=False)).runner.invariant
     assert seen == [1, 1] and torch.get_num_threads() == before

@@ -41,7 +41,7 @@ def _build(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
     return Engine(
-        ModelRunner(model, pool),
+        ModelRunner(model, pool, invariant=None if inst.batch_invariant else False),
         max_step_tokens=inst.max_step_tokens,
         max_running=inst.max_running,
         eos_token_ids=eos_ids,

@@ -99,12 +99,19 @@ class Engine(KVExchange):
 
     @classmethod
     def for_model(
-        cls, model, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None, **kwargs
+        cls,
+        model,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        invariant: bool | None = None,
+        **kwargs,
     ) -> Engine:
-        """An engine with its own pool (in the model's dtype unless told) around `model`."""
+        """An engine with its own pool (in the model's dtype unless told) around `model`
+        (`invariant`: the runner's batch-invariant kernels, by default where they run)."""
         dtype = dtype or next(model.parameters()).dtype
         pool = KVPool(kv_layout(model), num_blocks, block_size, dtype, next(model.parameters()).device)
-        return cls(ModelRunner(model, pool), **kwargs)
+        return cls(ModelRunner(model, pool, invariant=invariant), **kwargs)
 
     # -- commands -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -84,13 +84,14 @@ def test_smollm2_batch_on_each_packed_kernel(smol, smol_ref, kernel):
     """The real model's projections through each kernel, not only the one this machine's decoder
     picks: a 166-token prefill step (over skinny.c's 128 rows: MKL there), then batched decodes
     of 5 rows."""
-    decoder = FusedDecoder.for_model(smol)
+    decoder = FusedDecoder.for_model(smol)  # the non-invariant decoder, which picks its kernels
     chosen = decoder.kernel
     decoder.use_kernel(kernel)
     try:
         assert {d.kernel for d in decoder._denses} == {kernel}
         prompts = random_prompts(smol.config.vocab_size, [5, 40, 17, 71, 33], seed=11)
-        engine = make_engine(smol)
+        engine = make_engine(smol, invariant=False)
+        assert engine.runner.decoder is decoder
         for i, p in enumerate(prompts):
             engine.add(seq(str(i), p, 8))
         outs = run_to_completion(engine)

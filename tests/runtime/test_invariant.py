@@ -159,15 +159,15 @@ def test_an_extend_writes_the_kv_that_decoding_wrote_and_ends_on_the_same_logits
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_tokens_alone_equal_those_in_a_batch_of_16(smol_dir, dtype):
     model = load_model(smol_dir, dtype=dtype)
-    prompts = random_prompts(model.config.vocab_size, [5 + 23 * i for i in range(16)], seed=4)
+    prompts = random_prompts(model.config.vocab_size, [5 + 9 * i for i in range(16)], seed=4)
     alone = {}
     for i in (0, 7, 15):
         engine = make_engine(model, 64, BLOCK, dtype)
-        engine.add(seq(str(i), prompts[i], 12))
+        engine.add(seq(str(i), prompts[i], 8))
         alone.update(run_to_completion(engine))
-    engine = make_engine(model, 512, BLOCK, dtype)
+    engine = make_engine(model, 256, BLOCK, dtype)
     for i, p in enumerate(prompts):
-        engine.add(seq(str(i), p, 12))
+        engine.add(seq(str(i), p, 8))
     together = run_to_completion(engine)
     assert {i: together[i] for i in alone} == alone
 
