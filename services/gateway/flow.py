@@ -79,14 +79,14 @@ class RequestFlow:
             self.plan = await self._plan(
                 Submit(
                     self.attempt_id,
-                    prompt_ids,
-                    sampling,
-                    pipeline,
-                    self.parsed.handoff,
-                    sorted(self.avoid),
-                    self.gw.cache_salt(self.key),
-                    self.parsed.kv_wire,
-                    self.parsed.ttft_slo_ms,
+                    prompt_ids=prompt_ids,
+                    sampling=sampling,
+                    pipeline=pipeline,
+                    handoff=self.parsed.handoff,
+                    avoid=sorted(self.avoid),
+                    cache_salt=self.gw.cache_salt(self.key),
+                    kv_wire=self.parsed.kv_wire,
+                    ttft_slo_ms=self.parsed.ttft_slo_ms,
                 )
             )
         except BaseException:

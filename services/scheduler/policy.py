@@ -350,7 +350,15 @@ def choose_plan(
     elif reason != "relay-finishes":
         backlog = 0  # recorded only where it counted: the handoff, or the relay finishing alone
     starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != "prefill"}
-    estimates = PlanEstimates(ttft, wan.mbps, uncached, backlog, rld_busy(rld) if rld else 0, line, config.ttft_slo_ms)
+    estimates = PlanEstimates(
+        ttft_ms=ttft,
+        wan_mbps=wan.mbps,
+        uncached_tokens=uncached,
+        backlog_tokens=backlog,
+        rld_busy=rld_busy(rld) if rld else 0,
+        wan_backlog_bytes=line,
+        ttft_slo_ms=config.ttft_slo_ms,
+    )
     return Decision(
         pipeline=pipeline,
         handoff=handoff,

@@ -150,7 +150,10 @@ class Scheduler:
 
     async def on_status(self, _: Inspect) -> ClusterStatus:
         return ClusterStatus(
-            await self.registry.alive(), self.wan.mbps(time.monotonic()), dict(self.plan_counts), time.time()
+            instances=await self.registry.alive(),
+            wan_estimate_mbps=self.wan.mbps(time.monotonic()),
+            plans=dict(self.plan_counts),
+            now=time.time(),
         )
 
     async def on_submit(self, sub: Submit) -> Plan:
@@ -224,13 +227,13 @@ class Scheduler:
         ]
         req = PlanRequest(
             sub.request_id,
-            len(sub.prompt_ids),
-            sub.sampling.max_tokens,
-            sub.pipeline,
-            sub.handoff,
-            frozenset(sub.avoid),
-            sub.kv_wire,
-            sub.ttft_slo_ms,
+            prompt_len=len(sub.prompt_ids),
+            max_tokens=sub.sampling.max_tokens,
+            pipeline=sub.pipeline,
+            handoff=sub.handoff,
+            avoid=frozenset(sub.avoid),
+            kv_wire=sub.kv_wire,
+            ttft_slo_ms=sub.ttft_slo_ms,
         )
         now = time.monotonic()
         d = choose_plan(req, views, self.policy, wan_mbps=self.wan.mbps(now), wan_backlog_bytes=self.backlog.total(now))
@@ -278,7 +281,14 @@ class Scheduler:
             )
             if failed := [e for e in acks if isinstance(e, BaseException)]:
                 raise failed[0]
-            task = PrefillTask(sub.request_id, sub.prompt_ids, sub.sampling, targets, plan, sub.cache_salt)
+            task = PrefillTask(
+                sub.request_id,
+                prompt_ids=sub.prompt_ids,
+                sampling=sub.sampling,
+                targets=targets,
+                plan=plan,
+                cache_salt=sub.cache_salt,
+            )
             await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
         except BaseException as e:
             if isinstance(e, Unreachable):  # planned again: its stages let go (not an abort, which sticks)
@@ -294,9 +304,9 @@ class Scheduler:
     async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:
         task = DecodeTask(
             sub.request_id,
-            sub.prompt_ids,
-            sub.sampling,
-            plan,
+            prompt_ids=sub.prompt_ids,
+            sampling=sub.sampling,
+            plan=plan,
             kv_start=target.start,
             transfer_secret=target.transfer_secret,
             cache_salt=sub.cache_salt,
@@ -355,9 +365,9 @@ def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: 
     wan = decoder.dc != prefill.dc
     return KVTarget(
         decoder.id,
-        decoder.role,
-        decoder.kv_host,
-        decoder.kv_port,
+        role=decoder.role,
+        host=decoder.kv_host,
+        port=decoder.kv_port,
         start=start,
         transfer_secret=secrets.token_hex(16),
         wan=wan,

@@ -106,11 +106,11 @@ class Line:
 
     def state(self, now: float) -> LineState:
         return LineState(
-            round(self.mbps(now), 3),
-            self.delay_ms,
-            self.jitter_ms,
-            self.gate.down,
-            self.gate.shut and not self.gate.down,
-            sum(self.bytes.values()),
-            dict(self.bytes),
+            bandwidth_mbps=round(self.mbps(now), 3),
+            delay_ms=self.delay_ms,
+            jitter_ms=self.jitter_ms,
+            down=self.gate.down,
+            stalled=self.gate.shut and not self.gate.down,
+            bytes=sum(self.bytes.values()),
+            bytes_by_forward=dict(self.bytes),
         )

@@ -142,11 +142,11 @@ class WanLink:
         open_now = Counter(c.forward for c in self._conns)
         return WanState(
             self.cfg.name,
-            {d: line.state(now) for d, line in self.lines.items()},
-            dict(self.ports),
-            dict(open_now),
-            dict(self.accepted),
-            error,
+            lines={d: line.state(now) for d, line in self.lines.items()},
+            forwards=dict(self.ports),
+            connections=dict(open_now),
+            accepted=dict(self.accepted),
+            error=error,
         )
 
     def describe(self) -> str:
