@@ -2,7 +2,8 @@
 
 What it measures (SmolLM2-135M by default, float32, CPU, 2 threads unless told otherwise):
 
-runtime (`ModelRunner.forward` on a `KVPool`, exactly what the engine runs per step)
+runtime (`ModelRunner.forward` on a `KVPool`, exactly what the engine runs per step; on CPU the
+default, batch-invariant kernels: benchmarks/kernels_bench.py sets them beside the fastest path)
   - prefill tok/s at 512 and 2048 prompt tokens: one sequence, the whole prompt as one span;
   - decode step ms at batch 1, 4, 8, 16, context ~512: every sequence is prefilled first, then
     each step computes one token per sequence and appends the argmax, like `Engine.step`
