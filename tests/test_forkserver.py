@@ -73,3 +73,15 @@ def test_children_get_sigterm_when_the_server_exits(tmp_path):
     server.close()  # end of its input: the launcher is done
     assert not server.alive()
     assert child.wait(10) == GONE  # it died with the server (SIGTERM); its status went with it
+
+
+def test_services_get_sleeping_openmp_threads_unless_the_caller_chose(monkeypatch):
+    """Every instance on a host has its own OpenMP pool; spinning idle threads burn the cores a
+    busy instance needs, so the launcher gives the services (and the fork server they come from)
+    OMP_WAIT_POLICY=PASSIVE, and keeps a value the caller set."""
+    from pdd.launcher import child_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert child_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert child_env()["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -176,11 +176,13 @@ class FusedDecoder:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, invariant: bool = False) -> FusedDecoder:
-        """The model's cached decoder, rebuilt if the model moved or changed dtype since (`.to()`),
-        or was built for the other mode."""
-        decoder = _decoders.get(model)
-        if decoder is None or decoder.source != _source(model) or decoder.invariant != invariant:
-            decoder = _decoders[model] = cls(model, invariant)
+        """The model's cached decoder for this mode (one per mode: a process that runs both, as
+        the tests and benches do, builds each once), rebuilt if the model moved or changed dtype
+        since (`.to()`)."""
+        modes = _decoders.setdefault(model, {})
+        decoder = modes.get(invariant)
+        if decoder is None or decoder.source != _source(model):
+            decoder = modes[invariant] = cls(model, invariant)
         return decoder
 
     def ensure_positions(self, n: int) -> None:
