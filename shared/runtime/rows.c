@@ -12,13 +12,15 @@
  *   l   = lane sums of p over j (lane = j mod 16), then hsum
  *   o   = (sum_j p_j v_j, j in order) / l
  * K and V are read in place from the pool ([slots][kv_heads][head_dim], fp32 or bf16) through
- * each row's block table, 16 keys at a time widened to fp32: nothing is gathered per step. Consecutive rows of one sequence (a prefill chunk
- * or an extend) form a tile that shares every K and V load; a tile's rows are computed with the
- * same operations as a row alone. Work is split over (tile, KV head) pairs, each done by one
- * thread from start to end.
+ * each row's block table, 16 keys at a time widened to fp32 (and asked for a few blocks ahead):
+ * nothing is gathered per step. Consecutive rows of one sequence (a prefill chunk or an extend)
+ * form a tile that shares every K and V load; a tile's rows are computed with the same
+ * operations as a row alone. Work is split over (tile, KV head) pairs, each done by one thread
+ * from start to end.
  *
- * Built by shared/runtime/cbuild.py with `cc -O3 -march=native -fopenmp` (GCC vector extensions:
- * one AVX-512 register per v16). The OpenMP runtime is torch's own libgomp. */
+ * Built by shared/runtime/skinny.py's `build` with `cc -O3 -march=native -fopenmp` (GCC vector
+ * extensions: one AVX-512 register per v16, two AVX2 ones where that is all the CPU has). The
+ * OpenMP runtime is torch's own libgomp. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>

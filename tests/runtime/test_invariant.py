@@ -178,3 +178,27 @@ def test_a_model_the_kernels_do_not_take_runs_the_old_path_and_says_why(caplog):
     assert not runner.invariant and "batch-invariant kernels off" in caplog.text and "100 outputs" in caplog.text
     with pytest.raises(ValueError, match="100 outputs"):
         ModelRunner(odd, KVPool(kv_layout(odd), 16, BLOCK), invariant=True)
+
+
+def test_the_avx2_build_is_batch_invariant_too(monkeypatch, tmp_path):
+    """rows.c built for CPUs without AVX-512 (each v16 two AVX2 registers), run here: the same
+    checks of a row alone against an extend and a batch."""
+    from pathlib import Path
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not {"avx2", "fma"} <= set(flags.split()):
+        pytest.fail("this test needs an x86 CPU with AVX2 (the suite runs on one)")
+    monkeypatch.setenv("PDD_KERNEL_CACHE", str(tmp_path))
+    haswell = tuple("-march=haswell" if f == "-march=native" else f for f in skinny.FLAGS)
+    kernels = rows._Kernels(skinny._build("cc", haswell, source=rows.SOURCE))
+    monkeypatch.setattr(rows, "_load", lambda: (kernels, None))
+    k, v = _pool(torch.bfloat16, 1024)
+    table, q = list(range(10, 30)), torch.randn(40, H, D)
+    alone = torch.cat(
+        [rows.attend(q[i : i + 1], k, v, rows.plan([(table, 60 + i + 1)]), BLOCK, 0.125) for i in range(40)]
+    )
+    extend = rows.attend(q, k, v, rows.plan([(table, 60 + i + 1) for i in range(40)]), BLOCK, 0.125)
+    assert torch.equal(extend, alone)
+    torch.testing.assert_close(alone[7], _reference(q[7], k, v, table, 68), rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(5, 576), torch.randn(576)
+    assert torch.equal(rows.rms_norm(x, w, 1e-5)[2:3], rows.rms_norm(x[2:3], w, 1e-5))
