@@ -42,6 +42,8 @@ from shared.runtime.sequence import FinishReason, Sequence
 from shared.security import Secrets
 
 log = logging.getLogger(__name__)
+PUBLISH_ATTEMPTS = 4  # a token chunk's publish is tried this many times (0.1, 0.2, 0.4 s apart)
+PUBLISH_RETRY_S = 0.1
 
 
 class DecoderService(InstanceService):
@@ -291,11 +293,28 @@ class DecoderService(InstanceService):
         self._out.put_nowait(chunk)
 
     async def _publisher(self) -> None:
+        """Every chunk in order, whatever fails on the way: an index report that cannot go (a
+        full report over the bus's payload limit, say) is logged and left to the index loop, and
+        a publish that fails is tried again, then logged; the loop itself never ends."""
         while True:
             chunk = await self._out.get()
             if chunk.finish_reason is not None:
-                await self.report_index()  # the next turn's plan must see this turn cached
-            await self.bus.publish(subjects.tokens(chunk.request_id), chunk)
+                try:
+                    await self.report_index()  # the next turn's plan must see this turn cached
+                except Exception as e:
+                    log.warning("%s: index report before %s's last chunk failed: %s", self.inst.id, chunk.request_id, e)
+            await self._publish_chunk(chunk)
+
+    async def _publish_chunk(self, chunk: TokenChunk) -> None:
+        for attempt in range(PUBLISH_ATTEMPTS):
+            try:
+                await self.bus.publish(subjects.tokens(chunk.request_id), chunk)
+                return
+            except Exception as e:  # a reconnecting or closed connection: the next try may go
+                if attempt + 1 == PUBLISH_ATTEMPTS:
+                    log.error("%s: %s: token %d not sent: %s", self.inst.id, chunk.request_id, chunk.index, e)
+                    return
+                await asyncio.sleep(PUBLISH_RETRY_S * 2**attempt)
 
     # -- 5. abort, drop and deadlines -------------------------------------------------------
     async def on_abort(self, msg: Abort) -> None:

@@ -222,6 +222,8 @@ class InstanceService:
                     await self.forget(reply.forget)
             except BusTimeout as e:  # registrar restarting, or the line to it down: keep serving
                 log.warning("%s: heartbeat not acknowledged: %s", self.inst.id, e)
+            except Exception as e:  # any other failure (a closed or reconnecting bus): beat again
+                log.warning("%s: heartbeat failed: %s", self.inst.id, e)
             await asyncio.sleep(self.cfg.heartbeat_s)
 
     async def report_index(self) -> None:

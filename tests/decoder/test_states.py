@@ -504,3 +504,54 @@ async def test_narrowed_kv_lands_and_decodes_as_one_process_would(tiny, pair, pr
 
 def _forge_kv(t, **fields) -> None:
     t.head.kv = dataclasses.replace(t.head.kv, **fields)
+
+
+# -- failures around the stream -----------------------------------------------------------------
+async def test_the_stream_survives_failing_publishes_and_index_reports(pair, prompt, tiny_ref, monkeypatch):
+    """A publish that fails (a reconnecting bus) is tried again; an index report that cannot go
+    (a full report over the bus's payload limit) is logged and left to the index loop. The stream
+    still arrives whole and in order, and the publisher lives on for the next request."""
+    from shared import decoder
+
+    monkeypatch.setattr(decoder, "PUBLISH_RETRY_S", 0.0)
+    bus, svc, tries = pair.md.bus, pair.md, {"n": 0}
+    publish = bus.publish
+
+    async def flaky(subject, msg):
+        if subject.startswith(subjects.tokens("")):
+            tries["n"] += 1
+            if tries["n"] % 2:  # every chunk's first try fails
+                raise ConnectionError("nats: connection reconnecting")
+        await publish(subject, msg)
+
+    async def too_large():
+        raise ValueError("nats: maximum payload exceeded")
+
+    monkeypatch.setattr(bus, "publish", flaky)
+    monkeypatch.setattr(svc, "report_index", too_large)
+    for rid in ("r1", "r2"):
+        await pair.dispatch(rid, prompt, N, Pipeline.P_MD)
+        assert await pair.land("md", rid, prompt) == ""
+        await pair.drive(lambda rid=rid: pair.finished(rid))
+        assert [t for t, _ in pair.tokens(rid).values()] == _expected(tiny_ref, prompt)
+        assert "DecoderService._publisher" in " ".join(pair.task_names("md"))
+    assert tries["n"] >= 4 * N
+
+
+async def test_the_heartbeat_loop_survives_a_failing_bus(pair, monkeypatch):
+    """Not only a timeout: any error from the bus is logged and the next beat goes out."""
+    import asyncio
+
+    calls = {"n": 0}
+
+    async def failing(subject, msg, reply_type, timeout):
+        calls["n"] += 1
+        raise ConnectionError("nats: connection closed")
+
+    monkeypatch.setattr(pair.md.bus, "request", failing)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10 * pair.cfg.heartbeat_s + 5
+    while calls["n"] < 2 and loop.time() < deadline:  # poll: the loop beats every heartbeat_s
+        await asyncio.sleep(0.05)
+    assert calls["n"] >= 2, "the heartbeat loop died on its first failure"
+    assert any("_heartbeat" in name for name in pair.task_names("md"))
