@@ -41,6 +41,7 @@ from benchmarks.runtime_common import (
     rewind,
     runtime_decode_step,
 )
+from benchmarks.runtime_report import paired, spread
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.models import kv_layout, load_model
 from shared.runtime.runner import ModelRunner
@@ -117,7 +118,7 @@ def measure(path: Path, plan: Plan) -> dict[str, list[float]]:
 
 def ratio(samples: dict[str, list[float]], num: str, den: str) -> tuple[float, float, float]:
     """Median, min and max over rounds of samples[num] / samples[den]."""
-    rs = [a / b for a, b in zip(samples[num], samples[den])]
+    rs = paired(samples, num, den)
     return statistics.median(rs), min(rs), max(rs)
 
 
@@ -127,10 +128,7 @@ def report(samples: dict[str, list[float]], plan: Plan) -> str:
     lines.append("| case | " + " | ".join(name(d, i) for d, i in KINDS) + " | invariant / fastest, fp32 | bf16 |")
     lines.append("|" + " --- |" * (len(KINDS) + 3))
     for case in cases:
-        cells = []
-        for d, i in KINDS:
-            ts = samples[f"{name(d, i)} {case}"]
-            cells.append(f"{statistics.median(ts):.1f} [{min(ts):.1f}..{max(ts):.1f}]")
+        cells = [spread(samples[f"{name(d, i)} {case}"]) for d, i in KINDS]
         costs = [ratio(samples, f"{name(d, True)} {case}", f"{name(d, False)} {case}") for d in ("float32", "bfloat16")]
         cells += [f"{m:.2f}x [{lo:.2f}..{hi:.2f}]" for m, lo, hi in costs]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")

@@ -173,7 +173,13 @@ CATEGORIES = (
     ("projections (GEMM)", ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "pdd::skinny_linear")),
     (
         "attention matmuls, softmax",
-        ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu"),
+        (
+            "aten::bmm",
+            "aten::baddbmm",
+            "aten::_softmax",
+            "aten::_scaled_dot_product_flash_attention_for_cpu",
+            "pdd::attend_rows",
+        ),
     ),
     ("KV writes, gathers", ("aten::_index_put_impl_", "aten::index_select", "aten::index_copy_", "aten::index")),
 )

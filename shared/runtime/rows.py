@@ -20,7 +20,8 @@ from shared.runtime import skinny
 
 SOURCE = Path(__file__).with_name("rows.c")
 ABI = 1
-PROFILER_NAME = "pdd::attend_rows"
+PROFILER_NAME = "pdd::attend_rows"  # torch.profiler's name for the ctypes calls (runtime bench --profile)
+NORM_PROFILER_NAME = "pdd::rms_norm_rows"
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -82,12 +83,7 @@ def attend(
         rows.tables.data_ptr(), rows.table_at.data_ptr(), rows.lens.data_ptr(), out.data_ptr(),
         t, h, kv_heads, d, block_size, scale, torch.get_num_threads(),
     )  # fmt: skip
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function(PROFILER_NAME):
-            failed = fn(*args)
-    else:
-        failed = fn(*args)
-    if failed:
+    if _call(PROFILER_NAME, fn, *args):
         raise MemoryError("rows.c could not allocate its workspace")
     return out
 
@@ -99,10 +95,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or shape[-1] % 16:
         raise ValueError(f"rows.c's RMSNorm takes fp32 rows of a multiple of 16: {x.dtype} {tuple(shape)}")
     out = torch.empty_like(x)
-    load().rms_norm_rows(
-        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()
-    )
+    args = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    _call(NORM_PROFILER_NAME, load().rms_norm_rows, *args)
     return out.view(shape)
+
+
+def _call(name: str, fn, *args) -> int:
+    """A ctypes call, recorded by name when torch.profiler runs (it is no torch op)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
 
 
 class _Kernels:

@@ -8,6 +8,8 @@ those in a batch of 16, on the runtime's default CPU path.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,16 +32,14 @@ def kernels():
             pytest.fail(f"the batch-invariant kernels do not build here: {reason}")
 
 
+@contextlib.contextmanager
 def _threads(n: int):
-    class _Use:
-        def __enter__(self):
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.before)
-
-    return _Use()
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _pool(dtype: torch.dtype, slots: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,3 +202,20 @@ def test_the_avx2_build_is_batch_invariant_too(monkeypatch, tmp_path):
     torch.testing.assert_close(alone[7], _reference(q[7], k, v, table, 68), rtol=1e-5, atol=1e-5)
     x, w = torch.randn(5, 576), torch.randn(576)
     assert torch.equal(rows.rms_norm(x, w, 1e-5)[2:3], rows.rms_norm(x[2:3], w, 1e-5))
+
+
+def test_the_runtime_bench_profile_counts_rows_c_as_attention():
+    """ctypes calls are no torch ops: under torch.profiler they are recorded by name, and the
+    runtime bench's `--profile` files attention under attention (not Python and dispatch)."""
+    from torch.profiler import profile
+
+    from benchmarks import runtime_report
+
+    k, v = _pool(torch.float32, 64)
+    with profile() as prof:
+        rows.attend(torch.randn(2, H, D), k, v, rows.plan([([0, 1], 20), ([2], 5)]), BLOCK, 0.125)
+        rows.rms_norm(torch.randn(2, 64), torch.randn(64), 1e-5)
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    assert self_us.get(rows.PROFILER_NAME, 0) > 0 and self_us.get(rows.NORM_PROFILER_NAME, 0) > 0
+    categories = runtime_report.categorize(self_us, sum(self_us.values()))
+    assert categories["attention matmuls, softmax"] >= self_us[rows.PROFILER_NAME]
