@@ -82,7 +82,11 @@ def serve_argv(role: str, config_path: str | None, instance: str | None) -> list
 
 
 class Cluster:
-    def __init__(self, config: str | Path | dict | None = None, log=print, **overrides: Any) -> None:
+    def __init__(
+        self, config: str | Path | dict | None = None, log=print, failpoints: bool = False, **overrides: Any
+    ) -> None:
+        """`failpoints`: every service reads `<run dir>/failpoints` (shared/failpoints.py), where
+        tests and the chaos bench switch faults on and off while it runs."""
         given = config_from_dict(config, **overrides) if isinstance(config, dict) else load_config(config, **overrides)
         self.log = log
         self.run_dir = Path(tempfile.mkdtemp(prefix="pdd-cluster-"))
@@ -97,6 +101,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         # a CUDA context does not survive fork: on a GPU every service starts as a fresh process
         self.forked = all((self.cfg.device or i.device) == "cpu" for i in self.cfg.instances)
+        self.failpoints = self.run_dir / "failpoints" if failpoints else None
 
     @property
     def url(self) -> str:
@@ -161,6 +166,8 @@ class Cluster:
         spec = self.specs[name]
         argv = serve_argv(spec.role, self.config_path, name if spec.role in ("prefill", "rld", "md") else None)
         env, log_path = child_env(), self.run_dir / f"{name}.log"
+        if self.failpoints is not None:
+            env["PDD_FAILPOINTS_FILE"] = str(self.failpoints)
         self.log(f"pdd: starting {name}" + (f" (datacenter {spec.dc})" if spec.dc else " (the line between sites)"))
         if self.forked:  # the imports are done once, in the fork server: an engine boots in ~half the CPU
             self.procs[name] = fork_server(self.run_dir).spawn(argv[2], argv[3:], env, log_path)

@@ -20,7 +20,13 @@ _REPORT = ["pdd.registry.heartbeat", "pdd.registry.index", "pdd.registry.leave",
 _OPERATED = ["pdd.abort", "pdd.inspect.*", "pdd.admin.*.flush"]
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "gateway": {
-        "publish": ["pdd.scheduler.submit", "pdd.scheduler.status", "pdd.abort", "pdd.wanlink.*.control"],
+        "publish": [
+            "pdd.scheduler.submit",
+            "pdd.scheduler.status",
+            "pdd.abort",
+            "pdd.decode.*.resend",
+            "pdd.wanlink.*.control",
+        ],
         "subscribe": ["pdd.tokens.>"],
     },
     "scheduler": {
@@ -42,6 +48,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "subscribe": [
             "pdd.decode.*.task",
             "pdd.decode.*.drop",
+            "pdd.decode.*.resend",
             "pdd.handoff.*.ready",
             "pdd.handoff.*.finish",
             *_OPERATED,
@@ -49,7 +56,13 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "md": {
         "publish": ["pdd.tokens.>", "pdd.handoff.*.ready", "pdd.handoff.*.finish", *_REPORT],
-        "subscribe": ["pdd.decode.*.task", "pdd.decode.*.drop", "pdd.handoff.*.chunk", *_OPERATED],
+        "subscribe": [
+            "pdd.decode.*.task",
+            "pdd.decode.*.drop",
+            "pdd.decode.*.resend",
+            "pdd.handoff.*.chunk",
+            *_OPERATED,
+        ],
     },
     "wanlink": {"publish": [], "subscribe": ["pdd.wanlink.*.control"]},
 }

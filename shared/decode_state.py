@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from shared.messages import DecodeTask, RequestStats
+from shared.messages import DecodeTask, RequestStats, TokenChunk
 from shared.runtime.kv_payload import KVPayload
 from shared.runtime.sequence import Sequence
 
@@ -31,6 +31,42 @@ class End(IntEnum):
     FAILED = 4  # its KV never came, or could not be admitted
 
 
+@dataclass
+class Replay:
+    """What a decoder sent of one request, to send again when the gateway lost a chunk (core
+    NATS is at-most-once): its tokens from `start` on, and its final chunk once it ended."""
+
+    start: int = -1  # index of the first token sent (-1: none yet)
+    token_ids: list[int] = field(default_factory=list)
+    final: TokenChunk | None = None
+
+    def record(self, chunk: TokenChunk) -> None:
+        if chunk.token_ids:
+            if self.start < 0:
+                self.start = chunk.index
+            if chunk.index == self.start + len(self.token_ids):  # in order: one step's token after another
+                self.token_ids += chunk.token_ids
+        if chunk.finish_reason is not None or chunk.error:
+            self.final = chunk
+
+    def since(self, request_id: str, index: int, role: str, instance_id: str) -> TokenChunk:
+        """One chunk with every token sent from `index` on (and the end, if it ended)."""
+        base = self.start if self.start >= 0 else max(index, 0)
+        first = max(index, base)
+        end = self.final
+        return TokenChunk(
+            request_id,
+            first,
+            self.token_ids[first - base :],
+            role=role,
+            instance_id=instance_id,
+            finish_reason=end.finish_reason if end else None,
+            error=end.error if end else "",
+            stats=end.stats if end else None,
+            blame=end.blame if end else "",
+        )
+
+
 @dataclass(eq=False)
 class DecodeRequest:
     task: DecodeTask
@@ -44,7 +80,9 @@ class DecodeRequest:
     alone: bool = False  # relay: main-decode will never get it (FinishOnRelay came)
     caught_up: asyncio.Event = field(default_factory=asyncio.Event)  # md: the shadow computed all it was given
     extend_started: float = 0.0  # md: when the final handoff chunk arrived
+    handed_over: bool = False  # md: the final handoff chunk was taken (a resent one is acked again)
     cache_only: bool = False  # md: finished on the relay; its KV lands into the prefix cache, then it ends
+    replay: Replay = field(default_factory=Replay)  # what went out, to send again if asked (`Resend`)
 
     @property
     def id(self) -> str:

@@ -11,8 +11,10 @@ Lifecycle of a request on a decoder: one `DecodeRequest` in `requests`; its `pha
 3. RUNNING: blocks allocated, KV imported (dtype converted), the sequence joined the batch; the
    sender gets its ACK and prefill's first token goes out as index 0. On md a `p-rld-md`
    request runs as a SHADOW instead: it computes the relay's tokens and streams nothing.
-4. Each engine step's tokens are published on `pdd.tokens.<request>` in order. The relay ->
-   main handoff (HANDING_OFF on the relay) is the two roles' own part (their services).
+4. Each engine step's tokens are published on `pdd.tokens.<request>` in order, and kept: a
+   gateway that lost a chunk (a leaf reconnect, a NATS restart) asks for them again by index
+   (`Resend`), during the request and for `REPLAY_S` after it ended. The relay -> main handoff
+   (HANDING_OFF on the relay) is the two roles' own part (their services).
 5. The request ends one way (`End`): FINISHED (the final chunk carries finish_reason and
    stats), HANDED_OFF (relay: main-decode took it), ABORTED (broadcast), DROPPED (only this
    copy: its KV push failed, or the plan changed), FAILED (its KV never came, or could not be
@@ -29,11 +31,11 @@ import logging
 import time
 from collections import deque
 
-from shared import subjects
+from shared import failpoints, subjects
 from shared.decode_state import DecodeRequest, End, Phase
 from shared.instance import InstanceFigures, InstanceService
 from shared.kv_transport import KVReceiver, Transfer, Verdict
-from shared.messages import Abort, Ack, DecodeTask, Drop, TokenChunk, WanSample
+from shared.messages import Abort, Ack, DecodeTask, Drop, Resend, Resent, TokenChunk, WanSample
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import TokenOutput
@@ -44,6 +46,8 @@ from shared.security import Secrets
 log = logging.getLogger(__name__)
 PUBLISH_ATTEMPTS = 4  # a token chunk's publish is tried this many times (0.1, 0.2, 0.4 s apart)
 PUBLISH_RETRY_S = 0.1
+REPLAY_S = 120.0  # a finished request's tokens can be sent again for this long (`Resend`)
+REPLAY_REQUESTS = 4096  # ... for at most this many finished requests
 
 
 class DecoderService(InstanceService):
@@ -51,6 +55,7 @@ class DecoderService(InstanceService):
         super().__init__(cfg, inst)
         self.requests: dict[str, DecodeRequest] = {}
         self.aborted = RecentIds()  # a task arriving after its abort is refused
+        self.replays = RecentIds(REPLAY_REQUESTS, REPLAY_S)  # finished requests' `Replay`s
         self.receiver: KVReceiver | None = None
         self.parked: deque[str] = deque()  # requests whose KV waits for pool room, in arrival order
         self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
@@ -66,6 +71,7 @@ class DecoderService(InstanceService):
         self.info.kv_host, self.info.kv_port = self.cfg.kv_endpoint(dataclasses.replace(self.inst, kv_port=port))
         await self.bus.serve(subjects.decode_task(self.inst.id), DecodeTask, self.on_task)
         await self.bus.serve(subjects.decode_drop(self.inst.id), Drop, self.on_drop)
+        await self.bus.serve(subjects.decode_resend(self.inst.id), Resend, self.on_resend)
         await self.serve_role()
         self.spawn(self._publisher())
         self.spawn(self._watchdog())
@@ -86,6 +92,7 @@ class DecoderService(InstanceService):
             "parked": len(self.parked),
             "receiving": receiving,
             "remembered_aborts": len(self.aborted),
+            "replays": len(self.replays),
             # requests this decoder is streaming to a client now (not a shadow, not cache-only)
             "streaming": sum(r.phase is Phase.RUNNING and not r.cache_only for r in self.requests.values()),
         }
@@ -120,6 +127,8 @@ class DecoderService(InstanceService):
             if task is not me:
                 task.cancel()
         req.caught_up.set()  # a handoff chunk waiting for the shadow wakes and sees it gone
+        if req.replay.start >= 0 or req.replay.final is not None:
+            self.replays.add(rid, req.replay)  # a chunk the gateway lost can still be sent again
         log.info("%s: %s ended: %s (%s)", self.inst.id, rid, how.name, req.phase.name.lower())
         return req
 
@@ -289,8 +298,19 @@ class DecoderService(InstanceService):
             self.on_emit(req, out)
         if out.finish_reason is not None:
             chunk.stats = req.stats if req else None
+        if req is not None:
+            req.replay.record(chunk)
+        if out.finish_reason is not None:
             self.end(out.seq_id, End.FINISHED if out.error is None else End.FAILED)
         self._out.put_nowait(chunk)
+
+    async def on_resend(self, msg: Resend) -> Resent:
+        """The gateway lost a chunk: everything sent from its index on, again (in one chunk)."""
+        req = self.requests.get(msg.request_id)
+        replay = req.replay if req is not None else self.replays.get(msg.request_id)
+        if replay is None:
+            return Resent(held=False)
+        return Resent(held=True, chunk=replay.since(msg.request_id, msg.index, self.role, self.inst.id))
 
     async def _publisher(self) -> None:
         """Every chunk in order, whatever fails on the way: an index report that cannot go (a
@@ -306,6 +326,9 @@ class DecoderService(InstanceService):
             await self._publish_chunk(chunk)
 
     async def _publish_chunk(self, chunk: TokenChunk) -> None:
+        last = chunk.finish_reason is not None or bool(chunk.error)
+        if failpoints.hit("decoder.final_chunk" if last else "decoder.token_chunk"):
+            return  # lost on purpose (tests, the chaos bench): the gateway asks for it again
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
                 await self.bus.publish(subjects.tokens(chunk.request_id), chunk)

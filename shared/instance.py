@@ -29,7 +29,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from shared import subjects
+from shared import failpoints, subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig, InstanceConfig, service_args
 from shared.messages import (
@@ -173,6 +173,7 @@ class InstanceService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        failpoints.configure(self.inst.id, self.role)
         bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.role, Secrets.of(self.cfg))
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
         await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.inst.threads))

@@ -303,6 +303,25 @@ class TokenChunk(Message):
     blame: str = ""  # with an error: the instance it came from (the gateway moves the request off it)
 
 
+@dataclass
+class Resend(Message):
+    """gateway -> decoder: a chunk of this request did not come (core NATS is at-most-once): send
+    again what you sent from `index` on (request-reply; a decoder keeps a finished request's
+    tokens for a while, `shared/decoder.py`)."""
+
+    request_id: str
+    index: int
+
+
+@dataclass
+class Resent(Message):
+    """decoder -> gateway: what it sent of the request from the asked index (its final chunk's
+    finish reason, error and stats with it, once it ended), or `held=False`: it has nothing of it."""
+
+    held: bool
+    chunk: TokenChunk | None = None
+
+
 # -- the handoff (services/rld/service.py sends, services/md/service.py receives) ------------
 # A `p-rld-md` request runs on both decoders at once: the relay streams to the user while
 # main-decode's copy of the prompt KV crosses the WAN; main-decode holds it as a *shadow*

@@ -4,6 +4,7 @@ pdd.scheduler.submit            gateway -> scheduler   Submit   -> Plan (request
 pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
 pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
 pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
+pdd.decode.<instance>.resend    gateway -> md / rld    Resend -> Resent (a lost token chunk, again)
 pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
 pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
 pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
@@ -51,6 +52,10 @@ def handoff_chunk(md_id: str) -> str:
 
 def decode_drop(instance_id: str) -> str:
     return f"pdd.decode.{instance_id}.drop"
+
+
+def decode_resend(instance_id: str) -> str:
+    return f"pdd.decode.{instance_id}.resend"
 
 
 def prefill_drop(instance_id: str) -> str:

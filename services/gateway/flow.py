@@ -7,13 +7,18 @@
    put in index order and de-duplicated, detokenized incrementally, and cut at stop strings.
 3. The stream ends when the final chunk and every token before it have arrived; the last
    delta carries finish_reason and the `pdd` object.
-4. While no token comes, the instances that may still be needed are checked each second; if
+4. Core NATS is at-most-once (a leaf reconnect, a NATS restart, a slow consumer lose messages):
+   when the next token has not come within a bound set by the request's step time and the
+   line's round trip (a later one may have: a gap), the plan's decoders are asked for what they
+   sent from that index on (`Resend`); their answers join the stream like any chunk. A holder
+   that answers it holds nothing of the request lost it: the request moves, as below.
+5. While no token comes, the instances that may still be needed are checked each second; if
    one died (its heartbeat expired), the request moves: the attempt is aborted and prompt +
    tokens so far are resubmitted avoiding the dead instance (recompute, up to
    `max_migrations`); the stream continues at the next index. So does a request whose KV could
    not be delivered to its decoder (the error names it: `blame`). If every survivor is full
    (429), the move retries with backoff rather than failing a stream already admitted.
-5. `close()` always runs: it unsubscribes, deletes the request state in Redis, and — if the
+6. `close()` always runs: it unsubscribes, deletes the request state in Redis, and — if the
    request did not finish (client gone, error, stop string hit early) — broadcasts an abort so
    every stage frees what it holds. Cleanup is shielded from the caller's cancellation.
 """
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,7 +42,11 @@ from services.gateway.pdd_object import FlowStats, build_pdd
 from services.gateway.reassembly import TokenReassembler
 from shared import subjects
 from shared.bus import BusTimeout
-from shared.messages import Abort, Plan, Sampling, Submit, TokenChunk
+from shared.messages import Abort, Plan, Resend, Resent, Sampling, Submit, TokenChunk
+
+log = logging.getLogger(__name__)
+GAP_MIN_S = 0.5  # the least wait for a missing token before its decoders are asked again
+GAP_BACKOFF_MAX = 16  # an unanswered gap is asked about again after 2x, 4x ... this many times the bound
 
 
 class StreamError(Exception):
@@ -68,6 +79,12 @@ class RequestFlow:
         self.error = ""  # why it failed after admission (set by the HTTP layer that reports it)
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub = None
+        self._reassembler = TokenReassembler()
+        self._advanced_at = time.perf_counter()  # when the stream last gained a token in order
+        self._asked_at = 0.0  # when the decoders were last asked to resend
+        self._backoff = 1  # x the gap bound before asking (again)
+        self._checked_at = 0.0  # when the holders' heartbeats were last checked
+        self._asks: set[asyncio.Task] = set()
 
     # -- 1. submit ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,13 +135,14 @@ class RequestFlow:
 
     # -- 2./3. tokens -> text ---------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[Delta]:
-        reassembler = TokenReassembler()
+        reassembler = self._reassembler
         detok = IncrementalDetokenizer(self.gw.tokenizer)
         stops = StopChecker(list(self.parsed.sampling.stop))
         end: int | None = None  # client index just past the final token, once known
         final_reason = None
         while end is None or reassembler.next_index < end:
             chunk = await self._next_chunk()
+            self._recover_gap()
             if chunk is None or chunk.request_id != self.attempt_id:
                 continue  # a liveness tick, or a late chunk of an abandoned attempt
             if chunk.error:
@@ -137,6 +155,7 @@ class RequestFlow:
                 end, final_reason = self.offset + chunk.index + len(chunk.token_ids), chunk.finish_reason
             new = reassembler.add(self.offset + chunk.index, chunk.token_ids)
             if new:
+                self._advanced_at, self._backoff = time.perf_counter(), 1
                 self.generated += new
                 self._record_tokens(len(new), chunk.role)
                 piece = detok.add(new)  # stop strings count only from min_tokens on, as in the engine
@@ -159,21 +178,69 @@ class RequestFlow:
         return "finished" if self.finish_reason else "error" if self.error else "aborted"
 
     async def _next_chunk(self) -> TokenChunk | None:
-        """The next chunk, or None after a quiet second in which the holders were checked (and
-        the request moved if one of them died)."""
+        """The next chunk, or None after a quiet moment (at most a second, less when a gap is
+        due to be asked about); each quiet second the holders are checked (and the request
+        moved if one of them died)."""
         limit = self.gw.cfg.timeouts.request_s
+        due = self._gap_due() - time.perf_counter()
         try:
-            return await asyncio.wait_for(self._queue.get(), 1.0)
+            return await asyncio.wait_for(self._queue.get(), min(1.0, max(0.05, due)))
         except TimeoutError:
             pass
-        if time.perf_counter() - self.stats.last_progress > limit:
+        now = time.perf_counter()
+        if now - self.stats.last_progress > limit:
             raise StreamError(f"no token for {limit:.0f}s")
-        dead = self.holders - await self.gw.alive_ids()
-        if dead:
-            await self._migrate(dead)
+        if now - self._checked_at >= 1.0:
+            self._checked_at = now
+            dead = self.holders - await self.gw.alive_ids()
+            if dead:
+                await self._migrate(dead)
         return None
 
-    # -- 4. an instance died: recompute elsewhere -------------------------------------------
+    # -- 4. a lost chunk: ask again ---------------------------------------------------------
+    def _gap_bound(self) -> float:
+        """How long the next token may take before its chunk is presumed lost: a few of the
+        request's own token gaps (a step, or a chunk of them) plus the line's round trip twice."""
+        gaps = self.stats.token_gaps[-16:]
+        itl = statistics.median(gaps) if gaps else 0.1
+        wan = self.gw.cfg.wan
+        rtt = 2 * (wan.delay_ms + wan.jitter_ms) / 1000
+        return max(GAP_MIN_S, 4 * itl + 2 * rtt)
+
+    def _gap_due(self) -> float:
+        return max(self._advanced_at, self._asked_at) + self._gap_bound() * self._backoff
+
+    def _recover_gap(self) -> None:
+        """Ask the plan's decoders for everything from the first missing index, when it is due.
+        Asked without waiting: the answers come back on the chunk queue."""
+        now = time.perf_counter()
+        if self.plan is None or now < self._gap_due():
+            return
+        self._asked_at, self._backoff = now, min(self._backoff * 2, GAP_BACKOFF_MAX)
+        index = self._reassembler.next_index - self.offset
+        for iid in {i for i in (self.plan.rld, self.plan.md) if i}:
+            task = asyncio.create_task(self._ask(iid, self.attempt_id, index))
+            self._asks.add(task)
+            task.add_done_callback(self._asks.discard)
+
+    async def _ask(self, instance_id: str, attempt_id: str, index: int) -> None:
+        timeout = self.gw.cfg.timeouts.control_s
+        try:
+            reply = await self.gw.bus.request(
+                subjects.decode_resend(instance_id), Resend(attempt_id, index), Resent, timeout
+            )
+        except Exception as e:  # dead or unreachable: the heartbeat check moves the request
+            log.info("%s: %s did not answer a resend: %s", attempt_id, instance_id, e)
+            return
+        chunk = reply.chunk
+        if reply.held and chunk is not None and (chunk.token_ids or chunk.finish_reason is not None or chunk.error):
+            self.stats.resends += 1
+            self._queue.put_nowait(chunk)
+        elif not reply.held and instance_id in self.holders and attempt_id == self.attempt_id:
+            error = f"{instance_id} no longer holds the request"  # e.g. it was told to forget it
+            self._queue.put_nowait(TokenChunk(attempt_id, 0, [], error=error, blame=instance_id))
+
+    # -- 5. an instance died: recompute elsewhere -------------------------------------------
     async def _migrate(self, dead: set[str]) -> None:
         """Abandon the attempt and resend prompt + generated tokens to other instances; their
         KV is recomputed (prefix caches help) and the stream goes on at the next index."""
@@ -232,11 +299,13 @@ class RequestFlow:
     def _pdd(self) -> dict[str, Any]:
         return build_pdd(self.request_id, self.plan, self.stats)
 
-    # -- 5. cleanup ---------------------------------------------------------------------------
+    # -- 6. cleanup ---------------------------------------------------------------------------
     async def close(self) -> None:
         await asyncio.shield(self._cleanup())
 
     async def _cleanup(self) -> None:
+        for task in list(self._asks):
+            task.cancel()
         if self._sub is not None:
             await self._sub.unsubscribe()
         if not self.finished and self.plan is not None:

@@ -27,6 +27,7 @@ class FlowStats:
     handoff_gap_s: float = 0.0  # last relay token -> first main-decode token, as the user saw it
     last_progress: float = field(default_factory=time.perf_counter)
     migrations: int = 0  # times the request moved to another decoder after an instance died
+    resends: int = 0  # chunks asked again from a decoder after a gap did not fill (lost on the bus)
 
 
 def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str, Any]:
@@ -56,6 +57,7 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
         "recomputed_tokens": d.recomputed_tokens,  # planned prefix evicted meanwhile
         "migrations": stats.migrations,
+        "resends": stats.resends,
         "timings_ms": {
             "queue": plan.queue_ms,
             "prefill": d.prefill_ms,

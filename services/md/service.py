@@ -13,6 +13,7 @@ radix cache's stitching of arriving KV is the engine's `admit_with_kv`):
    - a non-final `HandoffChunk` is appended to the shadow; its KV is computed in one extend
      inside the running batch; the ack goes back once the shadow has caught up;
    - the final chunk is appended, the shadow becomes a normal sequence and is acked at once;
+   - a chunk sent again (its ack was lost) is taken as once: only tokens it lacks are appended;
      its next step extends the last tokens and samples the next one from the last position.
 4. Tokens stream to the gateway with their index; the final chunk carries the stats.
 5. Abort or a KV deadline drops the request and frees its blocks (a shadow whose KV never came
@@ -79,6 +80,8 @@ class MainDecoder(DecoderService):
     async def on_chunk(self, chunk: HandoffChunk) -> Ack:
         rid = chunk.request_id
         req = self.requests.get(rid)
+        if (req.handed_over if req is not None else chunk.final and rid in self.replays):
+            return Ack(rid)  # the relay sent it again (its ack was lost), maybe after it ended here
         if req is None or req.phase != Phase.SHADOW:
             return Ack(rid, ok=False, error=f"{self.inst.id} holds no shadow of {rid}")
         budget = req.task.sampling.max_tokens
@@ -99,7 +102,7 @@ class MainDecoder(DecoderService):
         req.stats.handoff_chunks += 1
         if chunk.final:
             req.stats.merge(chunk.stats)
-            req.phase, req.extend_started = Phase.RUNNING, t0
+            req.phase, req.extend_started, req.handed_over = Phase.RUNNING, t0, True
             return Ack(rid)
         if added:  # ack once the extend is done, so the relay's next chunk starts from there
             try:

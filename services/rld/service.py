@@ -10,7 +10,9 @@ is `services/md/service.py`, the messages' order `shared/messages.py`'s handoff 
    - one-shot: stop, send every token main-decode lacks as the final chunk, let go;
    - catch-up: while the backlog is over `final_tokens`, send up to `chunk_tokens` and keep
      streaming; main-decode acks once it has extended them; then stop and send the rest.
-4. If a handoff chunk cannot be delivered, the relay keeps the request (recomputing its
+4. A handoff chunk (or its ack) lost on the bus is sent again after a few round trips, until
+   `handoff.ack_timeout_s` (main-decode takes a chunk twice as once). If it cannot be
+   delivered, the relay keeps the request (recomputing its
    tokens if it had stopped) and finishes it itself: the user's stream never breaks.
 5. `p-rld` requests (anomalous traffic, or no main-decode reachable), requests that end before
    main-decode is ready, and requests main-decode will never get (`FinishOnRelay`) finish here;
@@ -19,11 +21,12 @@ is `services/md/service.py`, the messages' order `shared/messages.py`'s handoff 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import time
 
-from shared import subjects
+from shared import failpoints, subjects
 from shared.bus import BusTimeout
 from shared.decode_state import DecodeRequest, End, Phase
 from shared.decoder import DecoderService
@@ -35,6 +38,7 @@ from shared.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
 ROLE = "rld"
+HANDOFF_RESEND_S = 2.0  # a handoff chunk with no ack for this long (at least) is sent again
 
 
 class RelayDecoder(DecoderService):
@@ -121,11 +125,22 @@ class RelayDecoder(DecoderService):
 
     async def _send(self, req: DecodeRequest, chunk: HandoffChunk) -> bool:
         subject = subjects.handoff_chunk(req.task.plan.md)
-        try:
-            ack = await self.bus.request(subject, chunk, Ack, self.cfg.handoff.ack_timeout_s)
-        except BusTimeout as e:
-            log.warning("%s: handoff chunk for %s got no ack: %s", self.inst.id, chunk.request_id, e)
-            return False
+        deadline = time.monotonic() + self.cfg.handoff.ack_timeout_s
+        wait = max(HANDOFF_RESEND_S, 8 * self.cfg.wan.delay_ms / 1000)  # a few round trips of the line
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if failpoints.hit("rld.handoff_chunk"):  # lost on purpose: as if no ack came in time
+                    await asyncio.sleep(min(wait, max(left, 0)))
+                    raise BusTimeout("handoff chunk lost (failpoint)")
+                ack = await self.bus.request(subject, chunk, Ack, min(wait, max(left, 0.001)))
+                break
+            except BusTimeout as e:
+                if time.monotonic() >= deadline:
+                    log.warning("%s: handoff chunk for %s got no ack: %s", self.inst.id, chunk.request_id, e)
+                    return False
+                log.info("%s: handoff chunk for %s got no ack yet; sending it again", self.inst.id, req.id)
+                wait = min(wait * 2, self.cfg.handoff.ack_timeout_s)
         if not ack.ok:
             log.warning("%s: main-decode refused a handoff chunk of %s: %s", self.inst.id, req.id, ack.error)
         return ack.ok

@@ -102,7 +102,7 @@ def prelaunch(names: set[str]) -> None:
         settings = CLUSTERS[name]
         if "gateway" in settings:
             settings = {**settings, "gateway": {"keys_file": _keys_file()}}
-        _launched[name] = Cluster(log=lambda m: None, **settings).launch()
+        _launched[name] = Cluster(log=lambda m: None, failpoints=True, **settings).launch()
 
 
 _waiting: set[str] = set()  # to launch once the background processes end (tests/background.py)
@@ -270,6 +270,11 @@ class Operator:
         state = self.run(lambda bus: bus.request(subjects.wan_control(name), WanControl(**settings), WanState, 5))
         assert not state.error, state.error
         return state
+
+    def failpoints(self, spec: str = "") -> None:
+        """Arm faults in the services (shared/failpoints.py syntax); "" disarms them. Each service
+        reads the file again before its next armed place is passed."""
+        self.cluster.failpoints.write_text(spec)
 
     def line_bytes(self, forward: str, direction: str = "a-b") -> int:
         """Bytes the line carried in `direction` on `forward` (a decoder's KV port, `nats-B`) so far.

@@ -328,6 +328,8 @@ async def test_duplicates_and_late_messages_change_nothing(pair, prompt, tiny_re
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     late = await pair.bus.request(subjects.handoff_chunk("md-0"), HandoffChunk("r1", 1, [5], final=True), Ack, 5)
+    assert late.ok  # a final chunk sent again after the end (its ack was lost): acked, nothing runs
+    late = await pair.bus.request(subjects.handoff_chunk("md-0"), HandoffChunk("r1", 1, [5]), Ack, 5)
     assert not late.ok
     assert "no decode task" in await pair.land("md", "r1", prompt)  # KV after the end is refused
     await pair.bus.publish(subjects.ABORT, Abort("r1"))  # an abort after the end
@@ -555,3 +557,93 @@ async def test_the_heartbeat_loop_survives_a_failing_bus(pair, monkeypatch):
         await asyncio.sleep(0.05)
     assert calls["n"] >= 2, "the heartbeat loop died on its first failure"
     assert any("_heartbeat" in name for name in pair.task_names("md"))
+
+
+# -- a lost chunk, sent again ----------------------------------------------------------------
+@pytest.mark.parametrize("handoff", ["none", "oneshot"])
+async def test_what_was_lost_is_sent_again_while_it_runs_and_after_it_ended(
+    pair, prompt, tiny_ref, monkeypatch, handoff
+):
+    """Core NATS is at-most-once: one token chunk and the final chunk vanish (failpoints); asked
+    by index (`Resend`), the decoders send them again from what they keep, during the request
+    and after it ended; an id they never held is answered `held=False`."""
+    from shared import failpoints
+    from shared.messages import Resend, Resent
+
+    lost = failpoints.Failpoints("decoder.token_chunk=drop@3;decoder.final_chunk=drop@1")
+    monkeypatch.setattr(failpoints, "_active", lost)
+    expected = _expected(tiny_ref, prompt)
+    if handoff == "none":
+        await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
+        assert await pair.land("md", "r1", prompt) == ""
+    else:
+        await _relayed(pair, prompt, handoff, relay_steps=6)
+    await pair.drive(lambda: 10 in pair.tokens("r1"))
+    assert 2 not in pair.tokens("r1"), "the third chunk was lost"
+
+    async def resend(instance: str, rid: str, index: int) -> Resent:
+        return await pair.bus.request(subjects.decode_resend(instance), Resend(rid, index), Resent, 5)
+
+    holder = "md-0" if handoff == "none" else "rld-0"
+    again = await resend(holder, "r1", 2)  # while it runs: what it sent so far
+    assert again.held and again.chunk.index == 2 and again.chunk.finish_reason is None
+    assert again.chunk.token_ids == expected[2 : 2 + len(again.chunk.token_ids)] and len(again.chunk.token_ids) >= 1
+    await pair.drive(lambda: "r1" not in pair.md.requests and "r1" not in pair.rld.requests)
+    assert not pair.finished("r1"), "the final chunk was lost"
+    tail = await resend("md-0", "r1", len(expected) - 3)  # after it ended: the end, with its stats
+    assert tail.held and tail.chunk.token_ids == expected[-3:] and tail.chunk.finish_reason == "length"
+    assert tail.chunk.stats is not None and tail.chunk.role == "md"
+    if handoff == "oneshot":  # the relay keeps its part after it let go
+        head = await resend("rld-0", "r1", 0)
+        assert head.held and head.chunk.token_ids == expected[: len(head.chunk.token_ids)]
+    assert (await resend("md-0", "never-seen", 0)) == Resent(held=False)
+    pair.assert_gone("r1")
+
+
+@pytest.mark.parametrize("lost", ["chunk", "ack"])
+@pytest.mark.parametrize("handoff", ["oneshot", "catchup"])
+async def test_a_lost_handoff_chunk_or_ack_is_sent_again_and_taken_once(
+    tiny, prompt, tiny_ref, monkeypatch, lost, handoff
+):
+    """The relay's first handoff chunk (or main-decode's ack of it) vanishes: the relay sends it
+    again after a few round trips; main-decode takes a chunk it already has as once, so the
+    stream is exact and main-decode, not the relay, finishes it."""
+    import asyncio
+
+    from services.rld import service as rld_service
+    from shared import failpoints
+    from shared.bus import BusTimeout
+
+    monkeypatch.setattr(rld_service, "HANDOFF_RESEND_S", 0.02)
+    pair = await DecoderPair(tiny, wan={"delay_ms": 0}).start()
+    try:
+        if lost == "chunk":
+            monkeypatch.setattr(failpoints, "_active", failpoints.Failpoints("rld.handoff_chunk=drop@1"))
+        else:
+            request, dropped = pair.rld.bus.request, []
+
+            async def ack_lost(subject, msg, reply_type, timeout):
+                reply = await request(subject, msg, reply_type, timeout)
+                if subject == subjects.handoff_chunk("md-0") and not dropped:
+                    dropped.append(reply)
+                    raise BusTimeout("no reply (lost)")
+                return reply
+
+            monkeypatch.setattr(pair.rld.bus, "request", ack_lost)
+        await _relayed(pair, prompt, handoff)
+        for _ in range(2000):  # real time passes: the relay waits for its resend
+            await asyncio.sleep(0.002)
+            for role in ("rld", "md"):
+                if pair.engines[role].has_work:
+                    pair.service(role).worker.step()
+            if pair.finished("r1"):
+                break
+        tokens = pair.tokens("r1")
+        assert [t for t, _ in tokens.values()] == _expected(tiny_ref, prompt)
+        assert [role for _, role in tokens.values()][-1] == "md", "main-decode finished it"
+        sent = pair.nats.sent(subjects.handoff_chunk("md-0"))
+        assert len(sent) >= (2 if lost == "ack" else 1) and (lost == "chunk" or sent[0] == sent[1])
+        await pair.settle()
+        pair.assert_gone("r1")
+    finally:
+        await pair.stop()

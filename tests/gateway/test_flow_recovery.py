@@ -1,0 +1,78 @@
+"""A lost token chunk (core NATS is at-most-once): the gateway notices the gap within a bound of
+the request's step time and the line's round trip, asks the plan's decoders again by index
+(`Resend`), and the stream ends whole; a holder that answers it holds nothing moves the request."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from services.gateway.auth import OPEN
+from services.gateway.flow import RequestFlow, StreamError
+from services.gateway.openai_api import ParsedRequest
+from shared import subjects
+from shared.config import load_config
+from shared.messages import Plan, Resend, Resent, Sampling, TokenChunk
+from tests.fakes import InMemoryNats
+from tests.gateway.test_flow_timeout import Vocab
+
+TOKENS = list(range(100, 112))
+
+
+def flow(bus, max_migrations: int = 2) -> RequestFlow:
+    async def alive_ids() -> set[str]:
+        return {"md-0", "rld-0"}  # nobody died: only a resend can fill the gap
+
+    cfg = dataclasses.replace(load_config(None), max_migrations=max_migrations)
+    gw = SimpleNamespace(cfg=cfg, tokenizer=Vocab(), alive_ids=alive_ids, bus=bus)
+    parsed = ParsedRequest(
+        kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=len(TOKENS)), stream=True
+    )
+    f = RequestFlow(gw, parsed, OPEN, "cmpl-lost")
+    f.plan, f.holders = Plan("cmpl-lost", prefill="prefill-0", rld="rld-0", md="md-0"), {"md-0"}
+    return f
+
+
+async def serve_resends(nats: InMemoryNats, instance: str, held: bool, asked: list) -> None:
+    async def on_resend(msg: Resend) -> Resent:
+        asked.append((instance, msg.index))
+        if not held:
+            return Resent(held=False)
+        chunk = TokenChunk(msg.request_id, msg.index, TOKENS[msg.index :], role="md", finish_reason="length")
+        return Resent(held=True, chunk=chunk)
+
+    await nats.client(instance).serve(subjects.decode_resend(instance), Resend, on_resend)
+
+
+async def test_a_gap_and_a_lost_end_are_asked_about_once_and_filled():
+    nats, asked = InMemoryNats(), []
+    await serve_resends(nats, "md-0", True, asked)
+    await serve_resends(nats, "rld-0", False, asked)  # the relay let go: md alone answers
+    f = flow(nats.client("gateway"))
+    for i in (0, 1, 3, 4):  # index 2 and everything after 4 (the final chunk) were lost
+        f._queue.put_nowait(TokenChunk(f.attempt_id, i, [TOKENS[i]], role="md"))
+    t0 = time.perf_counter()
+    text = "".join([d.text async for d in f.deltas()])
+    assert text == Vocab().decode(TOKENS) and f.finish_reason == "length"
+    assert sorted(asked) == [("md-0", 2), ("rld-0", 2)], "asked once, from the first missing index"
+    assert f.stats.resends == 1
+    assert time.perf_counter() - t0 < 5  # the bound is ~0.5 s here, not timeouts.request_s
+
+
+async def test_a_holder_that_holds_nothing_moves_the_request():
+    nats, asked = InMemoryNats(), []
+    await serve_resends(nats, "md-0", False, asked)  # e.g. it was told to forget it
+    f = flow(nats.client("gateway"), max_migrations=0)
+    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="md"))
+    with pytest.raises(StreamError, match="md-0 no longer holds the request"):
+        await asyncio.wait_for(_drain(f), 10)
+    assert ("md-0", 1) in asked
+
+
+async def _drain(f: RequestFlow) -> None:
+    async for _ in f.deltas():
+        pass
