@@ -97,9 +97,9 @@ class DecoderService(InstanceService):
             "streaming": sum(r.phase is Phase.RUNNING and not r.cache_only for r in self.requests.values()),
         }
 
-    def holding_since(self, older_than_s: float) -> list[str]:
-        cutoff = time.monotonic() - older_than_s
-        return [rid for rid, r in self.requests.items() if r.accepted_at < cutoff]
+    def holding_since(self, older_than_s: float) -> dict[str, float]:
+        now = time.monotonic()
+        return {rid: now - r.accepted_at for rid, r in self.requests.items() if now - r.accepted_at > older_than_s}
 
     def figures(self) -> InstanceFigures:
         """With `pending` (tasks accepted whose KV has not landed: the scheduler's relay admission
@@ -340,6 +340,17 @@ class DecoderService(InstanceService):
                 await asyncio.sleep(PUBLISH_RETRY_S * 2**attempt)
 
     # -- 5. abort, drop and deadlines -------------------------------------------------------
+    async def forget(self, request_ids: list[str]) -> None:
+        """Never silently: a gateway that still waits (the record was lost, not the request)
+        gets an error blaming this copy, and moves the request."""
+        for rid in request_ids:
+            if (req := self.requests.get(rid)) is not None:
+                error, me = f"{self.inst.id}: {rid} is no longer recorded as in flight; dropped", self.inst.id
+                chunk = TokenChunk(rid, 0, [], role=self.role, instance_id=me, error=error, blame=me)
+                req.replay.record(chunk)
+                self._out.put_nowait(chunk)
+        await super().forget(request_ids)
+
     async def on_abort(self, msg: Abort) -> None:
         req = self.requests.get(msg.request_id)
         if msg.keep_kv and req is not None and self.keeps_kv(req):

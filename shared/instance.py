@@ -105,6 +105,7 @@ class InstanceService:
         self.metrics = Metrics(model_name(cfg.model), inst.id)
         self._index_seq = 0
         self._index_stale = True  # the registrar has nothing yet: the first report is the whole cache
+        self._missed = 0  # heartbeat replies missed in a row
 
     # -- what a role fills in ---------------------------------------------------------------
     async def serve(self) -> None:
@@ -119,12 +120,14 @@ class InstanceService:
         """Sizes of the per-request maps (empty when idle) and of the capped memories of ids."""
         return {}
 
-    def holding_since(self, older_than_s: float) -> list[str]:
-        """Requests held longer than `older_than_s` (the registrar checks they still exist)."""
-        return []
+    def holding_since(self, older_than_s: float) -> dict[str, float]:
+        """Requests held longer than `older_than_s`, with the seconds each has been held (the
+        registrar checks they still exist, and renews their records)."""
+        return {}
 
     async def forget(self, request_ids: list[str]) -> None:
-        """The registrar says these requests are no longer in flight: drop what is held for them."""
+        """The registrar says these requests are no longer in flight (their record is gone: they
+        ended, or moved while the line was down and the abort was lost): drop what is held."""
         for rid in request_ids:
             await self.on_abort(Abort(rid, reason="no longer in flight (moved away or ended)"))
 
@@ -214,16 +217,20 @@ class InstanceService:
             sampled_at = time.time()  # before the figures: a task landing meanwhile counts twice, never zero times
             self.figures().report_to(self.info, sampled_at)
             # only requests held for a while: the scheduler records a request before dispatching it
-            beat = Heartbeat(self.info, self.holding_since(self.cfg.timeouts.control_s * 2))
+            held = self.holding_since(self.cfg.timeouts.control_s * 2)
+            beat = Heartbeat(self.info, list(held), list(held.values()), missed_replies=self._missed)
             try:
                 reply = await self.bus.request(subjects.HEARTBEAT, beat, HeartbeatReply, self.cfg.timeouts.control_s)
+                self._missed = 0
                 self._index_stale |= reply.resync_index
                 if reply.forget:
                     log.info("%s: dropping %d request(s) no longer in flight", self.inst.id, len(reply.forget))
                     await self.forget(reply.forget)
             except BusTimeout as e:  # registrar restarting, or the line to it down: keep serving
+                self._missed += 1
                 log.warning("%s: heartbeat not acknowledged: %s", self.inst.id, e)
             except Exception as e:  # any other failure (a closed or reconnecting bus): beat again
+                self._missed += 1
                 log.warning("%s: heartbeat failed: %s", self.inst.id, e)
             await asyncio.sleep(self.cfg.heartbeat_s)
 

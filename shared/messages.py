@@ -406,6 +406,8 @@ class Heartbeat(Message):
 
     info: InstanceInfo
     holding: list[str] = field(default_factory=list)
+    held_s: list[float] = field(default_factory=list)  # how long each of `holding` has been held (no clocks compared)
+    missed_replies: int = 0  # heartbeats in a row whose reply did not come (the line to A may be down one way)
 
 
 @dataclass

@@ -6,7 +6,11 @@ them here; the scheduler and the gateway read them.
 
 Keys
     pdd:instance:<id>          hash  InstanceInfo fields; expires unless refreshed by heartbeats
-    pdd:request:<id>           hash  plan of an in-flight request; deleted when it ends
+    pdd:request:<id>           hash  plan of an in-flight request; deleted when it ends, renewed
+                                     while an instance reports holding it
+    pdd:epoch                  str   when this Redis's data began (wall clock of the registrar that
+                                     set it): a record missing for a request taken before then
+                                     was lost with a restart, not ended
     pdd:kv:<id>                set   chained hashes of the KV blocks instance <id> caches
     pdd:kv:<id>:seq            int   count of index events applied (one per stored/removed batch)
 An instance clears its own `pdd:kv` keys when it starts; they expire with its heartbeat.
@@ -28,6 +32,7 @@ from shared.messages import IndexEvent, InstanceInfo
 
 INSTANCE = "pdd:instance:"
 REQUEST = "pdd:request:"
+EPOCH = "pdd:epoch"
 KV = "pdd:kv:"
 
 
@@ -67,14 +72,15 @@ class Registry:
         self.ttl_ms = int(ttl_s * 1000)
         self._prefix_script = None
 
-    async def heartbeat(self, info: InstanceInfo, sampled_at: float | None = None) -> None:
-        """Publish `info` for `ttl_s`. `sampled_at`: when its load figures were read (default now);
-        the scheduler counts its dispatches after that moment on top of them."""
+    async def heartbeat(self, info: InstanceInfo, sampled_at: float | None = None, ttl_s: float = 0.0) -> None:
+        """Publish `info` for `ttl_s` (default: the registry's). `sampled_at`: when its load
+        figures were read (default now); the scheduler counts its dispatches after that moment
+        on top of them."""
         info.updated_at = sampled_at or time.time()
         key = INSTANCE + info.id
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={k: str(v) for k, v in dataclasses.asdict(info).items()})
-            pipe.pexpire(key, self.ttl_ms)
+            pipe.pexpire(key, int(ttl_s * 1000) or self.ttl_ms)
             await pipe.execute()
 
     async def remove(self, instance_id: str) -> None:
@@ -100,13 +106,22 @@ class Registry:
     async def delete_request(self, request_id: str) -> None:
         await self.r.delete(REQUEST + request_id)
 
-    async def gone_requests(self, request_ids: list[str]) -> list[str]:
-        """Those of `request_ids` no longer recorded as in flight."""
+    async def renew_requests(self, request_ids: list[str], ttl_s: float) -> tuple[list[str], float]:
+        """Renew the records of `request_ids` for `ttl_s` (a stream may run longer than its first
+        TTL); returns those no longer recorded, and when this Redis's data began (`pdd:epoch`,
+        set now if it is new). One round trip."""
         async with self.r.pipeline(transaction=False) as pipe:
+            pipe.set(EPOCH, repr(time.time()), nx=True)
+            pipe.get(EPOCH)
             for rid in request_ids:
-                pipe.exists(REQUEST + rid)
-            found = await pipe.execute()
-        return [rid for rid, n in zip(request_ids, found) if not n]
+                pipe.expire(REQUEST + rid, int(ttl_s))
+            _, epoch, *renewed = await pipe.execute()
+        return [rid for rid, ok in zip(request_ids, renewed) if not ok], float(epoch)
+
+    async def epoch_age(self) -> float | None:
+        """Seconds since this Redis's data began (None: not set since it started empty)."""
+        epoch = await self.r.get(EPOCH)
+        return None if epoch is None else time.time() - float(epoch)
 
     async def request_ids(self) -> list[str]:
         return [k[len(REQUEST) :] async for k in self.r.scan_iter(match=REQUEST + "*", count=1000)]

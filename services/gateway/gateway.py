@@ -120,11 +120,17 @@ class Gateway:
             log.warning("could not delete request state %s: %s", request_id, e)
 
     async def alive_ids(self) -> set[str]:
-        """Instances whose heartbeat is current; on a Redis hiccup, assume nobody died."""
+        """Instances whose heartbeat is current. On a Redis hiccup, and for a heartbeat TTL after
+        Redis restarted empty (every instance reports again within a heartbeat), assume nobody
+        died: a missing key then means only that its heartbeat has not come yet."""
         try:
-            return {i.id for i in await self.registry.alive()}
+            alive = {i.id for i in await self.registry.alive()}
+            age = await self.registry.epoch_age()
         except Exception:
             return {i.id for i in self.cfg.instances}
+        if age is None or age < self.cfg.heartbeat_ttl_s:
+            return alive | {i.id for i in self.cfg.instances}
+        return alive
 
     async def missing_roles(self) -> list[str]:
         try:

@@ -80,7 +80,7 @@ class MainDecoder(DecoderService):
     async def on_chunk(self, chunk: HandoffChunk) -> Ack:
         rid = chunk.request_id
         req = self.requests.get(rid)
-        if (req.handed_over if req is not None else chunk.final and rid in self.replays):
+        if req.handed_over if req is not None else chunk.final and rid in self.replays:
             return Ack(rid)  # the relay sent it again (its ack was lost), maybe after it ended here
         if req is None or req.phase != Phase.SHADOW:
             return Ack(rid, ok=False, error=f"{self.inst.id} holds no shadow of {rid}")

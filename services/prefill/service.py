@@ -87,9 +87,9 @@ class Prefiller(InstanceService):
     def state_sizes(self) -> dict[str, int]:
         return {"requests": len(self.requests), "remembered_ids": len(self.seen)}
 
-    def holding_since(self, older_than_s: float) -> list[str]:
-        cutoff = time.monotonic() - older_than_s
-        return [rid for rid, s in self.requests.items() if s.accepted_at < cutoff]
+    def holding_since(self, older_than_s: float) -> dict[str, float]:
+        now = time.monotonic()
+        return {rid: now - s.accepted_at for rid, s in self.requests.items() if now - s.accepted_at > older_than_s}
 
     # -- 1. task ------------------------------------------------------------------------
     async def on_task(self, task: PrefillTask) -> Ack:

@@ -89,7 +89,8 @@ class Dispatched:
     Heartbeats are `heartbeat_s` apart, and a burst plans many requests in between: without this
     every one of them sees the relay as it was at the last beat and the oscillation guard lets
     them all through. A dispatch counts as `pending` on its instance until a heartbeat written
-    after it arrives (wall clock: the instance stamps `updated_at`, we stamp the dispatch).
+    after it arrives (wall clock of site A: the registrar stamps `updated_at` when it hears the
+    heartbeat, less the line's one-way delay for another site's instance; we stamp the dispatch).
     """
 
     def __init__(self) -> None:

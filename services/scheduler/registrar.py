@@ -9,7 +9,12 @@ encrypted and authenticated), and this component, in the scheduler's process, wr
    went missing, or when this registrar has not heard from the instance before; and it names
    the requests the instance still holds that are no longer in flight (`pdd:request:<id>`
    gone: finished, aborted, or moved elsewhere while the line was down and the abort lost),
-   so the instance drops them: nothing is held for a request nobody waits for.
+   so the instance drops them: nothing is held for a request nobody waits for. The records of
+   requests still held are renewed (a long stream outlives its first TTL); a record Redis lost
+   in a restart (the request was taken before `pdd:epoch`) is written again, not forgotten.
+   Liveness is the registrar's clock: the TTL runs from when it heard the instance, longer for
+   another site's instances (the line's delay, one lost heartbeat); an instance whose last
+   heartbeat replies did not reach it (the line is down towards it) is not refreshed.
 2. `IndexUpdate` (publish, numbered per instance) -> the instance's block set, in order. A gap
    in the numbers marks the instance for a full resync on its next heartbeat.
 3. `Leave` -> the instance is forgotten at once instead of when its heartbeat expires.
@@ -18,18 +23,35 @@ encrypted and authenticated), and this component, in the scheduler's process, wr
 from __future__ import annotations
 
 import logging
+import time
 
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Heartbeat, HeartbeatReply, IndexUpdate, Leave
+from shared.recent import RecentIds
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
+MISSED_REPLIES = 2  # heartbeat replies in a row an instance may miss before it is not refreshed
+
+
 class Registrar:
-    def __init__(self, registry: Registry) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        request_ttl_s: float = 600.0,
+        control_dc: str = "A",
+        line_delay_s: float = 0.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
         self.registry = registry
+        self.request_ttl_s = request_ttl_s
+        self.control_dc = control_dc  # the registrar's site: others' heartbeats cross the line
+        self.line_delay_s = line_delay_s  # one way
+        self.heartbeat_s = heartbeat_s
+        self._adopted = RecentIds(ttl_s=request_ttl_s)  # requests recorded again after a Redis restart
         self._seq: dict[str, int] = {}  # instance -> last index update applied
         self._resync: set[str] = set()  # instances whose index must be sent whole
 
@@ -40,12 +62,31 @@ class Registrar:
 
     async def on_heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         info = beat.info
-        await self.registry.heartbeat(info, info.updated_at or None)
+        if beat.missed_replies >= MISSED_REPLIES:  # it hears nothing from here: tasks would not reach it
+            log.warning("registrar: %s missed %d heartbeat replies; not refreshed", info.id, beat.missed_replies)
+        else:  # stamped by this clock, never the instance's: two sites' clocks are not compared
+            remote = info.dc != self.control_dc
+            delay = self.line_delay_s if remote else 0.0  # it sampled its figures about this long ago
+            ttl = self.registry.ttl_ms / 1000 + (self.heartbeat_s + 2 * delay if remote else 0.0)
+            await self.registry.heartbeat(info, time.time() - delay, ttl_s=ttl)
         present = await self.registry.kv_present(info.id)
         resync = info.id not in self._seq or info.id in self._resync or not present
         self._resync.discard(info.id)
-        forget = await self.registry.gone_requests(beat.holding) if beat.holding else []
+        forget = await self._gone(beat) if beat.holding else []
         return HeartbeatReply(resync_index=resync, forget=forget)
+
+    async def _gone(self, beat: Heartbeat) -> list[str]:
+        """Of the requests `beat` says it holds: records renewed, records lost in a Redis restart
+        written again, and the rest (no record: ended or moved) named back to be dropped."""
+        gone, epoch_at = await self.registry.renew_requests(beat.holding, self.request_ttl_s)
+        now, held_s = time.time(), dict(zip(beat.holding, beat.held_s))
+        # taken before Redis's data began, and not recorded again already (then it ended since)
+        lost = [rid for rid in gone if now - held_s.get(rid, 0.0) < epoch_at and rid not in self._adopted]
+        for rid in lost:
+            self._adopted.add(rid)
+            log.warning("registrar: %s's record was lost (Redis restarted); recorded again", rid)
+            await self.registry.set_request(rid, {"holder": beat.info.id}, ttl_s=self.request_ttl_s)
+        return [rid for rid in gone if rid not in lost]
 
     async def on_index(self, update: IndexUpdate) -> None:
         iid = update.instance_id

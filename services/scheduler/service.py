@@ -114,7 +114,15 @@ class Scheduler:
         self.bus = await Bus.connect(self.cfg.nats_url_for(self.cfg.control_dc), "scheduler", "scheduler", secrets)
         password = secrets.redis_password if secrets else None
         self.registry = Registry(connect(self.cfg.redis_url, password), self.cfg.heartbeat_ttl_s)
-        await Registrar(self.registry).serve(self.bus)
+        cfg = self.cfg
+        registrar = Registrar(
+            self.registry,
+            request_ttl_s=cfg.timeouts.request_s,
+            control_dc=cfg.control_dc,
+            line_delay_s=(cfg.wan.delay_ms + cfg.wan.jitter_ms) / 1000 if cfg.wan.enabled else 0.0,
+            heartbeat_s=cfg.heartbeat_s,
+        )
+        await registrar.serve(self.bus)
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
         self.metrics.serve(self.cfg.host, self.cfg.scheduler.metrics_port)
         await self.serve()
@@ -333,11 +341,13 @@ class Scheduler:
             raise (Busy if ack.busy else DispatchError)(f"{instance_id} refused: {ack.error}")
 
     async def _record(self, plan: Plan) -> None:
+        """Every holder's heartbeat checks the record: one never written would have the request
+        dropped mid-stream, so a request that cannot be recorded is not dispatched (503)."""
         fields = {"pipeline": plan.pipeline, "prefill": plan.prefill, "rld": plan.rld, "md": plan.md}
         try:
             await self.registry.set_request(plan.request_id, fields, ttl_s=self.cfg.timeouts.request_s)
-        except Exception as e:  # request state is for observability; serving goes on without it
-            log.warning("could not record request %s: %s", plan.request_id, e)
+        except Exception as e:
+            raise DispatchError(f"could not record the request: {e}") from None
 
     async def _unrecord(self, request_id: str) -> None:
         """Remove a request's record: its dispatch failed (no one else would: a migrating gateway

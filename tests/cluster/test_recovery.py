@@ -5,11 +5,15 @@ the stream ends whole, equal to the reference, in seconds rather than `timeouts.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
+import httpx
 import pytest
 
 from tests.cluster.conftest import fresh_prompt, stream_completion
+from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 N = 24
@@ -47,3 +51,111 @@ def test_a_lost_chunk_is_asked_again(cluster, operator, model_id, reference, smo
     # recovered within a few gap bounds (0.5 s and up), far below request_s (90 s in this cluster)
     assert elapsed < 30, f"took {elapsed:.1f}s"
     assert not operator.idle()["md-0"].requests
+
+
+class Streams:
+    """Streams that run while a test watches them, each on its own thread, until `close()`:
+    a fault goes in mid-stream and the test judges them after a fixed time, whatever the
+    machine's speed (the streams are long enough never to end first)."""
+
+    def __init__(self, cluster, bodies: list[dict]) -> None:
+        self.events: list[list[dict]] = [[] for _ in bodies]
+        self.ids: list[str] = ["" for _ in bodies]
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._read, args=(cluster.url, b, i)) for i, b in enumerate(bodies)]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, url: str, body: dict, i: int) -> None:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            self.ids[i] = r.headers.get("x-request-id", "")
+            for line in r.iter_lines():
+                if self._stop.is_set():
+                    return
+                if line.startswith("data: {"):
+                    event = json.loads(line[len("data: ") :])
+                    if "error" in event:
+                        self.errors.append(event["error"]["message"])
+                    self.events[i].append(event)
+
+    def text(self, i: int) -> str:
+        return "".join(e["choices"][0]["text"] for e in self.events[i] if e["choices"])
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+def _body(model_id: str, prompt: str, n: int, pipeline: str) -> dict:
+    return {
+        "model": model_id,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "pdd": {"pipeline": pipeline},
+    }
+
+
+LONG = 1500  # tokens: no stream ends before the test has judged it, on any machine
+
+
+def _judge(streams: Streams, prompts: list[str], operator, reference, smol_tokenizer) -> None:
+    """Every stream still runs where it started (md-0 holds its first attempt: no migration),
+    without an error, and what it streamed so far is the reference's beginning."""
+    held = set(operator.inspect("md-0").requests)
+    assert set(streams.ids) <= held, f"moved or dropped: md-0 holds {held}, the streams are {streams.ids}"
+    streams.close()
+    assert not streams.errors, streams.errors
+    for i, prompt in enumerate(prompts):
+        text = streams.text(i)  # a few tokens more than it holds: its last may be a partial character
+        n = len(smol_tokenizer(text, add_special_tokens=False)["input_ids"]) + 8
+        assert text and reference(smol_tokenizer(prompt)["input_ids"], n, ignore_eos=True).startswith(text)
+
+
+def test_a_redis_restart_under_load_ends_no_request(cluster, operator, model_id, reference, smol_tokenizer):
+    """Redis restarts empty (no persistence) while two streams run: the instances' keys, the
+    index and every request record are gone. The heartbeats refill the registry, the records of
+    the requests taken before the restart are written again (not "no longer in flight": each is
+    checked once held 10 s), and both streams go on where they were, with no migration."""
+    prompts = [fresh_prompt(20, f"redis{i}-") for i in range(2)]
+    streams = Streams(cluster, [_body(model_id, p, LONG, pl) for p, pl in zip(prompts, ("p-md", "p-rld-md"))])
+    try:
+        until(lambda: all(len(ev) >= 3 for ev in streams.events), 120, "every stream's first tokens")
+        redis = cluster.servers["redis"]
+        redis.stop()
+        redis.start()
+        t0 = time.monotonic()
+        until(lambda: len(operator.request_keys()) == 2, 30, "both records written again")
+        seen = [len(ev) for ev in streams.events]
+        until(lambda: time.monotonic() - t0 > 12, 30, "a holder's check of both requests")
+        assert all(len(ev) > n for ev, n in zip(streams.events, seen)), "both still stream"
+        _judge(streams, prompts, operator, reference, smol_tokenizer)
+    finally:
+        streams.close()
+    until(lambda: not operator.request_keys(), 30, "no record left behind")
+
+
+def test_a_stream_outliving_its_records_ttl_is_not_killed(cluster, operator, model_id, reference, smol_tokenizer):
+    """The record is written with a TTL (`timeouts.request_s`); a stream that runs longer, while
+    its tokens flow, keeps it: every heartbeat of its holder renews it. Here the record is made
+    to expire 12 s after the first tokens; the holder reports the request from 10 s on."""
+    prompt = fresh_prompt(20, "ttl-")
+    streams = Streams(cluster, [_body(model_id, prompt, LONG, "p-md")])
+    try:
+        until(lambda: len(streams.events[0]) >= 3, 120, "the first tokens")
+        r = operator.redis()
+        try:
+            key = f"pdd:request:{streams.ids[0]}"
+            assert r.expire(key, 12)
+            t0 = time.monotonic()
+            until(lambda: r.ttl(key) > 60, 30, "the record renewed by a heartbeat", every=0.2)
+            until(lambda: time.monotonic() - t0 > 14, 30, "past the record's first TTL")
+            assert r.exists(key)
+        finally:
+            r.close()
+        _judge(streams, [prompt], operator, reference, smol_tokenizer)
+    finally:
+        streams.close()

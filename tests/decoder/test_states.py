@@ -647,3 +647,17 @@ async def test_a_lost_handoff_chunk_or_ack_is_sent_again_and_taken_once(
         pair.assert_gone("r1")
     finally:
         await pair.stop()
+
+
+async def test_a_forgotten_request_says_so_to_the_gateway(pair, prompt):
+    """The registrar names a held request no longer recorded: the decoder drops it, and a
+    gateway that still waits (the record was lost, not the request) gets an error blaming this
+    copy, on which it moves the request, instead of waiting for `request_s`."""
+    await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
+    assert await pair.land("md", "r1", prompt) == ""
+    await pair.drive(lambda: len(pair.tokens("r1")) >= 3)
+    await pair.md.forget(["r1"])
+    await pair.settle()
+    last = pair.chunks["r1"][-1]
+    assert "no longer recorded" in last.error and last.blame == "md-0"
+    pair.assert_gone("r1")

@@ -180,3 +180,25 @@ async def test_a_prefill_that_missed_its_ack_stays_out_of_the_re_plan_even_if_it
     assert (plan.error, plan.prefill) == ("", "prefill-1") and len(reads) == 2
     assert [m.request_id for m in scheduler.bus.server.sent(subjects.prefill_drop("prefill-0"))] == ["cmpl-10"]
     assert scheduler._answering(next(i for i in await read_fleet() if i.id == "prefill-0"))  # back for others
+
+
+async def test_a_request_that_cannot_be_recorded_is_not_dispatched(scheduler, registry, monkeypatch):
+    """Every holder's heartbeat checks the record: a request dispatched without one would be
+    dropped mid-stream, so a failed write fails the plan (503) before any stage holds it."""
+    tasks: list[str] = []
+
+    async def on_task(task):
+        tasks.append(task.request_id)
+        return Ack(task.request_id)
+
+    for iid, msg_type in (("md-0", DecodeTask), ("prefill-0", PrefillTask)):
+        subject = (subjects.prefill_task if msg_type is PrefillTask else subjects.decode_task)(iid)
+        await scheduler.bus.server.client(iid).serve(subject, msg_type, on_task)
+
+    async def broken(*args, **kwargs):
+        raise ConnectionError("Redis is restarting")
+
+    monkeypatch.setattr(registry, "set_request", broken)
+    plan = await scheduler.on_submit(submit("cmpl-unrecorded"))
+    assert plan.status == 503 and "could not record the request" in plan.error
+    assert tasks == [], "no stage was given the request"

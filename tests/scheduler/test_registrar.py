@@ -4,6 +4,8 @@ and requests an instance still holds but that are no longer in flight are named 
 
 from __future__ import annotations
 
+import time
+
 from services.scheduler.registrar import Registrar
 from shared.messages import Heartbeat, IndexEvent, IndexUpdate, InstanceInfo, Leave
 
@@ -42,3 +44,35 @@ async def test_leave_forgets_the_instance_at_once(registry):
     await reg.on_heartbeat(beat())
     await reg.on_leave(Leave("md-0"))
     assert await registry.alive() == []
+
+
+async def test_held_requests_are_renewed_and_a_redis_restart_forgets_none_of_them(registry):
+    """A stream may outlive its record's first TTL: each heartbeat that reports it renews it.
+    After Redis lost everything (a restart, here FLUSHALL), the requests held from before are
+    recorded again, not dropped; one taken after with no record is named back as before."""
+    reg = Registrar(registry, request_ttl_s=120)
+    await registry.set_request("long", {"pipeline": "p-md"}, ttl_s=5)
+    assert (await reg.on_heartbeat(beat(holding=("long",)))).forget == []
+    assert await registry.r.ttl("pdd:request:long") > 100, "renewed for request_ttl_s"
+    await registry.r.flushall()  # Redis restarted empty
+    held_for = Heartbeat(InstanceInfo("md-0", "md", "B"), ["long", "early"], [30.0, 20.0])
+    assert (await reg.on_heartbeat(held_for)).forget == []
+    assert set(await registry.request_ids()) == {"long", "early"}, "recorded again"
+    await registry.delete_request("early")  # it ended (the gateway removed it)
+    just_taken = Heartbeat(InstanceInfo("md-0", "md", "B"), ["long", "early", "new"], [31.0, 21.0, 0.0])
+    assert (await reg.on_heartbeat(just_taken)).forget == ["early", "new"]
+
+
+async def test_liveness_is_the_registrar_clock_and_allows_for_the_line(registry):
+    """An instance's own clock is never trusted (it may be an hour off); another site's instance
+    lives a heartbeat and two line delays longer; one that hears no replies is not refreshed."""
+    reg = Registrar(registry, control_dc="A", line_delay_s=0.05, heartbeat_s=1.0)
+    skewed = InstanceInfo("md-0", "md", "B", updated_at=time.time() + 3600)
+    await reg.on_heartbeat(Heartbeat(skewed))
+    await reg.on_heartbeat(Heartbeat(InstanceInfo("rld-0", "rld", "A")))
+    (md, rld) = sorted(await registry.alive(), key=lambda i: i.id)
+    assert abs(md.updated_at - (time.time() - 0.05)) < 1.0
+    assert await registry.r.pttl("pdd:instance:md-0") > await registry.r.pttl("pdd:instance:rld-0") + 900
+    await registry.remove("md-0")
+    await reg.on_heartbeat(Heartbeat(InstanceInfo("md-0", "md", "B"), missed_replies=2))
+    assert [i.id for i in await registry.alive()] == ["rld-0"], "the line towards it is down: not refreshed"
