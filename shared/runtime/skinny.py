@@ -5,7 +5,7 @@ GEMMs at a fraction of the memory bandwidth once there are more than a few rows;
 each weight once per step for up to 12 rows per pass (see its header). `FusedDecoder` uses it where
 it timed faster than oneDNN's packed weights on the model's own weights (dense.py).
 
-Building: `cc -O3 -march=native -fopenmp -shared` (about a second), into
+Building: `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` (about a second), into
 `$PDD_KERNEL_CACHE` (default `~/.cache/pdd/kernels`) under a name that hashes the source, the
 flags, the compiler and the CPU's flags, so a cache shared between machines never serves code
 built for another CPU. Processes that build at once each write their own temporary file and
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 SOURCE = Path(__file__).with_name("skinny.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # output columns per block: N must be a multiple of it
 ABI = 2  # skinny_abi() of a library this module can call
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -139,7 +139,7 @@ def build(source: Path) -> Path:
 
 def _build(compiler: str, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Path:
     """The shared library for this source, flags, compiler and CPU; built once per cache."""
-    text = source.read_bytes()
+    text = b"".join(p.read_bytes() for p in (source, *sorted(source.parent.glob("*.h"))))  # and its headers
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), version.encode(), _cpu_flags()]))
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -180,9 +180,11 @@ def test_a_model_the_kernels_do_not_take_runs_the_old_path_and_says_why(caplog):
         ModelRunner(odd, KVPool(kv_layout(odd), 16, BLOCK), invariant=True)
 
 
-def test_the_avx2_build_is_batch_invariant_too(monkeypatch, tmp_path):
-    """rows.c built for CPUs without AVX-512 (each v16 two AVX2 registers), run here: the same
-    checks of a row alone against an extend and a batch."""
+def test_the_avx2_and_avx512_code_paths_give_the_same_bits(monkeypatch, tmp_path):
+    """The kernels built 8 lanes wide for AVX2 (-march=haswell) and with the AVX-512 code path's
+    16-lane vectors (-DVW=16, each fused multiply-add from two AVX2 halves where the CPU has no
+    AVX-512): the same bits from each, so a fleet mixing the two CPUs answers alike; and the AVX2
+    build is batch-invariant on its own (a row alone against an extend)."""
     from pathlib import Path
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -190,18 +192,27 @@ def test_the_avx2_build_is_batch_invariant_too(monkeypatch, tmp_path):
         pytest.fail("this test needs an x86 CPU with AVX2 (the suite runs on one)")
     monkeypatch.setenv("PDD_KERNEL_CACHE", str(tmp_path))
     haswell = tuple("-march=haswell" if f == "-march=native" else f for f in skinny.FLAGS)
-    kernels = rows._Kernels(skinny._build("cc", haswell, source=rows.SOURCE))
-    monkeypatch.setattr(rows, "_load", lambda: (kernels, None))
+    builds = {width: (*haswell, f"-DVW={width}") for width in (8, 16)}
+    attention = {w: rows._Kernels(skinny._build("cc", f, source=rows.SOURCE)) for w, f in builds.items()}
+    linear = {w: skinny._bind(skinny._build("cc", f)) for w, f in builds.items()}
     k, v = _pool(torch.bfloat16, 1024)
     table, q = list(range(10, 30)), torch.randn(40, H, D)
-    alone = torch.cat(
-        [rows.attend(q[i : i + 1], k, v, rows.plan([(table, 60 + i + 1)]), BLOCK, 0.125) for i in range(40)]
-    )
-    extend = rows.attend(q, k, v, rows.plan([(table, 60 + i + 1) for i in range(40)]), BLOCK, 0.125)
-    assert torch.equal(extend, alone)
-    torch.testing.assert_close(alone[7], _reference(q[7], k, v, table, 68), rtol=1e-5, atol=1e-5)
     x, w = torch.randn(5, 576), torch.randn(576)
-    assert torch.equal(rows.rms_norm(x, w, 1e-5)[2:3], rows.rms_norm(x[2:3], w, 1e-5))
+    weight = skinny.pack((torch.randn(96, 576) * 0.05).to(torch.bfloat16))
+    got = {}
+    for width, kernels in attention.items():
+        monkeypatch.setattr(rows, "_load", lambda kernels=kernels: (kernels, None))
+        alone = torch.cat(
+            [rows.attend(q[i : i + 1], k, v, rows.plan([(table, 60 + i + 1)]), BLOCK, 0.125) for i in range(40)]
+        )
+        extend = rows.attend(q, k, v, rows.plan([(table, 60 + i + 1) for i in range(40)]), BLOCK, 0.125)
+        assert torch.equal(extend, alone), f"{width} lanes"
+        torch.testing.assert_close(alone[7], _reference(q[7], k, v, table, 68), rtol=1e-5, atol=1e-5)
+        norm = rows.rms_norm(x, w, 1e-5)
+        assert torch.equal(norm[2:3], rows.rms_norm(x[2:3], w, 1e-5))
+        got[width] = (alone, norm, skinny.linear(x, weight, fn=linear[width]))
+    for a, b in zip(got[8], got[16], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_the_runtime_bench_profile_counts_rows_c_as_attention():
