@@ -28,230 +28,35 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import socket
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.chaos_judge import (
+    aggregate,
+    format_header,
+    format_row,
+    hang_bound,
+    max_gap,
+    record_json,
+    verdict,
+)
+from benchmarks.chaos_load import SPECS, Load, raw_request, requests_running, schedule
 from benchmarks.environment import ROOT, cpu_model, environment
-from benchmarks.stats import percentile
 
 SHIPPED_CONFIG = ROOT / "configs" / "single-host.yaml"
-EXACT, FAILED, WRONG, CUT, HUNG = "exact", "failed", "wrong", "cut", "hung"
-OUTCOMES = (EXACT, FAILED, WRONG, CUT, HUNG)
-BAD = (WRONG, CUT, HUNG)  # any of these fails the run; a clear error does not
-STREAMING_EVENTS = 3  # text events a stream has had before it counts as mid-stream
 LOSS_POINTS = ("md/decoder.token_chunk", "rld/decoder.token_chunk", "rld.handoff_chunk", "decoder.final_chunk")
-
-
-# -- the requests -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One request of the load: the same body every time it is sent, so one reference fits all."""
-
-    kind: str  # "completion" | "chat"
-    pipeline: str | None  # forced with the admin `pdd` extension; None: the policy decides
-    prompt: str
-    max_tokens: int
-
-
-_CONTEXT = (
-    "The harbour town kept its lighthouse lit through every storm of the winter. Fishermen counted "
-    "on the beam, traders on the tides, and the keeper on the oil delivered each Tuesday. "
-)
-# Any four in a row cover every pipeline (the schedule rotates per fault), half of them chat.
-SPECS = (
-    Spec("completion", "p-md", "Once upon a time in a quiet village,", 80),
-    Spec("chat", "p-rld-md", _CONTEXT * 6 + "Summarise what the town depended on.", 100),
-    Spec("completion", "p-rld", "The three most important ideas in computer networking are", 60),
-    Spec("chat", None, "Explain in a few sentences how a steam engine works.", 120),
-    Spec("chat", "p-md", _CONTEXT * 4 + "Write the keeper's diary entry for a stormy night.", 90),
-    Spec("completion", "p-rld-md", "A recipe for a simple tomato soup: first,", 70),
-    Spec("chat", "p-rld", "List some reasons why people keep houseplants.", 100),
-    Spec("completion", None, _CONTEXT * 8 + "In the spring, the town", 80),
-)
-
-
-def request_body(spec: Spec) -> tuple[str, dict[str, Any]]:
-    """(path, body) of a greedy streamed request for `spec`."""
-    body: dict[str, Any] = {"max_tokens": spec.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    if spec.pipeline:
-        body["pdd"] = {"pipeline": spec.pipeline}
-    if spec.kind == "chat":
-        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": spec.prompt}]}
-    return "/v1/completions", {**body, "prompt": spec.prompt}
-
-
-def schedule(phase: int, n: int, n_specs: int) -> list[int]:
-    """Which spec each of a fault's `n` requests sends: round-robin, starting one further on per
-    fault, so the streams in flight when a fault strikes differ from fault to fault."""
-    return [(phase + i) % n_specs for i in range(n)]
 
 
 def loss_failpoints(pct: float) -> str:
     """The failpoints file (shared/failpoints.py) that drops `pct`% of the messages it names."""
     return "".join(f"{point}=drop%{pct:g}\n" for point in LOSS_POINTS)
-
-
-# -- one stream ---------------------------------------------------------------------------
-
-
-@dataclass
-class SSE:
-    done: bool = False  # `data: [DONE]`
-    text: str = ""
-    error: str = ""
-    finish_reason: str | None = None
-    pdd: dict[str, Any] | None = None
-
-
-def parse_data_line(line: str) -> SSE | None:
-    """An SSE line of a completion or chat stream; None for what is not a `data:` line.
-    Raises ValueError when its JSON does not parse."""
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:") :].strip()
-    if data == "[DONE]":
-        return SSE(done=True)
-    event = json.loads(data)
-    if "error" in event:
-        error = event["error"]
-        return SSE(error=str(error.get("message", error) if isinstance(error, dict) else error))
-    choices = event.get("choices") or []  # the usage chunk has none
-    choice = choices[0] if choices else {}
-    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return SSE(text=text, finish_reason=choice.get("finish_reason"), pdd=event.get("pdd"))
-
-
-def http_error_message(status: int, body: bytes) -> str:
-    """`HTTP 503: <the error's message>` from an OpenAI-shaped error body (or its raw start)."""
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = body[:200].decode(errors="replace").strip()
-    return f"HTTP {status}: {message}"
-
-
-@dataclass
-class Record:
-    """What the client saw of one request."""
-
-    spec: int
-    pipeline: str | None
-    sent_s: float = 0.0  # since the fault's load started
-    elapsed_s: float = 0.0
-    text: str = ""
-    text_events: int = 0
-    event_times_s: list[float] = field(default_factory=list)  # since it was sent: every data line
-    completed: bool = False  # saw [DONE]
-    error: str = ""  # a clear error: HTTP status or SSE error event
-    cut: str = ""  # why the stream broke without one (transport error, bad JSON)
-    timed_out: bool = False
-    pdd: dict[str, Any] = field(default_factory=dict)
-    outcome: str = ""
-
-
-def judge(text: str, reference: str | None, error: str, completed: bool, timed_out: bool) -> str:
-    """The outcome of one request (see the module's docstring)."""
-    if timed_out:
-        return HUNG
-    if error:
-        return FAILED
-    if not completed:
-        return CUT
-    return EXACT if text == reference else WRONG
-
-
-def max_gap(times: list[float]) -> float:
-    """The largest gap between consecutive timestamps (0 for fewer than two)."""
-    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
-
-
-# -- a fault's figures --------------------------------------------------------------------
-
-
-def aggregate(fault: str, records: list[Record], wall_s: float, notes: list[str] | None = None) -> dict[str, Any]:
-    """One row of the table from a fault's judged records."""
-    counts = Counter(r.outcome for r in records)
-    survived = [r for r in records if r.outcome in (EXACT, WRONG)]
-    exact_s = sorted(r.elapsed_s for r in records if r.outcome == EXACT)
-    messages = Counter(r.error for r in records if r.outcome == FAILED)
-    messages.update(r.cut or "stream ended without [DONE]" for r in records if r.outcome == CUT)
-    return {
-        "fault": fault,
-        "sent": len(records),
-        **{o: counts.get(o, 0) for o in OUTCOMES},
-        "worst_stall_s": max((max_gap(r.event_times_s) for r in survived), default=0.0),
-        "p50_exact_s": percentile(exact_s, 50),
-        "resends": sum(r.pdd.get("resends", 0) for r in records),
-        "migrations": sum(r.pdd.get("migrations", 0) for r in records),
-        "wall_s": wall_s,
-        "errors": dict(messages.most_common()),
-        "notes": list(notes or []),
-    }
-
-
-_COLUMNS = (
-    ("fault", "<12"),
-    ("sent", ">4"),
-    (EXACT, ">5"),
-    (FAILED, ">6"),
-    (WRONG, ">5"),
-    (CUT, ">4"),
-    (HUNG, ">4"),
-    ("worst stall", ">11"),
-    ("p50 exact", ">9"),
-    ("resends", ">7"),
-    ("migr", ">4"),
-    ("wall", ">6"),
-)
-
-
-def format_header() -> str:
-    return " ".join(f"{name:{fmt}}" for name, fmt in _COLUMNS)
-
-
-def format_row(row: dict[str, Any]) -> list[str]:
-    """The row's table line, then one indented line per distinct error and per note."""
-    cells = (
-        row["fault"],
-        row["sent"],
-        *(row[o] for o in OUTCOMES),
-        f"{row['worst_stall_s']:.2f} s",
-        f"{row['p50_exact_s']:.1f} s",
-        row["resends"],
-        row["migrations"],
-        f"{row['wall_s']:.0f} s",
-    )
-    lines = [" ".join(f"{cell:{fmt}}" for cell, (_, fmt) in zip(cells, _COLUMNS))]
-    lines += [f"    {n}x {message}" for message, n in row["errors"].items()]
-    lines += [f"    note: {note}" for note in row["notes"]]
-    return lines
-
-
-def verdict(rows: list[dict[str, Any]]) -> tuple[int, str]:
-    """(exit status, one line): 1 when any request hung, was wrong or was cut."""
-    bad = {o: sum(r[o] for r in rows) for o in BAD}
-    sent = sum(r["sent"] for r in rows)
-    exact = sum(r[EXACT] for r in rows)
-    failed = sum(r[FAILED] for r in rows)
-    line = f"{sent} requests: {exact} exact, {failed} failed with an error, " + ", ".join(
-        f"{n} {o}" for o, n in bad.items()
-    )
-    if any(bad.values()):
-        culprits = [r["fault"] for r in rows if any(r[o] for o in BAD)]
-        return 1, f"chaos: NOT OK: {line} (under {', '.join(culprits)})"
-    return 0, f"chaos: ok: {line}"
 
 
 def parse_faults(spec: str) -> list[str]:
@@ -263,127 +68,6 @@ def parse_faults(spec: str) -> list[str]:
     if not names:
         raise ValueError("no fault named")
     return names
-
-
-def raw_request(host: str, port: int, path: str, body: dict[str, Any]) -> bytes:
-    """An HTTP/1.1 POST of `body` as JSON, as the slow client writes it on its socket."""
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
-    return head.encode() + payload
-
-
-def requests_running(metrics_text: str) -> int | None:
-    """The gateway's pdd:num_requests_running from its /metrics text (None if absent)."""
-    found = re.search(r"^pdd:num_requests_running(?:\{[^}]*\})? (\S+)$", metrics_text, re.M)
-    return int(float(found.group(1))) if found else None
-
-
-# -- the load -----------------------------------------------------------------------------
-
-
-class Load:
-    """`--concurrency` streams at a time until every request of the list has ended, on an event
-    loop of its own thread (the main thread injects faults: the launcher starts processes from
-    it). Every request is bounded by `hang_s`; a hung one is abandoned and recorded."""
-
-    def __init__(
-        self,
-        url: str,
-        specs: list[int],
-        concurrency: int,
-        hang_s: float,
-        references: dict[int, str] | None = None,
-        pause_s: float = 0.5,
-    ):
-        self.url, self.specs, self.concurrency, self.hang_s, self.pause_s = url, specs, concurrency, hang_s, pause_s
-        self.references = references or {}
-        self.records: list[Record | None] = [None] * len(specs)
-        self.streaming = 0  # requests that are mid-stream or past it
-        self.t0 = 0.0
-        self.wall_s = 0.0
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="chaos-load", daemon=True)
-
-    def start(self) -> Load:
-        self.t0 = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def wait_streaming(self, n: int, timeout: float) -> bool:
-        """Until `n` requests are mid-stream (or the load ended); False after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while self.streaming < n and self._thread.is_alive():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def join(self) -> list[Record]:
-        """The records, once every request has ended (each is bounded, so this is too)."""
-        waves = -(-len(self.specs) // max(self.concurrency, 1))
-        self._thread.join(waves * (self.hang_s + self.pause_s + 30) + 30)
-        for i, rec in enumerate(self.records):  # only if the loop itself got stuck
-            if rec is None or not rec.outcome:
-                rec = rec or Record(self.specs[i], SPECS[self.specs[i]].pipeline)
-                rec.timed_out, rec.outcome = True, HUNG
-                self.records[i] = rec
-        return list(self.records)  # type: ignore[arg-type]
-
-    async def _main(self) -> None:
-        queue = list(range(len(self.specs)))
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)  # a fresh connection each
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.hang_s + 30, connect=10), limits=limits) as client:
-
-            async def worker() -> None:
-                while queue:
-                    rec = await self._one(client, queue.pop(0))
-                    if rec.outcome in (FAILED, CUT, HUNG):  # as a client backs off: an outage does not eat the load
-                        await asyncio.sleep(self.pause_s)
-
-            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
-        self.wall_s = time.perf_counter() - self.t0
-
-    async def _one(self, client: httpx.AsyncClient, i: int) -> Record:
-        spec = self.specs[i]
-        rec = self.records[i] = Record(spec, SPECS[spec].pipeline, sent_s=time.perf_counter() - self.t0)
-        path, body = request_body(SPECS[spec])
-        t0 = time.perf_counter()
-        try:
-            await asyncio.wait_for(self._stream(client, self.url + path, body, rec, t0), self.hang_s)
-        except TimeoutError:
-            rec.timed_out = True
-        except Exception as e:  # transport errors, bad JSON, anything else: the stream broke without a word
-            rec.cut = f"{type(e).__name__}: {e}"
-        rec.elapsed_s = time.perf_counter() - t0
-        rec.outcome = judge(rec.text, self.references.get(spec), rec.error, rec.completed, rec.timed_out)
-        return rec
-
-    async def _stream(self, client: httpx.AsyncClient, url: str, body: dict, rec: Record, t0: float) -> None:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                rec.error = http_error_message(r.status_code, await r.aread())
-                return
-            async for line in r.aiter_lines():
-                event = parse_data_line(line)
-                if event is None:
-                    continue
-                rec.event_times_s.append(time.perf_counter() - t0)
-                if event.done:
-                    rec.completed = True
-                    return
-                if event.error:
-                    rec.error = event.error
-                    return
-                rec.pdd = event.pdd or rec.pdd
-                if event.text:
-                    rec.text += event.text
-                    rec.text_events += 1
-                    self.streaming += rec.text_events == STREAMING_EVENTS
 
 
 # -- the faults ---------------------------------------------------------------------------
@@ -604,26 +288,8 @@ def run_phase(chaos: Chaos, name: str, specs: list[int], args: argparse.Namespac
     flush_caches(chaos, notes)
     row = aggregate(name, records, load.wall_s, notes)
     row["injected_s"] = injected_s  # since the load started, as each record's sent_s
-    row["records"] = [_record_json(r) for r in records]
+    row["records"] = [record_json(r) for r in records]
     return row
-
-
-def _record_json(r: Record) -> dict[str, Any]:
-    out = asdict(r)
-    out["worst_gap_s"] = max_gap(r.event_times_s)
-    out.pop("event_times_s")
-    pdd = out.pop("pdd")
-    keys = ("pipeline", "handoff", "instances", "tokens_by_role", "migrations", "resends")
-    out["pdd"] = {k: pdd[k] for k in keys if k in pdd}
-    if r.outcome == EXACT:  # the reference is in the JSON's header
-        out.pop("text")
-    return out
-
-
-def hang_bound(reference_s: list[float], floor_s: float) -> float:
-    """How long a request may take before it counts as hung: `floor_s`, or three times the
-    slowest reference where the host is slower than that (a shared 2-core machine can be)."""
-    return max(floor_s, 3 * max(reference_s, default=0.0))
 
 
 def compute_references(url: str, args: argparse.Namespace) -> tuple[dict[int, str], list[str], list[float]]:

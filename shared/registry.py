@@ -81,6 +81,7 @@ class Registry:
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={k: str(v) for k, v in dataclasses.asdict(info).items()})
             pipe.pexpire(key, int(ttl_s * 1000) or self.ttl_ms)
+            pipe.set(EPOCH, repr(time.time()), nx=True)  # a Redis that (re)started empty begins its epoch
             await pipe.execute()
 
     async def remove(self, instance_id: str) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +36,7 @@ from typing import Any
 
 from services.gateway.auth import Key
 from services.gateway.detokenize import IncrementalDetokenizer, StopChecker
+from services.gateway.gaps import GapWatch
 from services.gateway.openai_api import APIError, ParsedRequest
 from services.gateway.pdd_object import FlowStats, build_pdd
 from services.gateway.reassembly import TokenReassembler
@@ -45,8 +45,6 @@ from shared.bus import BusTimeout
 from shared.messages import Abort, Plan, Resend, Resent, Sampling, Submit, TokenChunk
 
 log = logging.getLogger(__name__)
-GAP_MIN_S = 0.5  # the least wait for a missing token before its decoders are asked again
-GAP_BACKOFF_MAX = 16  # an unanswered gap is asked about again after 2x, 4x ... this many times the bound
 
 
 class StreamError(Exception):
@@ -80,9 +78,7 @@ class RequestFlow:
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub = None
         self._reassembler = TokenReassembler()
-        self._advanced_at = time.perf_counter()  # when the stream last gained a token in order
-        self._asked_at = 0.0  # when the decoders were last asked to resend
-        self._backoff = 1  # x the gap bound before asking (again)
+        self._gap: GapWatch | None = None  # when a chunk is presumed lost (set as the stream starts)
         self._checked_at = 0.0  # when the holders' heartbeats were last checked
         self._asks: set[asyncio.Task] = set()
 
@@ -136,6 +132,8 @@ class RequestFlow:
     # -- 2./3. tokens -> text ---------------------------------------------------------------
     async def deltas(self) -> AsyncIterator[Delta]:
         reassembler = self._reassembler
+        wan = self.gw.cfg.wan
+        self._gap = GapWatch(self.stats.token_gaps, 2 * (wan.delay_ms + wan.jitter_ms) / 1000, time.perf_counter())
         detok = IncrementalDetokenizer(self.gw.tokenizer)
         stops = StopChecker(list(self.parsed.sampling.stop))
         end: int | None = None  # client index just past the final token, once known
@@ -155,7 +153,7 @@ class RequestFlow:
                 end, final_reason = self.offset + chunk.index + len(chunk.token_ids), chunk.finish_reason
             new = reassembler.add(self.offset + chunk.index, chunk.token_ids)
             if new:
-                self._advanced_at, self._backoff = time.perf_counter(), 1
+                self._gap.advanced(time.perf_counter())
                 self.generated += new
                 self._record_tokens(len(new), chunk.role)
                 piece = detok.add(new)  # stop strings count only from min_tokens on, as in the engine
@@ -182,7 +180,7 @@ class RequestFlow:
         due to be asked about); each quiet second the holders are checked (and the request
         moved if one of them died)."""
         limit = self.gw.cfg.timeouts.request_s
-        due = self._gap_due() - time.perf_counter()
+        due = self._gap.due(time.perf_counter())
         try:
             return await asyncio.wait_for(self._queue.get(), min(1.0, max(0.05, due)))
         except TimeoutError:
@@ -198,25 +196,12 @@ class RequestFlow:
         return None
 
     # -- 4. a lost chunk: ask again ---------------------------------------------------------
-    def _gap_bound(self) -> float:
-        """How long the next token may take before its chunk is presumed lost: a few of the
-        request's own token gaps (a step, or a chunk of them) plus the line's round trip twice."""
-        gaps = self.stats.token_gaps[-16:]
-        itl = statistics.median(gaps) if gaps else 0.1
-        wan = self.gw.cfg.wan
-        rtt = 2 * (wan.delay_ms + wan.jitter_ms) / 1000
-        return max(GAP_MIN_S, 4 * itl + 2 * rtt)
-
-    def _gap_due(self) -> float:
-        return max(self._advanced_at, self._asked_at) + self._gap_bound() * self._backoff
-
     def _recover_gap(self) -> None:
-        """Ask the plan's decoders for everything from the first missing index, when it is due.
-        Asked without waiting: the answers come back on the chunk queue."""
-        now = time.perf_counter()
-        if self.plan is None or now < self._gap_due():
+        """Ask the plan's decoders for everything from the first missing index, once the next
+        token is late (services/gateway/gaps.py). Asked without waiting: the answers come back
+        on the chunk queue."""
+        if self.plan is None or not self._gap.ask_now(time.perf_counter()):
             return
-        self._asked_at, self._backoff = now, min(self._backoff * 2, GAP_BACKOFF_MAX)
         index = self._reassembler.next_index - self.offset
         for iid in {i for i in (self.plan.rld, self.plan.md) if i}:
             task = asyncio.create_task(self._ask(iid, self.attempt_id, index))

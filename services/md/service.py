@@ -77,10 +77,16 @@ class MainDecoder(DecoderService):
         self.spawn(self.bus.publish(subjects.finish_on_relay(req.task.plan.rld), msg))
         return True
 
+    def _streamed(self, rid: str) -> bool:
+        """This decoder streamed tokens of the ended request `rid` (a shadow streams none until
+        its final handoff chunk is taken)."""
+        replay = self.replays.get(rid)
+        return replay is not None and replay.start >= 0
+
     async def on_chunk(self, chunk: HandoffChunk) -> Ack:
         rid = chunk.request_id
         req = self.requests.get(rid)
-        if req.handed_over if req is not None else chunk.final and rid in self.replays:
+        if req.handed_over if req is not None else chunk.final and self._streamed(rid):
             return Ack(rid)  # the relay sent it again (its ack was lost), maybe after it ended here
         if req is None or req.phase != Phase.SHADOW:
             return Ack(rid, ok=False, error=f"{self.inst.id} holds no shadow of {rid}")

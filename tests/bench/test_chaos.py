@@ -11,33 +11,26 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks import chaos
-from benchmarks.chaos import (
+from benchmarks import chaos, chaos_load
+from benchmarks.chaos import faults_of, loss_failpoints, parse_faults
+from benchmarks.chaos_judge import (
     CUT,
     EXACT,
     FAILED,
     HUNG,
-    SPECS,
     WRONG,
-    Load,
     Record,
     aggregate,
-    faults_of,
     format_header,
     format_row,
     hang_bound,
     http_error_message,
     judge,
-    loss_failpoints,
     max_gap,
     parse_data_line,
-    parse_faults,
-    raw_request,
-    request_body,
-    requests_running,
-    schedule,
     verdict,
 )
+from benchmarks.chaos_load import SPECS, Load, raw_request, request_body, requests_running, schedule
 from shared import failpoints
 
 
@@ -51,10 +44,10 @@ def test_judging_a_request():
 
 
 def test_bodies_are_greedy_streams_and_steer_only_when_a_pipeline_is_forced():
-    path, body = request_body(chaos.Spec("chat", "p-rld", "Hi", 5))
+    path, body = request_body(chaos_load.Spec("chat", "p-rld", "Hi", 5))
     assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "Hi"}]
     assert body["pdd"] == {"pipeline": "p-rld"} and body["temperature"] == 0 and body["ignore_eos"] is True
-    path, body = request_body(chaos.Spec("completion", None, "Hi", 5))
+    path, body = request_body(chaos_load.Spec("completion", None, "Hi", 5))
     assert path == "/v1/completions" and body["prompt"] == "Hi" and body["stream"] is True and "pdd" not in body
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import fresh_prompt, stream_completion
+from tests.cluster.test_faults import _body
 from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
@@ -29,27 +30,16 @@ N = 24
 )
 def test_a_lost_chunk_is_asked_again(cluster, operator, model_id, reference, smol_tokenizer, pipeline, fault):
     prompt = fresh_prompt(30, "lost-")
-    body = {
-        "model": model_id,
-        "prompt": prompt,
-        "max_tokens": N,
-        "temperature": 0,
-        "ignore_eos": True,
-        "pdd": {"pipeline": pipeline},
-    }
+    body = _body(model_id, prompt, N, pipeline)
     operator.failpoints(fault)
-    try:
-        t0 = time.perf_counter()
+    try:  # without the resend it waits for request_s (90 s): the 60 s read timeout fails it first
         text, pdd, _ = stream_completion(cluster.url + "/v1/completions", body, timeout=60)
-        elapsed = time.perf_counter() - t0
     finally:
         operator.failpoints("")
     assert text == reference(smol_tokenizer(prompt)["input_ids"], N, ignore_eos=True, draft=text)
     assert pdd["resends"] >= 1, "the gap was filled by a resend, not by chance"
     assert pdd["migrations"] == 0, "nothing died: the request stayed where it was"
     assert sum(pdd["tokens_by_role"].values()) >= N
-    # recovered within a few gap bounds (0.5 s and up), far below request_s (90 s in this cluster)
-    assert elapsed < 30, f"took {elapsed:.1f}s"
     assert not operator.idle()["md-0"].requests
 
 
@@ -86,17 +76,6 @@ class Streams:
         self._stop.set()
         for t in self._threads:
             t.join(60)
-
-
-def _body(model_id: str, prompt: str, n: int, pipeline: str) -> dict:
-    return {
-        "model": model_id,
-        "prompt": prompt,
-        "max_tokens": n,
-        "temperature": 0,
-        "ignore_eos": True,
-        "pdd": {"pipeline": pipeline},
-    }
 
 
 LONG = 1500  # tokens: no stream ends before the test has judged it, on any machine
@@ -141,7 +120,8 @@ def test_a_redis_restart_under_load_ends_no_request(cluster, operator, model_id,
 def test_a_stream_outliving_its_records_ttl_is_not_killed(cluster, operator, model_id, reference, smol_tokenizer):
     """The record is written with a TTL (`timeouts.request_s`); a stream that runs longer, while
     its tokens flow, keeps it: every heartbeat of its holder renews it. Here the record is made
-    to expire 12 s after the first tokens; the holder reports the request from 10 s on."""
+    to expire 20 s after the first tokens; the holder reports the request from 10 s on (after
+    it was taken, before its first tokens), and renews it then."""
     prompt = fresh_prompt(20, "ttl-")
     streams = Streams(cluster, [_body(model_id, prompt, LONG, "p-md")])
     try:
@@ -149,10 +129,10 @@ def test_a_stream_outliving_its_records_ttl_is_not_killed(cluster, operator, mod
         r = operator.redis()
         try:
             key = f"pdd:request:{streams.ids[0]}"
-            assert r.expire(key, 12)
+            assert r.expire(key, 20)
             t0 = time.monotonic()
-            until(lambda: r.ttl(key) > 60, 30, "the record renewed by a heartbeat", every=0.2)
-            until(lambda: time.monotonic() - t0 > 14, 30, "past the record's first TTL")
+            until(lambda: r.ttl(key) > 60, 40, "the record renewed by a heartbeat", every=0.2)
+            until(lambda: time.monotonic() - t0 > 22, 40, "past the record's first TTL")
             assert r.exists(key)
         finally:
             r.close()
