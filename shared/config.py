@@ -109,6 +109,7 @@ class WanConfig:
     ports: dict[str, int] = field(default_factory=dict)  # forward name -> emulator listen port
     host: str = ""  # where the emulator is reached ("" = the cluster's host)
     capture_dir: str = ""  # where `WanControl(capture=True)` records what crosses, like tcpdump on the line
+    write_stall_s: float = 120.0  # a connection whose receiver takes nothing for this long is reset
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Timeouts:
     control_s: float = 5.0  # every NATS request-reply
     kv_stall_s: float = 30.0  # a KV transfer with no progress for this long fails
     request_s: float = 600.0  # gateway gives up on a request with no token for this long
+    client_s: float = 30.0  # a client's request body, and each SSE write to it, may take this long
     kv_retries: int = 2  # a failed KV push is retried this many times (the payload is kept)
 
 
@@ -164,10 +166,15 @@ class GatewayConfig:
     keys_file: str = ""  # YAML list of {name, sha256, scope, max_concurrent, tokens_per_minute, cache_salt}
     metrics_need_key: bool = True  # with keys on, /metrics and /dashboard need one too
     pdd_object: str = "redacted"  # what user (non-admin) keys get: full | redacted | none
+    # each client connection's kernel send buffer (SO_SNDBUF; 0: the kernel's own, autotuned up to
+    # a few MB): what a client that stops reading is sent before a write waits (timeouts.client_s)
+    send_buffer_kib: int = 256
 
     def __post_init__(self) -> None:
         if self.pdd_object not in ("full", "redacted", "none"):
             raise ConfigError(f"gateway.pdd_object {self.pdd_object!r} must be full, redacted or none")
+        if self.send_buffer_kib < 0:
+            raise ConfigError(f"gateway.send_buffer_kib must be >= 0, got {self.send_buffer_kib}")
 
 
 @dataclass(frozen=True)

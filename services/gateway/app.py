@@ -2,8 +2,9 @@
 
 Lifecycle of a request here:
 1. The API key is checked (`auth.KeyRing`: 401 without a valid one; `/health` stays open).
-   The body is size-checked, parsed and validated off the event loop (`openai_api`): a bad
-   request gets an OpenAI-shaped 4xx and nothing is created anywhere. Only admin keys may
+   The body is size-checked, read within `timeouts.client_s` (`deadlines`), parsed and
+   validated off the event loop (`openai_api`): a bad request gets an OpenAI-shaped 4xx and
+   nothing is created anywhere. Only admin keys may
    steer the plan (`pdd` overrides): 403 otherwise.
 2. Admission: past `max_queue` requests in flight, or past the key's own limits (concurrent
    requests, tokens per minute), the answer is 429 with Retry-After.
@@ -13,27 +14,31 @@ Lifecycle of a request here:
    asked) or returned whole. The last chunk carries the `pdd` object as the key may see it.
    An error after streaming began is sent as an SSE error event. Every response carries
    `X-Request-Id` (the client's, when it sent a usable one).
-5. Whatever happens — finish, error, a streaming or a waiting client gone — the flow is closed:
+5. Whatever happens — finish, error, a streaming or a waiting client gone, a streaming client
+   that takes no data for `timeouts.client_s` — the flow is closed:
    an unfinished request is aborted in every stage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from services.gateway import dashboard, responses
 from services.gateway.auth import Key
+from services.gateway.deadlines import DeadlineStream, read_body
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gateway import Gateway
-from services.gateway.openai_api import APIError, ParsedRequest, check_body_size, parse_chat, parse_completion
+from services.gateway.openai_api import APIError, ParsedRequest, parse_chat, parse_completion
 from shared.telemetry import CONTENT_TYPE
 
+log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,127}")  # usable in NATS subjects as is
 
 
@@ -92,7 +97,7 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         key = _front_door(gw, request)
-        body = await _body(request)
+        body = await read_body(request, gw.cfg.timeouts.client_s)
         parsed = await asyncio.to_thread(  # tokenizing a long prompt must not stall every other stream
             parse_completion,
             body,
@@ -106,7 +111,7 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         key = _front_door(gw, request)
-        body = await _body(request)
+        body = await read_body(request, gw.cfg.timeouts.client_s)
         parsed = await asyncio.to_thread(
             parse_chat,
             body,
@@ -129,16 +134,6 @@ def _front_door(gw: Gateway, request: Request) -> Key:
     return key
 
 
-async def _body(request: Request) -> bytes:
-    check_body_size(request.headers.get("content-length"))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        check_body_size(None, size)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest):
     if parsed.steers and not key.admin:
         raise APIError(
@@ -157,8 +152,12 @@ async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest)
         raise
     headers = {"X-Request-Id": flow.request_id}
     if parsed.stream:
-        return StreamingResponse(
-            _sse(gw, flow), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
+        return DeadlineStream(
+            _sse(gw, flow),
+            gw.cfg.timeouts.client_s,
+            lambda: _stalled(flow, gw.cfg.timeouts.client_s),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache"},
         )
     try:
         text, finish, pdd = await _until_done_or_gone(flow, request)
@@ -188,6 +187,11 @@ async def _until_done_or_gone(flow: RequestFlow, request: Request) -> tuple[str,
             work.cancel()
             raise APIError(499, "client closed the request", code="client_closed", counted=True)
     return work.result()
+
+
+def _stalled(flow: RequestFlow, deadline_s: float) -> None:
+    flow.error = f"the client took no data for {deadline_s:g} s: stream ended, slot released"
+    log.warning("%s: %s", flow.request_id, flow.error)
 
 
 async def _sse(gw: Gateway, flow: RequestFlow) -> AsyncIterator[bytes]:

@@ -259,8 +259,6 @@ class RequestFlow:
     def _count(self, chunk: TokenChunk) -> None:
         s = self.stats
         s.last_progress = time.perf_counter()
-        if chunk.role in s.tokens_by_role:
-            s.tokens_by_role[chunk.role] += len(chunk.token_ids)
         if chunk.token_ids and chunk.role == "rld":
             s.last_rld_at = time.perf_counter()
             self.holders.discard(self.plan.prefill)
@@ -280,6 +278,8 @@ class RequestFlow:
         s.last_token_at = now
         s.token_marks.extend([(now - s.arrived, role)] * n)
         s.completion_tokens += n
+        if role in s.tokens_by_role:  # new tokens only: one asked for again and sent twice counts once
+            s.tokens_by_role[role] += n
 
     def _pdd(self) -> dict[str, Any]:
         return build_pdd(self.request_id, self.plan, self.stats)

@@ -186,7 +186,15 @@ class WanLink:
             reset(writer)
             reset(up[1])
             return
-        conn = Connection(fwd.name, self.lines[out], self.lines[back], self.gates[fwd.name], (reader, writer), up)
+        conn = Connection(
+            fwd.name,
+            self.lines[out],
+            self.lines[back],
+            self.gates[fwd.name],
+            (reader, writer),
+            up,
+            self.cfg.write_stall_s,
+        )
         conn.recorder = self.recorder
         self._conns.add(conn)
         try:

@@ -9,7 +9,9 @@ stay in the sender's socket = backpressure); the writer holds each chunk until i
 EOF travels the same way and becomes a half-close on the far side. A reset on either side (an
 aborted transfer) cuts both at once: each socket's pending error is polled, because a pipe
 waiting for the line is not reading and would otherwise carry on draining what the sender
-had already written. The proxy never looks inside the bytes: TLS runs end to end through it.
+had already written. So does a receiver that takes nothing for `write_stall_s` (the line's
+`write_stall_s` setting), which would otherwise hold the connection and its sender forever.
+The proxy never looks inside the bytes: TLS runs end to end through it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ class Recorder:
 class Connection:
     """Owns both sockets and the four tasks of one proxied connection."""
 
-    def __init__(self, forward: str, out: Line, back: Line, gate: Gate, client: Side, upstream: Side) -> None:
+    def __init__(
+        self, forward: str, out: Line, back: Line, gate: Gate, client: Side, upstream: Side, write_stall_s: float
+    ) -> None:
         self.forward = forward
+        self.write_stall_s = write_stall_s  # a write its receiver does not take within this resets both
         self.out, self.back = out, back  # the dialer's direction, and the other
         self.a_to_b = out if out.name == "a-b" else back
         self.gate = gate  # this forward's own faults (a stall of one decoder's KV connections)
@@ -124,7 +129,10 @@ class Connection:
             if self.recorder is not None:
                 self.recorder.record(self.forward, "a-b" if line is self.a_to_b else "b-a", data)
             dst.write(data)
-            await dst.drain()
+            try:  # a receiver that stops reading would hold this connection, and its sender, forever
+                await asyncio.wait_for(dst.drain(), self.write_stall_s)
+            except TimeoutError:
+                raise TimeoutError(f"the receiver took nothing for {self.write_stall_s:g} s") from None
 
 
 def _pending_error(sock: socket.socket) -> int:

@@ -73,7 +73,10 @@ CLUSTERS = {  # in the order their tests run (tests/conftest.py): the shortest g
     "keyed": {
         "config": str(SHIPPED_CONFIG),
         "port": 0,
-        "gateway": {"keys_file": "<made at launch>"},
+        # a small send buffer and a 10 s write deadline: a client that stops reading is cut
+        # after ~500 tokens and 10 s, not the shipped 256 KiB (~2,000 tokens) and 30 s
+        "gateway": {"keys_file": "<made at launch>", "send_buffer_kib": 8},
+        "timeouts": {"client_s": 10},
         "max_queue": 128,
     },
     # two prefill and two main-decode instances (small md pools, so eviction happens; at most
@@ -101,7 +104,7 @@ def prelaunch(names: set[str]) -> None:
     for name in sorted(names - set(_launched)):
         settings = CLUSTERS[name]
         if "gateway" in settings:
-            settings = {**settings, "gateway": {"keys_file": _keys_file()}}
+            settings = {**settings, "gateway": {**settings["gateway"], "keys_file": _keys_file()}}
         _launched[name] = Cluster(log=lambda m: None, failpoints=True, **settings).launch()
 
 

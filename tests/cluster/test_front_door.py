@@ -7,13 +7,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import socket
 import statistics
+import threading
 import time
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 
 from tests.cluster.conftest import KEYS, Operator, fresh_prompt, stream_completion
+from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 
@@ -71,15 +75,17 @@ def test_one_key_flooding_gets_429_while_another_key_is_served(keyed):
     # The key's two slots are taken by streams held open (they would run for minutes) before the
     # flood: the rest must all be refused, however fast the machine finishes a request.
     with httpx.Client(timeout=120) as client, contextlib.ExitStack() as held:
-        lines = []  # each held stream's line iterator, kept: one collected closes its stream (a disconnect)
         for _ in range(2):  # 2,000 tokens: minutes of decoding, within the relay's 4,096-token pool
             body = {**flood_body, "max_tokens": 2000}
             r = held.enter_context(
                 client.stream("POST", keyed.url + "/v1/completions", json=body, headers=auth("flooder"))
             )
-            lines.append(r.iter_lines())
-            first = json.loads(next(line for line in lines[-1] if line.startswith("data: "))[len("data: ") :])
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: ") :])
             assert r.status_code == 200 and first["choices"][0]["text"], first
+            reader = threading.Thread(target=_read_until_closed, args=(lines,), daemon=True)
+            reader.start()  # read as a client does: one that stops reading is cut (the next test)
+            held.callback(reader.join, 30)
         with concurrent.futures.ThreadPoolExecutor(98) as pool:
             flooding = [pool.submit(flood, i) for i in range(98)]
             during = [_ttft_ms(keyed.url, "calm", 100 + i) for i in range(5)]
@@ -91,6 +97,63 @@ def test_one_key_flooding_gets_429_while_another_key_is_served(keyed):
     )
     assert len(limited) == 98 and all(r[1] for r in limited), results  # Retry-After on each
     states = Operator(keyed).idle()  # the two held streams, left, were aborted and freed
+    assert all(s.requests == [] for s in states.values()), {i: s.requests for i, s in states.items()}
+
+
+def _read_until_closed(lines) -> None:
+    with contextlib.suppress(httpx.HTTPError):  # the stream closed under it: the test is done with it
+        for _ in lines:
+            pass
+
+
+def _raw_request(url: str, key: str, body: bytes, length: int | None = None) -> socket.socket:
+    """A POST on a socket of its own that reads as little as the kernel lets it (a 4 KiB receive
+    buffer), declaring `length` bytes of body (default: all of `body`)."""
+    where = urlparse(url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((where.hostname, where.port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {where.hostname}\r\nAuthorization: Bearer {KEYS[key]}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def _read(sock: socket.socket, timeout: float, stop: bytes = b"") -> bytes:
+    """What the socket gets until it closes, `stop` arrives, or `timeout` seconds pass quietly."""
+    sock.settimeout(timeout)
+    data = b""
+    with contextlib.suppress(OSError):
+        while (chunk := sock.recv(1 << 16)) and not (stop and stop in data + chunk):
+            data += chunk
+        data += chunk
+    return data
+
+
+def test_clients_that_stop_reading_or_sending_free_their_slots(keyed):
+    """The flooder key has 2 slots. Two streams whose clients never read fill their sockets and
+    then wait on them: past `timeouts.client_s` (10 s here) each is ended, aborted in every stage,
+    and its slot freed, so the key is served again. A body that never arrives gets 408 as well."""
+    body = {"prompt": fresh_prompt(16, "deaf"), "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    deaf = [_raw_request(keyed.url, "flooder", json.dumps({**body, "stream": True}).encode()) for _ in range(2)]
+    try:
+        small = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+        until(lambda: post(keyed.url, small, "flooder").status_code == 429, 120, "both slots held by the streams")
+        with _raw_request(keyed.url, "calm", b'{"prompt": "x", ', length=200) as half:  # never the rest
+            answer = _read(half, 60, stop=b"body_timeout")
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer, answer[:300]
+        # without the write deadline they would hold them until their clients went: never, here
+        until(lambda: post(keyed.url, small, "flooder").status_code == 200, 300, "a slot freed", every=1)
+        for sock in deaf:  # what each got: a stream cut short, no end of it
+            got = _read(sock, 5)
+            assert got.startswith(b"HTTP/1.1 200") and b"data: {" in got, got[:300]
+            assert b"[DONE]" not in got and b'"finish_reason": "length"' not in got
+    finally:
+        for sock in deaf:
+            sock.close()
+    states = Operator(keyed).idle(30)
     assert all(s.requests == [] for s in states.values()), {i: s.requests for i, s in states.items()}
 
 

@@ -37,7 +37,6 @@ def make_flow(rid: str, key=OPEN, reason: str | None = "length", marks=None) -> 
     )
     t0 = f.stats.arrived
     for at, role in marks if marks is not None else [(t, "rld") for t in RELAY] + [(t, "md") for t in MAIN]:
-        f.stats.tokens_by_role[role] += 1
         f._record_tokens(1, role, now=t0 + at)
     f.stats.handoff_gap_s = MAIN[0] - RELAY[-1]
     f.stats.decoder_stats = RequestStats(

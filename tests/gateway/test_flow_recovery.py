@@ -60,6 +60,7 @@ async def test_a_gap_and_a_lost_end_are_asked_about_once_and_filled():
     assert text == Vocab().decode(TOKENS) and f.finish_reason == "length"
     assert sorted(asked) == [("md-0", 2), ("rld-0", 2)], "asked once, from the first missing index"
     assert f.stats.resends == 1
+    assert f.stats.tokens_by_role == {"rld": 0, "md": len(TOKENS)}, "each token counted once, resent or not"
 
 
 async def test_a_holder_that_holds_nothing_moves_the_request():

@@ -38,7 +38,6 @@ def flow(reason: str | None, chunks: list[tuple[float, int, str]], error: str = 
     f.plan = Plan("r", pipeline="p-rld-md", handoff="catchup", reason="slo-miss-relay", queue_ms=5.0)
     t0 = f.stats.arrived
     for at, n, role in chunks:
-        f.stats.tokens_by_role[role] += n
         f._record_tokens(n, role, now=t0 + at)
     f.stats.decoder_stats = RequestStats(prefill_ms=120.0, wan_kv_bytes=5000, local_kv_bytes=7000, handoff_chunks=2)
     f.finish_reason, f.error, f.finished = reason, error, reason is not None

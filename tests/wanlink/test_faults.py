@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import pytest
 
@@ -138,6 +139,34 @@ async def test_an_unreachable_upstream_resets_the_dialer(make_link):
     assert state.accepted == {"dead": 1}
     assert not state.connections.get("dead")
     assert all(line.bytes == 0 for line in state.lines.values())
+
+
+async def test_a_receiver_that_takes_nothing_has_its_connection_reset(make_link):
+    """Its writes wait on a full socket: past `write_stall_s` both ends are reset, and the sender
+    learns it, instead of the connection hanging for as long as the receiver does."""
+    taken = asyncio.Event()
+
+    async def never_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        taken.set()
+        await asyncio.sleep(60)  # holds the socket open, reads nothing
+
+    server = await asyncio.start_server(never_read, "127.0.0.1", 0)
+    sock = server.sockets[0]
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # accepted sockets inherit it
+    link = await make_link({"ab": ("A", sock.getsockname()[1])}, write_stall_s=0.5)
+    reader, writer = await dial(link, "ab")
+    await asyncio.wait_for(taken.wait(), 10)
+
+    async def push() -> None:
+        while True:  # far more than every buffer on the way holds
+            writer.write(b"x" * 65536)
+            await writer.drain()
+
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(asyncio.gather(push(), reader.read()), 30)
+    assert not link.control(WanControl()).connections.get("ab")
+    writer.transport.abort()
+    server.close()
 
 
 async def test_bytes_are_counted_exactly_per_forward_and_direction(trio):
