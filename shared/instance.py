@@ -37,6 +37,7 @@ from shared.messages import (
     Ack,
     Heartbeat,
     HeartbeatReply,
+    IndexEvent,
     IndexUpdate,
     Inspect,
     InstanceInfo,
@@ -82,6 +83,31 @@ class InstanceFigures:
             **dataclasses.asdict(self.engine),
             **{k: v for k, v in dataclasses.asdict(self).items() if k != "engine"},
         }
+
+
+# Block hashes per IndexUpdate: 24 hex characters each, so about 400 KiB of msgpack, well under
+# NATS's 1 MiB payload limit (a whole cache of 42k blocks in one message went over it).
+INDEX_HASHES_PER_UPDATE = 16_384
+
+
+def index_parts(events: list[IndexEvent], limit: int = INDEX_HASHES_PER_UPDATE) -> list[list[IndexEvent]]:
+    """`events` cut into consecutive parts of at most `limit` hashes each (an event too large is
+    cut into several of its kind), in order: applied one after another they give the same set.
+    Each part is its own numbered update, so a lost one is a gap the registrar resyncs."""
+    parts: list[list[IndexEvent]] = [[]]
+    room = limit
+    for ev in events:
+        if not ev.hashes:
+            parts[-1].append(ev)
+            continue
+        for start in range(0, len(ev.hashes), limit):
+            piece = ev.hashes[start : start + limit]
+            if len(piece) > room:
+                parts.append([])
+                room = limit
+            parts[-1].append(IndexEvent(ev.kind, piece))
+            room -= len(piece)
+    return [p for p in parts if p]
 
 
 class InstanceService:
@@ -242,9 +268,10 @@ class InstanceService:
         events = await self.worker.call(lambda e: e.cache_events(full))
         if not events:
             return
-        self._index_seq += 1
         self._index_stale = False
-        await self.bus.publish(subjects.INDEX, IndexUpdate(self.inst.id, events, self._index_seq))
+        for part in index_parts(events):
+            self._index_seq += 1
+            await self.bus.publish(subjects.INDEX, IndexUpdate(self.inst.id, part, self._index_seq))
 
     async def _index_loop(self) -> None:
         while True:

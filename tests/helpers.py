@@ -4,6 +4,7 @@ a loop that runs the engine to completion, and a poll for state on an event loop
 from __future__ import annotations
 
 import asyncio
+import inspect
 import copy
 from collections.abc import Callable
 
@@ -116,10 +117,16 @@ class Reference:
 
 
 async def until(predicate: Callable[[], object], timeout: float = 10.0, what: str = "the condition") -> None:
-    """Poll `predicate` on the running event loop until true; fail the test after `timeout` seconds."""
+    """Poll `predicate` (a plain or an async callable) on the running event loop until true;
+    fail the test after `timeout` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not predicate():
+
+    async def holds() -> object:
+        result = predicate()
+        return await result if inspect.isawaitable(result) else result
+
+    while not await holds():
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         await asyncio.sleep(0.002)

@@ -22,6 +22,7 @@ encrypted and authenticated), and this component, in the scheduler's process, wr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -54,6 +55,7 @@ class Registrar:
         self._adopted = RecentIds(ttl_s=request_ttl_s)  # requests recorded again after a Redis restart
         self._seq: dict[str, int] = {}  # instance -> last index update applied
         self._resync: set[str] = set()  # instances whose index must be sent whole
+        self._index_lock: dict[str, asyncio.Lock] = {}  # instance -> its updates, applied in turn
 
     async def serve(self, bus: Bus) -> None:
         await bus.serve(subjects.HEARTBEAT, Heartbeat, self.on_heartbeat)
@@ -89,16 +91,24 @@ class Registrar:
         return [rid for rid in gone if rid not in lost]
 
     async def on_index(self, update: IndexUpdate) -> None:
+        """Each update runs in its own task (Bus.serve); the instance's lock, taken in arrival
+        order, has Redis apply them in that order too (a whole index comes in several parts)."""
         iid = update.instance_id
         full = bool(update.events) and update.events[0].kind == "cleared"
         last = self._seq.get(iid)
         if not full and (last is None or update.seq != last + 1):
             log.info("registrar: index update %d of %s after %s: asking for the whole index", update.seq, iid, last)
             self._resync.add(iid)
-        await self.registry.apply_kv_events(iid, update.events)
         self._seq[iid] = update.seq
+        async with self._index_lock.setdefault(iid, asyncio.Lock()):
+            try:
+                await self.registry.apply_kv_events(iid, update.events)
+            except Exception:
+                self._resync.add(iid)  # Redis missed it: the next heartbeat asks for the whole index
+                raise
 
     async def on_leave(self, msg: Leave) -> None:
         self._seq.pop(msg.instance_id, None)
+        self._index_lock.pop(msg.instance_id, None)
         self._resync.discard(msg.instance_id)
         await self.registry.remove(msg.instance_id)

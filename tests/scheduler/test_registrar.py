@@ -4,6 +4,7 @@ and requests an instance still holds but that are no longer in flight are named 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from services.scheduler.registrar import Registrar
@@ -76,3 +77,15 @@ async def test_liveness_is_the_registrar_clock_and_allows_for_the_line(registry)
     await registry.remove("md-0")
     await reg.on_heartbeat(Heartbeat(InstanceInfo("md-0", "md", "B"), missed_replies=2))
     assert [i.id for i in await registry.alive()] == ["rld-0"], "the line towards it is down: not refreshed"
+
+
+async def test_updates_handled_at_once_are_applied_in_their_order(registry):
+    """The bus runs each update in its own task: a whole index in parts, then a removal, all
+    in flight together, must reach Redis in the order they were sent."""
+    reg = Registrar(registry)
+    parts = [IndexUpdate("md-0", [IndexEvent("cleared"), IndexEvent("stored", ["h0"])], seq=1)]
+    parts += [IndexUpdate("md-0", [IndexEvent("stored", [f"h{i}"])], seq=i + 1) for i in range(1, 40)]
+    parts += [IndexUpdate("md-0", [IndexEvent("removed", ["h0"])], seq=41)]
+    await asyncio.gather(*(reg.on_index(p) for p in parts))
+    assert await registry.r.smembers("pdd:kv:md-0") == {f"h{i}" for i in range(1, 40)}
+    assert not (await reg.on_heartbeat(beat())).resync_index, "no update taken for lost"

@@ -1,0 +1,89 @@
+"""A prefix index too large for one NATS message (its payload limit is 1 MiB, about 42k block
+hashes) goes in numbered parts, through a real nats-server configured as the launcher does, to
+the real registrar and Redis, which apply the parts in order: the whole set arrives, no gap."""
+
+from __future__ import annotations
+
+import pytest
+from nats.errors import MaxPayloadError
+
+from pdd.servers import EmbeddedServer, free_port
+from services.scheduler.registrar import Registrar
+from shared import subjects
+from shared.bus import Bus
+from shared.config import config_from_dict
+from shared.instance import INDEX_HASHES_PER_UPDATE, InstanceService, index_parts
+from shared.messages import Heartbeat, IndexEvent, IndexUpdate, InstanceInfo
+from shared.registry import Registry, connect
+from tests.helpers import until
+from tests.wanlink.conftest import cluster
+
+BLOCKS = 60_000  # a cache of ~1M tokens at 16 per block
+
+
+class CacheOf:
+    """The engine worker's `call`, over an engine whose radix cache holds `hashes`."""
+
+    def __init__(self, hashes: list[str]) -> None:
+        self.hashes = hashes
+
+    def cache_events(self, full: bool) -> list[IndexEvent]:
+        return [IndexEvent("cleared"), IndexEvent("stored", self.hashes)] if full else []
+
+    async def call(self, fn):
+        return fn(self)
+
+
+@pytest.fixture
+async def registry(tmp_path):
+    port = free_port()
+    server = EmbeddedServer.redis(port, "pw", tmp_path).start()
+    reg = Registry(connect(f"redis://127.0.0.1:{port}", "pw"), ttl_s=30.0)
+    yield reg
+    await reg.r.aclose()
+    server.close()
+
+
+async def test_a_whole_index_over_the_payload_limit_arrives_in_parts(nats_a, secrets, registry):
+    url, _ = nats_a
+    scheduler = await Bus.connect(url, "scheduler-index", "scheduler", secrets)
+    md = await Bus.connect(url, "md-0", "md", secrets)
+    try:
+        registrar = Registrar(registry)
+        await registrar.serve(scheduler)
+        hashes = [f"{i:024x}" for i in range(BLOCKS)]
+        with pytest.raises(MaxPayloadError):  # what one message would do
+            await md.publish(subjects.INDEX, IndexUpdate("md-0", CacheOf(hashes).cache_events(True), 1))
+
+        cfg = config_from_dict(cluster())
+        svc = InstanceService(cfg, cfg.instance("md-0"))
+        svc.bus, svc.worker = md, CacheOf(hashes)
+        await svc.report_index()
+        assert svc._index_seq == -(-BLOCKS // INDEX_HASHES_PER_UPDATE) > 1
+
+        async def arrived() -> bool:
+            return await registry.r.scard("pdd:kv:md-0") == BLOCKS
+
+        await until(arrived, timeout=30, what="every hash in Redis")
+        assert await registry.prefix_blocks(["md-0"], hashes[:100]) == {"md-0": 100}
+        reply = await registrar.on_heartbeat(Heartbeat(InstanceInfo("md-0", "md", "B")))
+        assert not reply.resync_index, "the parts came in order, none missing"
+    finally:
+        await md.close()
+        await scheduler.close()
+
+
+def test_parts_keep_the_order_and_the_bound():
+    events = [
+        IndexEvent("cleared"),
+        IndexEvent("stored", [f"s{i}" for i in range(25)]),
+        IndexEvent("removed", ["s3", "s4"]),
+        IndexEvent("stored", [f"t{i}" for i in range(7)]),
+    ]
+    parts = index_parts(events, limit=10)
+    assert all(sum(len(e.hashes) for e in p) <= 10 for p in parts)
+    assert parts[0][0].kind == "cleared" and all(p[0].kind != "cleared" for p in parts[1:])
+    flat = [(e.kind, h) for p in parts for e in p for h in e.hashes]
+    assert flat == [(e.kind, h) for e in events for h in e.hashes]
+    assert index_parts([IndexEvent("stored", ["a"])]) == [[IndexEvent("stored", ["a"])]]
+    assert index_parts([]) == []
