@@ -4,8 +4,8 @@ a loop that runs the engine to completion, and a poll for state on an event loop
 from __future__ import annotations
 
 import asyncio
-import inspect
 import copy
+import inspect
 from collections.abc import Callable
 
 import torch
