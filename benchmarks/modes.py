@@ -5,14 +5,17 @@ fleet pays a WAN line) and the simulator (sim/config.py: which instances, where,
 Every mode runs the same model, the same WAN settings and the same count of prefill and final
 decoder instances; only the feature under test differs.
 
-    mode         main-decode  DRC  relay  pipeline  handoff   what it is
-    pd-local     A            yes  no     p-md      -         P and D in one datacenter, no WAN: the floor
-    pd-wan       B            no   no     p-md      -         naive cross-DC PD: the full KV of every
-                                                              request crosses the WAN
-    pd-wan-drc   B            yes  no     p-md      -         cross-DC PD with the decode-side RadixCache
-    pdd          B            yes  yes    auto      auto      everything: the scheduler chooses both
-    pdd-oneshot  B            yes  yes    auto      oneshot   PDD with every handoff one-shot
-    pdd-catchup  B            yes  yes    auto      catchup   PDD with every handoff catch-up
+    mode         main-decode  DRC  relay  pipeline  handoff  1st token  what it is
+    pd-local     A            yes  no     p-md      -        prefill    P and D in one datacenter, no WAN: the floor
+    pd-wan       B            no   no     p-md      -        decoder    naive cross-DC PD: the full KV of every
+                                                                        request crosses the WAN before a token
+    pd-wan-drc   B            yes  no     p-md      -        decoder    cross-DC PD with the decode-side RadixCache
+    pdd          B            yes  yes    auto      auto     prefill    everything: the scheduler chooses both
+    pdd-oneshot  B            yes  yes    auto      oneshot  prefill    PDD with every handoff one-shot
+    pdd-catchup  B            yes  yes    auto      catchup  prefill    PDD with every handoff catch-up
+
+"1st token" is who streams it (`first_token` in the cluster config): prefill the moment it is
+sampled, or the decoder once the KV arrived, as naive cross-DC PD does.
 
 This module is light (no torch, no matplotlib): `pdd --help` imports it.
 """
@@ -41,6 +44,7 @@ class Mode:
     relay: bool  # a relay-decode pool exists in datacenter A
     pipeline: str  # the scheduler's default_pipeline: AUTO or a pinned Pipeline
     handoff: str  # the scheduler's default_handoff: AUTO or a pinned Handoff
+    first_token: str = "prefill"  # who streams it (ClusterConfig.first_token)
 
     @property
     def wan(self) -> bool:
@@ -53,8 +57,8 @@ MODE_TABLE: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("pd-local", md_dc="A", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT),
-        Mode("pd-wan", md_dc="B", drc=False, relay=False, pipeline=P_MD, handoff=ONESHOT),
-        Mode("pd-wan-drc", md_dc="B", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT),
+        Mode("pd-wan", md_dc="B", drc=False, relay=False, pipeline=P_MD, handoff=ONESHOT, first_token="decoder"),
+        Mode("pd-wan-drc", md_dc="B", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT, first_token="decoder"),
         Mode("pdd", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO),
         Mode("pdd-oneshot", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=ONESHOT),
         Mode("pdd-catchup", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=CATCHUP),
@@ -118,6 +122,7 @@ def mode_config(
         "wan_mbps": cfg["wan"]["bandwidth_mbps"],
         "kv_wire": kv_wire if m.relay else NATIVE,
     }
+    cfg["first_token"] = m.first_token
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)
     return cfg

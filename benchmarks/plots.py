@@ -20,6 +20,7 @@ from benchmarks.summary import HIT_BUCKETS, Record, request_latencies
 # Lane 0 is datacenter A's side (P, in-DC KV, RLD); lane 1 the WAN and MD's side.
 SEGMENT_STYLE: dict[str, tuple[int, str]] = {
     "queue+prefill": (0, "tab:gray"),
+    "P first token": (0, "tab:green"),
     "kv_local": (0, "tab:cyan"),
     "RLD tokens": (0, "tab:orange"),
     "kv_wan": (1, "tab:red"),
@@ -33,8 +34,9 @@ def timeline_segments(record: Record) -> list[tuple[str, int, float, float]]:
 
     Server phases come from pdd.timings_ms: queue+prefill starts at 0, then kv_local and kv_wan
     both start when prefill ends (P sends on both paths at once). Token spans come from the
-    client's token times, taking the first tokens_by_role.rld chunks as RLD's (one token per
-    chunk, an approximation); the handoff gap runs from RLD's last token to MD's first.
+    client's token times: the first tokens_by_role.prefill (prefill streams the first token),
+    then tokens_by_role.rld chunks as RLD's (one token per chunk, an approximation), the rest
+    MD's; the handoff gap runs from RLD's last token to MD's first.
     """
     lat = request_latencies(record)
     pdd = record.get("pdd") or {}
@@ -48,7 +50,12 @@ def timeline_segments(record: Record) -> list[tuple[str, int, float, float]]:
     if lat is not None:
         sent = float(record.get("sent_s", 0.0))
         times = [(float(x) - sent) * 1000 for x in record["token_times_s"]]
-        n_rld = min(int(pdd.get("tokens_by_role", {}).get("rld", 0)), len(times))
+        roles = pdd.get("tokens_by_role", {})
+        n_first = min(int(roles.get("prefill", 0)), len(times))
+        if n_first:
+            segs.append(("P first token", times[0], times[n_first - 1] - times[0]))
+        times = times[n_first:]
+        n_rld = min(int(roles.get("rld", 0)), len(times))
         if n_rld:
             segs.append(("RLD tokens", times[0], times[n_rld - 1] - times[0]))
         if n_rld < len(times):
@@ -56,7 +63,7 @@ def timeline_segments(record: Record) -> list[tuple[str, int, float, float]]:
                 segs.append(("handoff gap", times[n_rld - 1], times[n_rld] - times[n_rld - 1]))
             segs.append(("MD tokens", times[n_rld], times[-1] - times[n_rld]))
     # A one-chunk token span has width 0 but is kept: it is drawn as a tick.
-    kept = [s for s in segs if s[2] > 0 or s[0].endswith("tokens")]
+    kept = [s for s in segs if s[2] > 0 or s[0].endswith(("token", "tokens"))]
     return [(label, SEGMENT_STYLE[label][0], start, width) for label, start, width in kept]
 
 

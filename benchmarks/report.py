@@ -78,11 +78,12 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def rld_share(summary: dict[str, Any]) -> float | None:
-    """tokens_by_role.rld / (rld + md); 0.0 when neither produced tokens; None when not known."""
+    """tokens_by_role.rld / every output token (prefill's first ones too); 0.0 when none were
+    produced; None when not known."""
     if summary["tokens_by_role"] is None:
         return None
-    rld, md = summary["tokens_by_role"]["rld"], summary["tokens_by_role"]["md"]
-    return rld / (rld + md) if rld + md else 0.0
+    total = sum(summary["tokens_by_role"].values())
+    return summary["tokens_by_role"]["rld"] / total if total else 0.0
 
 
 def _div(num: float | None, den: float | None) -> float | None:
@@ -147,7 +148,7 @@ def _header(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-ROLES, SIDES = ("rld", "md"), ("prefill", "md")
+ROLES, SIDES = ("prefill", "rld", "md"), ("prefill", "md")
 
 
 def _part(summary: dict[str, Any], key: str, sub: str) -> Any:

@@ -141,7 +141,7 @@ def _pdd_figures(done: list[Record], prompt: int, known: bool) -> dict[str, Any]
         return {"wan_kv_bytes": None, "tokens_by_role": None, "hit_rate": None}
     return {
         "wan_kv_bytes": sum(int((r.get("pdd") or {}).get("wan_kv_bytes", 0)) for r in done),
-        "tokens_by_role": {k: _pdd_sum(done, "tokens_by_role", k) for k in ("rld", "md")},
+        "tokens_by_role": {k: _pdd_sum(done, "tokens_by_role", k) for k in ("prefill", "rld", "md")},
         "hit_rate": {k: _ratio(_pdd_sum(done, "prefix_hit_tokens", k), prompt) for k in ("prefill", "md")},
     }
 

@@ -4,8 +4,9 @@
 The stages are placed by the dashboard's own layout (`shared.waterfall.layout`), from the
 response's `pdd` object: `timings_ms`, `handoff_chunks`, `handoff_gap_ms`. Token ticks
 are the client's receive times (`token_times_s` from `sent_s`), one per SSE chunk; the first
-`tokens_by_role.rld` of them are the relay's (a chunk almost always carries one token; when one
-carries several, they make one tick, as in `benchmarks.plots.timeline_segments`).
+`tokens_by_role.prefill` of them are prefill's (the first token), the next `tokens_by_role.rld`
+the relay's (a chunk almost always carries one token; when one carries several, they make one
+tick, as in `benchmarks.plots.timeline_segments`).
 
 `plot_waterfalls` draws the request with the slowest client TTFT (the tail the report's targets
 are about) and the median one, as `waterfall_slowest.png` and `waterfall_median.png`.
@@ -68,8 +69,9 @@ def record_layout(record: Record) -> dict[str, Any]:
     pdd = record.get("pdd") or {}
     sent = float(record.get("sent_s", 0.0))
     times = [(float(x) - sent) * 1000 for x in record.get("token_times_s") or []]
-    n_relay = min(int(pdd.get("tokens_by_role", {}).get("rld", 0)), len(times))
-    marks = [(ms, "rld" if i < n_relay else "md") for i, ms in enumerate(times)]
+    roles = pdd.get("tokens_by_role", {})
+    n_first, n_relay = int(roles.get("prefill", 0)), int(roles.get("rld", 0))
+    marks = [(ms, "prefill" if i < n_first else "rld" if i < n_first + n_relay else "md") for i, ms in enumerate(times)]
     end = times[-1] if times else float(pdd.get("timings_ms", {}).get("e2e", 0.0))
     return layout(
         pdd.get("timings_ms", {}), marks, int(pdd.get("handoff_chunks", 0)), float(pdd.get("handoff_gap_ms", 0.0)), end

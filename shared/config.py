@@ -112,6 +112,9 @@ class WanConfig:
     write_stall_s: float = 120.0  # a connection whose receiver takes nothing for this long is reset
 
 
+FIRST_TOKEN_FROM = ("prefill", "decoder")  # ClusterConfig.first_token
+
+
 @dataclass(frozen=True)
 class Timeouts:
     control_s: float = 5.0  # every NATS request-reply
@@ -194,6 +197,10 @@ class ClusterConfig:
     heartbeat_ttl_s: float = 3.0
     max_queue: int = 64  # requests admitted and not finished, per gateway
     max_migrations: int = 2  # times a request may move after the instance serving it died
+    # who streams a request's first token: "prefill", in the scheduler's site, the moment it is
+    # sampled (its TTFT never waits on the line), or "decoder", once its KV arrived (as naive
+    # cross-DC PD does: the bench's pd-wan baselines)
+    first_token: str = "prefill"
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
@@ -316,6 +323,8 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     )
     if cfg.device:
         check_device(cfg.device, where)
+    if cfg.first_token not in FIRST_TOKEN_FROM:
+        raise ConfigError(f"{where}: first_token must be one of {list(FIRST_TOKEN_FROM)}, got {cfg.first_token!r}")
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")

@@ -32,6 +32,7 @@ def layout(
         _bar("kv_local", kv_at, t.get("kv_local")),
         _bar("kv_wan", kv_at, t.get("kv_wan")),
     ]
+    first_token = [ms for ms, role in marks if role == "prefill"]  # streamed by prefill itself
     relay = [ms for ms, role in marks if role == "rld"]
     main = [ms for ms, role in marks if role == "md"]
     chunks, gap = [], None
@@ -46,7 +47,7 @@ def layout(
     return {
         "rows": list(ROWS),
         "bars": bars,
-        "ticks": {"relay": relay, "main": main, "handoff": chunks},
+        "ticks": {"prefill": first_token, "relay": relay, "main": main, "handoff": chunks},
         "gap": gap,
         "ttft_ms": float(t.get("ttft", 0.0)),
         "end_ms": end_ms,

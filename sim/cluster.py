@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 
+from benchmarks.modes import mode as mode_of
 from services.scheduler.estimates import BandwidthEstimator, InstanceView
 from services.scheduler.policy import NoCapacity, PlanRequest, choose_plan
 from sim.cache import PrefixIndex
@@ -89,6 +90,7 @@ class SimCluster:
             warm_md_cache=cfg.warm_md_cache,
             control_delay_ms=cfg.control_delay_ms,
             connect_ms=cfg.connect_ms,
+            first_token_from_prefill=mode_of(mode).first_token == "prefill",
         )
         gateway_dc = self.prefills[0].dc  # the gateway and scheduler sit with prefill (datacenter A)
         for dec in self.decoders:

@@ -142,12 +142,12 @@ class DecodeInstance:
             slot.active = True
             self.used_tokens += slot.reserve
             run = slot.run
-            if slot.emit and run.emitted == 0:
+            if slot.emit and run.emitted == 0:  # prefill's first token, unless prefill streamed it
                 run.token_times.append(now + self.to_client_ms)
                 run.tokens_by_role[self.role] += 1
-                if run.done:
-                    self._leave(slot)
-                    slot.on_finish(slot, now)
+            if slot.emit and run.done:
+                self._leave(slot)
+                slot.on_finish(slot, now)
         room = (self.profile.kv_tokens - self.used_tokens) // self.block_tokens
         self.cache.shrink_to(min(self.cache_blocks, room))
 

@@ -1,7 +1,8 @@
 """What happens to a planned request: prefill, KV on two paths, decoding, the RLD -> MD handoff.
 
 Lifecycle (`Serving.start` on a `Decision` from the scheduler's `choose_plan`):
-1. Prefill on the chosen instance (its prefix cache first), first token sampled.
+1. Prefill on the chosen instance (its prefix cache first), first token sampled and (as the
+   real `first_token: prefill`; not in the naive pd-wan baselines) streamed to the client at once.
 2. KV leaves on every path at once, each decoder getting only what it lacks (its prefix hit):
    in-DC to RLD or to a same-DC decoder (`DirectLink`), across the WAN to MD in datacenter B
    (`SharedLink`, shared with every other transfer). Export + import cost (`kv_io_ms`, plus
@@ -75,6 +76,7 @@ class Serving:
     warm_md_cache: bool = True  # relay finished first: MD's KV still lands, into its DRC only (handoff.warm_md_cache)
     control_delay_ms: float = 0.0  # one-way, for a control message between the sites
     connect_ms: float = 0.0  # a KV push across opens its connection first (TCP + TLS handshakes)
+    first_token_from_prefill: bool = True  # prefill streams the first token (the real first_token: prefill)
     handoffs: dict[str, Relayed] = field(default_factory=dict)
     backlog: WanBacklog = field(default_factory=WanBacklog)  # KV planned across the WAN, not landed or cancelled
 
@@ -103,6 +105,9 @@ class Serving:
     # -- 2. KV on every path ----------------------------------------------------------------
     def _prefilled(self, run: RequestRun, d: Decision) -> None:
         run.state = RunState.KV_IN_FLIGHT
+        if self.first_token_from_prefill and run.emitted == 0:  # through site A's NATS: no line
+            run.token_times.append(self.loop.now)
+            run.tokens_by_role["prefill"] += 1
         prefill = self.instances[d.prefill]
         for role in decoders_of(d.pipeline):
             self._push(run, prefill, self.instances[getattr(d, role)], d.starts.get(role, 0))

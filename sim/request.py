@@ -65,7 +65,7 @@ class RequestRun:
     instances: dict[str, str] = field(default_factory=dict)
     hit: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "md": 0})
     token_times: list[float] = field(default_factory=list)
-    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"rld": 0, "md": 0})
+    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "rld": 0, "md": 0})
     wan_bytes: int = 0
     local_bytes: int = 0
     handoff_chunks: int = 0

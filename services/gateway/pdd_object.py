@@ -20,7 +20,7 @@ class FlowStats:
     last_token_at: float = 0.0
     token_gaps: list[float] = field(default_factory=list)  # per token after the first chunk: its chunk's gap / size
     token_marks: list[tuple[float, str]] = field(default_factory=list)  # (seconds since arrival, role) per token
-    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"rld": 0, "md": 0})
+    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "rld": 0, "md": 0})
     decoder_stats: RequestStats = field(default_factory=RequestStats)  # what the stages measured
     completion_tokens: int = 0
     last_rld_at: float = 0.0

@@ -5,7 +5,8 @@ Lifecycle of a request here:
    a sequence that samples one token and keeps its blocks (`hold_kv`). The KV connection to a
    target across the WAN is dialed now (`EarlyConnection`): its TCP and TLS handshakes overlap
    the prefill instead of delaying the first KV byte.
-2. The engine prefills it, chunked and batched with other prompts, and samples the first token.
+2. The engine prefills it, chunked and batched with other prompts, and samples the first token,
+   which goes to the gateway at once (index 0; `first_token: prefill`, the default).
 3. On the engine thread, the KV each target lacks ([target.start, prompt_len)) is exported and
    the blocks are released at once: transfers never pin the pool.
 4. The KV is pushed to every target concurrently (a relay-decoder in-DC, main-decode through
@@ -155,8 +156,17 @@ class Prefiller(InstanceService):
                 continue
             if out.token_id is None:
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
-            else:
-                self._spawn_for(state, self._push(state, out.token_id))
+                continue
+            if self.cfg.first_token == "prefill":  # published before the push task even starts
+                self._spawn_for(state, self._stream_first(out.seq_id, out.token_id))
+            self._spawn_for(state, self._push(state, out.token_id))
+
+    async def _stream_first(self, rid: str, token_id: int) -> None:
+        """The first token to the gateway at once, through this site's NATS only: the user's TTFT
+        is the prefill's, never the line's. The decoders get it with the KV and send it again as
+        index 0 (with the finish, when it ends the request); the gateway keeps one copy."""
+        chunk = TokenChunk(rid, 0, [token_id], role=self.role, instance_id=self.inst.id)
+        await self.bus.publish(subjects.tokens(rid), chunk)
 
     async def _push(self, state: PrefillState, first_token: int) -> None:
         task = state.task

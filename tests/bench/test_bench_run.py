@@ -56,7 +56,7 @@ def _check_schema(results: dict, modes: list[str], n: int) -> None:
         assert m["requests"] == n and m["completed"] == n and m["failed"] == 0, (mode, m)
         for key in ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms"):
             assert set(m[key]) == LATENCY
-        assert m["ttft_ms"]["p50"] > 0 and set(m["tokens_by_role"]) == {"rld", "md"}
+        assert m["ttft_ms"]["p50"] > 0 and set(m["tokens_by_role"]) == {"prefill", "rld", "md"}
         assert m["median_ttft_ms"] == m["ttft_ms"]["p50"] and m["total_output_tokens"] > 0
         # every engine of the mode's fleet; prefill ran every prompt
         fleet = results["settings"]["instances"][mode]
@@ -75,6 +75,8 @@ def test_agentic_pdd_against_naive_cross_dc(background_job):
     assert results["outputs_match_across_modes"] == 1.0
     pd_wan, pdd = results["modes"]["pd-wan"], results["modes"]["pdd"]
     assert pdd["wan_kv_bytes"] <= pd_wan["wan_kv_bytes"]
+    # pdd streams each first token from prefill; the naive baseline, from main-decode once its KV crossed
+    assert (pdd["tokens_by_role"]["prefill"], pd_wan["tokens_by_role"]["prefill"]) == (3, 0)
     # the line's own counters: pd-wan's every prompt KV crossed A -> B, and the NATS link carried the ids
     assert pd_wan["wan_kv_bytes"] >= pd_wan["wan_kv_bytes_attributed"] > 0, pd_wan
     assert sum(n for f, n in pd_wan["line_bytes"]["a-b"].items() if f.startswith("nats-")) > 0, pd_wan["line_bytes"]

@@ -64,7 +64,7 @@ def test_a_server_without_the_pdd_object_leaves_pdd_figures_missing() -> None:
     assert (s["wan_kv_bytes"], s["tokens_by_role"], s["hit_rate"], s["cost"], s["bcr"]) == (None,) * 5
     assert s["completed"] == 3 and s["median_ttft_ms"] == pytest.approx(100)
     empty = summarize_mode([], SETTINGS, "pdd")  # a PDD mode that completed nothing: zeros, as before
-    assert empty["wan_kv_bytes"] == 0 and empty["tokens_by_role"] == {"rld": 0, "md": 0}
+    assert empty["wan_kv_bytes"] == 0 and empty["tokens_by_role"] == {"prefill": 0, "rld": 0, "md": 0}
 
 
 def test_results_and_report_carry_busy_fractions() -> None:

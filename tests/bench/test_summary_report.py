@@ -49,7 +49,11 @@ def make_record(rid: str, mode: str, sent: float, times: list[float], out: int, 
     pdd = {
         "pipeline": "P->RLD->MD" if kw.get("rld", 0) else "P->MD",
         "handoff": "one-shot",
-        "tokens_by_role": {"rld": kw.get("rld", 0), "md": out - kw.get("rld", 0)},
+        "tokens_by_role": {
+            "prefill": kw.get("first", 0),
+            "rld": kw.get("rld", 0),
+            "md": out - kw.get("first", 0) - kw.get("rld", 0),
+        },
         "wan_kv_bytes": kw.get("wan", 0),
         "prefix_hit_tokens": {"prefill": kw.get("hit_p", 0), "md": kw.get("hit_md", 0)},
         "timings_ms": kw.get("timings", {"queue": 1.0, "prefill": 20.0, "kv_local": 5.0, "kv_wan": 50.0}),
@@ -123,7 +127,7 @@ def test_summarize_mode_latencies_and_counts() -> None:
     assert s["e2e_ms"]["max"] == pytest.approx(600)
     assert s["output_tok_s"] == pytest.approx(8 / 1800)
     assert s["wan_kv_bytes"] == 6000
-    assert s["tokens_by_role"] == {"rld": 3, "md": 5}
+    assert s["tokens_by_role"] == {"prefill": 0, "rld": 3, "md": 5}
     assert s["hit_rate"] == pytest.approx({"prefill": 300 / 400, "md": 250 / 400})
 
 
@@ -192,6 +196,10 @@ def test_timeline_segments_split_rld_and_md() -> None:
     assert segs["RLD tokens"] == pytest.approx((0, 100, 100))
     assert segs["handoff gap"] == pytest.approx((1, 200, 300))
     assert segs["MD tokens"] == pytest.approx((1, 500, 100))
+    first = make_record("f", "pdd", 1.0, [1.1, 1.2, 1.5, 1.6], 4, first=1, rld=1)  # prefill streamed the first
+    segs = {label: (lane, start, width) for label, lane, start, width in timeline_segments(first)}
+    assert segs["P first token"] == pytest.approx((0, 100, 0)) and segs["RLD tokens"] == pytest.approx((0, 200, 0))
+    assert segs["handoff gap"] == pytest.approx((1, 200, 300)) and segs["MD tokens"] == pytest.approx((1, 500, 100))
 
 
 def three_mode_records() -> list[dict[str, Any]]:

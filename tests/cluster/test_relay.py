@@ -139,7 +139,7 @@ def test_catch_up_hands_over_in_chunks_one_shot_at_once(cluster, model_id, opera
         text, pdd = _with_backlog(cluster, operator, body, backlog=30)
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 200, ignore_eos=True, draft=text), handoff
         roles = pdd["tokens_by_role"]
-        assert roles["rld"] >= 30 and roles["md"] >= 1 and roles["rld"] + roles["md"] == 200, pdd
+        assert roles["rld"] >= 30 and roles["md"] >= 1 and sum(roles.values()) == 200, pdd
         if handoff == "oneshot":
             assert pdd["handoff_chunks"] == 1
         else:  # at least 30 // 12 chunks of catch-up, then the final one

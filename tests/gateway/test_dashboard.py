@@ -25,18 +25,21 @@ from shared.bus import BusTimeout
 from shared.config import load_config
 from shared.messages import ClusterStatus, InstanceInfo, LineState, Plan, RequestStats, Sampling, WanState
 
-RELAY = [0.20, 0.25, 0.30, 0.35]  # seconds after arrival
+FIRST = [0.20]  # seconds after arrival: prefill streams the first token
+RELAY = [0.25, 0.30, 0.35]
 MAIN = [0.70, 0.75]
 
 
 def make_flow(rid: str, key=OPEN, reason: str | None = "length", marks=None) -> RequestFlow:
-    """A p-rld-md catch-up request: 4 relay tokens, a 350 ms handoff gap, 2 main-decode tokens."""
+    """A p-rld-md catch-up request: prefill's first token, 3 relay tokens, a 350 ms handoff gap, 2
+    main-decode tokens."""
     f = RequestFlow(SimpleNamespace(), ParsedRequest("completion", "smol", [1, 2, 3], Sampling()), key, rid)
     f.plan = Plan(
         rid, pipeline="p-rld-md", handoff="catchup", prefill="prefill-0", rld="rld-0", md="md-0", queue_ms=5.0
     )
     t0 = f.stats.arrived
-    for at, role in marks if marks is not None else [(t, "rld") for t in RELAY] + [(t, "md") for t in MAIN]:
+    default = [(t, "prefill") for t in FIRST] + [(t, "rld") for t in RELAY] + [(t, "md") for t in MAIN]
+    for at, role in marks if marks is not None else default:
         f._record_tokens(1, role, now=t0 + at)
     f.stats.handoff_gap_s = MAIN[0] - RELAY[-1]
     f.stats.decoder_stats = RequestStats(
@@ -107,6 +110,7 @@ def test_the_waterfall_is_laid_out_from_the_pdd_timings():
     assert bars["queue"] == (0.0, 5.0) and bars["prefill"] == (5.0, 120.0)
     assert bars["kv_local"] == (125.0, 30.0) and bars["kv_wan"] == (125.0, 400.0)  # both start when prefill ends
     assert bars["extend"] == pytest.approx((700.0 - 25.0, 25.0))  # ends at main-decode's first token
+    assert w["ticks"]["prefill"] == pytest.approx([t * 1000 for t in FIRST])
     assert w["ticks"]["relay"] == pytest.approx([t * 1000 for t in RELAY])
     assert w["ticks"]["main"] == pytest.approx([t * 1000 for t in MAIN])
     assert len(w["ticks"]["handoff"]) == 3 and all(525.0 < t < 700.0 for t in w["ticks"]["handoff"])
@@ -134,7 +138,8 @@ def test_requests_running_first_then_finished_newest_first_with_their_figures():
     rows = dashboard.recent_requests(gw, OPEN)
     assert [(r["id"], r["outcome"]) for r in rows] == [("live", "running"), ("new", "error"), ("old", "finished")]
     row = rows[2]
-    assert (row["pipeline"], row["handoff"], row["tokens_by_role"]) == ("p-rld-md", "catchup", {"rld": 4, "md": 2})
+    assert (row["pipeline"], row["handoff"]) == ("p-rld-md", "catchup")
+    assert row["tokens_by_role"] == {"prefill": 1, "rld": 3, "md": 2}
     assert row["ttft_ms"] == pytest.approx(200.0) and row["e2e_ms"] == pytest.approx(750.0)
     assert row["wan_kv_bytes"] == 5000 and row["handoff_chunks"] == 3
     assert len(dashboard.recent_requests(gw, OPEN, limit=2)) == 2
@@ -184,7 +189,7 @@ def test_an_open_gateway_serves_the_page_and_its_data():
     assert state["model"] == "smol" and [r["id"] for r in state["requests"]] == ["r1"]
     assert state["fleet"]["datacenters"]["B"][0]["id"] == "md-0"
     w = c.get("/dashboard/api/requests/r1").json()
-    assert w["request"]["id"] == "r1" and len(w["ticks"]["relay"]) == 4
+    assert w["request"]["id"] == "r1" and len(w["ticks"]["relay"]) == 3
     assert c.get("/dashboard/api/requests/unknown").status_code == 404
 
 
@@ -226,14 +231,15 @@ def test_the_static_files_reach_nothing_but_the_gateway():
 
 
 def bench_record(rid: str, ttft_s: float, relay: int = 3, main: int = 2) -> dict:
-    """A requests.jsonl record as `pdd bench` writes it: client chunk times and the pdd object."""
+    """A requests.jsonl record as `pdd bench` writes it: client chunk times and the pdd object
+    (prefill's first token, then `relay` - 1 relay tokens, then `main`)."""
     times = [1.0 + ttft_s + 0.05 * i for i in range(relay)] + [
         1.0 + ttft_s + 0.05 * relay + 0.2 + 0.05 * i for i in range(main)
     ]
     pdd = {
         "pipeline": "p-rld-md",
         "handoff": "catchup",
-        "tokens_by_role": {"rld": relay, "md": main},
+        "tokens_by_role": {"prefill": 1, "rld": relay - 1, "md": main},
         "handoff_chunks": 2,
         "handoff_gap_ms": 250.0,
         "timings_ms": {
@@ -266,7 +272,7 @@ def test_the_bench_draws_the_same_waterfall_for_its_slowest_and_median_request(t
     w = record_layout(records[2])
     bars = {b["row"]: (b["start_ms"], b["dur_ms"]) for b in w["bars"]}
     assert bars["prefill"] == (4.0, 810.0) and bars["kv_wan"] == (814.0, 300.0)  # as the dashboard places them
-    assert len(w["ticks"]["relay"]) == 3 and len(w["ticks"]["main"]) == 2 and len(w["ticks"]["handoff"]) == 2
+    assert [len(w["ticks"][row]) for row in ("prefill", "relay", "main", "handoff")] == [1, 2, 2, 2]
     assert w["gap"]["dur_ms"] == 250.0 and w["ttft_ms"] == pytest.approx(900.0)
     paths = plot_waterfalls(tmp_path, records, "pdd")
     assert [p.name for p in paths] == ["waterfall_slowest.png", "waterfall_median.png"]

@@ -60,7 +60,7 @@ async def test_a_gap_and_a_lost_end_are_asked_about_once_and_filled():
     assert text == Vocab().decode(TOKENS) and f.finish_reason == "length"
     assert sorted(asked) == [("md-0", 2), ("rld-0", 2)], "asked once, from the first missing index"
     assert f.stats.resends == 1
-    assert f.stats.tokens_by_role == {"rld": 0, "md": len(TOKENS)}, "each token counted once, resent or not"
+    assert f.stats.tokens_by_role == {"prefill": 0, "rld": 0, "md": len(TOKENS)}, "each token counted once"
 
 
 async def test_a_holder_that_holds_nothing_moves_the_request():
@@ -92,3 +92,18 @@ def test_the_gap_bound_follows_the_stream_and_backs_off():
 async def _drain(f: RequestFlow) -> None:
     async for _ in f.deltas():
         pass
+
+
+async def test_the_first_token_comes_from_prefill_and_the_decoders_copy_only_ends_it():
+    """Prefill streams index 0 the moment it is sampled (first_token: prefill); the decoder sends
+    it again with the finish. One copy reaches the text; a first token from a prefill the plan
+    did not choose (a task the scheduler dropped and planned again) is not taken."""
+    f = flow(InMemoryNats().client("gateway"))
+    f.parsed = dataclasses.replace(f.parsed, sampling=Sampling(max_tokens=1))
+    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[5]], role="prefill", instance_id="prefill-9"))
+    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="prefill", instance_id="prefill-0"))
+    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="md", instance_id="md-0", finish_reason="length"))
+    text = await asyncio.wait_for(_text(f), 10)
+    assert text == Vocab().decode(TOKENS[:1]) and f.finish_reason == "length"
+    assert f.stats.tokens_by_role == {"prefill": 1, "rld": 0, "md": 0}
+    assert f.stats.first_token_at and f._reassembler.duplicates == 1

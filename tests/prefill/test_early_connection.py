@@ -75,18 +75,58 @@ class Rig:
         assert await self.worker.call(idle)
 
 
-@pytest.fixture
-async def rig(tiny):
-    cfg = config_from_dict(CONFIG)
+async def _rig(tiny, **settings):
+    cfg = config_from_dict({**CONFIG, **settings})
     service = Prefiller(cfg, cfg.instance("prefill-0"))
     service.nats = InMemoryNats()
     worker = ManualWorker(engine(tiny), service.on_outputs)
     await service.start(service.nats.client("prefill-0"), worker)
     rx = Receiver()
     await rx.start()
-    yield Rig(service, worker, rx)
-    await service.shutdown()
-    await rx.stop()
+    return Rig(service, worker, rx)
+
+
+@pytest.fixture
+async def rig(tiny):
+    rig = await _rig(tiny)
+    yield rig
+    await rig.service.shutdown()
+    await rig.rx.stop()
+
+
+@pytest.mark.parametrize("first_token", ["prefill", "decoder"])
+async def test_the_first_token_goes_to_the_gateway_before_the_kv_lands(tiny, first_token):
+    """`first_token: prefill`: index 0 is on the request's token subject while main-decode has not
+    taken its KV (its receiver holds the push unanswered); `decoder` (the naive baseline): only
+    the decoder streams it, prefill publishes nothing."""
+    rig = await _rig(tiny, first_token=first_token)
+    release = asyncio.Event()
+    taken = rig.rx.handler
+
+    async def held(transfer: Transfer) -> str:
+        await release.wait()
+        return await taken(transfer)
+
+    rig.rx.handler = held
+    try:
+        await rig.submit(rig.task("r1"))
+        assert rig.worker.step()  # the prefill: its first token
+        tokens = lambda: rig.service.nats.sent(subjects.tokens("r1"))  # noqa: E731
+        if first_token == "prefill":
+            await until(tokens, DEADLINE_S, "the first token on the token subject")
+            (chunk,) = tokens()
+            assert (chunk.index, chunk.role, chunk.instance_id, len(chunk.token_ids)) == (0, "prefill", "prefill-0", 1)
+            assert rig.rx.got == []
+        release.set()
+        await until(lambda: rig.rx.got, DEADLINE_S, "the KV to land")
+        if first_token == "prefill":  # the decoder gets the same token with the KV
+            assert rig.rx.got[0].first.token_id == tokens()[0].token_ids[0]
+        await rig.settled()
+        assert len(tokens()) == (1 if first_token == "prefill" else 0)
+    finally:
+        release.set()
+        await rig.service.shutdown()
+        await rig.rx.stop()
 
 
 async def test_main_decodes_connection_is_open_before_prefill_and_carries_the_push(rig):

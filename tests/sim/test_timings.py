@@ -47,13 +47,14 @@ def test_control_messages_between_the_sites_pay_the_lines_delay():
     assert tls.token_times == pytest.approx([230.0])
     # pd-local's decoder sits with the gateway: nothing crosses, nothing changes
     [local], _ = simulate(make_config(wan=wan), "pd-local", [make_request(output=2)])
-    assert local.token_times == pytest.approx([100.1, 110.1])
+    assert local.token_times == pytest.approx([100.0, 110.1])
 
 
 def test_pd_local_keeps_the_kv_in_datacenter_a():
-    # in-DC: 100,000 B at 1,000,000 B/ms = 0.1 ms, no delay
+    # prefill streams token 0 as it ends (100); in-DC: 100,000 B at 1,000,000 B/ms = 0.1 ms, no
+    # delay, then MD's first step gives token 1
     [run], _ = simulate(make_config(), "pd-local", [make_request(output=2)])
-    assert run.token_times == pytest.approx([100.1, 110.1])
+    assert run.token_times == pytest.approx([100.0, 110.1]) and run.tokens_by_role["prefill"] == 1
     assert run.wan_bytes == 0 and run.local_bytes == 100_000
 
 
@@ -72,13 +73,13 @@ def test_one_shot_handoff_relay_streams_then_main_decode_extends():
     cfg = make_config(scheduler={"ttft_slo_ms": 1.0})  # p-md misses the SLO: relay
     [run], _ = simulate(cfg, "pdd-oneshot", [make_request(output=20)])
     assert (run.pipeline, run.handoff) == ("p-rld-md", "oneshot")
-    # RLD: KV in-DC at 100.1, token 0 then one per 10 ms step. MD has its KV at 205 and says
+    # prefill streams token 0 at 100; RLD: KV in-DC at 100.1, one token per 10 ms step. MD has its KV at 205 and says
     # so (KVReady, 5 ms): at 210 RLD is mid-step; it stops after it, at 210.1, holding 12 tokens.
     # The final chunk (12 ids) reaches MD at 215.1; one step extends them: 10 + 11 x 1 ms.
-    rld = [100.1 + 10 * k for k in range(12)]
+    rld = [100.1 + 10 * k for k in range(1, 12)]
     md = [236.1 + 10 * k for k in range(8)]
-    assert run.token_times == pytest.approx(rld + md)
-    assert run.tokens_by_role == {"rld": 12, "md": 8}
+    assert run.token_times == pytest.approx([100.0, *rld, *md])
+    assert run.tokens_by_role == {"prefill": 1, "rld": 11, "md": 8}
     assert run.marks["final_chunk"] == pytest.approx(215.1)
 
 
@@ -87,13 +88,13 @@ def test_catch_up_hands_chunks_while_the_relay_keeps_streaming():
     [run], _ = simulate(cfg, "pdd-catchup", [make_request(output=40)])
     assert run.handoff == "catchup"
     assert run.handoff_chunks >= 3  # chunks of 4 while the backlog is over 2, then the final one
-    assert run.tokens_by_role["rld"] + run.tokens_by_role["md"] == 40
+    assert run.tokens_by_role["prefill"] == 1 and sum(run.tokens_by_role.values()) == 40
     gaps = [b - a for a, b in zip(run.token_times, run.token_times[1:])]
     assert max(gaps) < 20.0  # no one-shot stall: every extend was small
 
 
 def test_relay_finishing_first_drops_main_decodes_copy_and_cancels_its_kv():
-    # RLD streams 3 tokens at 100.1, 110.1, 120.1; MD's KV left at 100 at 1000 B/ms: at 120.1 it has
+    # prefill streams token 0 at 100, RLD 2 more at 110.1, 120.1; MD's KV left at 100 at 1000 B/ms: at 120.1 it has
     # sent 20,100 of its 100,000 B, and the rest never crosses (as the real transfer is aborted).
     # relay-finishes off: with it the policy foresees this and sends no KV at all (below).
     # warm_md_cache off: the behaviour before it (on, the KV lands in MD's DRC: tests/sim/test_warm_md_cache.py)
@@ -102,7 +103,7 @@ def test_relay_finishing_first_drops_main_decodes_copy_and_cancels_its_kv():
         handoff={"chunk_tokens": 4, "final_tokens": 2, "warm_md_cache": False},
     )
     [run], cluster = simulate(cfg, "pdd", [make_request(output=3)])
-    assert run.tokens_by_role == {"rld": 3, "md": 0}
+    assert run.tokens_by_role == {"prefill": 1, "rld": 2, "md": 0}
     assert run.wan_bytes == 20_100 and run.marks["kv_wan_cancelled"] == pytest.approx(120.1)
     assert "kv_wan" not in run.marks and cluster.wan.bytes_sent == 20_100
     md = next(d for d in cluster.decoders if d.role == "md")
@@ -129,7 +130,7 @@ def test_relay_finishes_keeps_the_kv_that_main_decode_would_drop_off_the_line():
     cfg = make_config(scheduler={"ttft_slo_ms": 1.0, "relay_finishes": True})  # off by default
     [short], _ = simulate(cfg, "pdd", [make_request(output=3)])
     assert (short.pipeline, short.reason, short.estimates["backlog_tokens"]) == ("p-rld", "relay-finishes", 3)
-    assert short.wan_bytes == 0 and short.token_times == pytest.approx([100.1, 110.1, 120.1])
+    assert short.wan_bytes == 0 and short.token_times == pytest.approx([100.0, 110.1, 120.1])
     [long], _ = simulate(cfg, "pdd", [make_request(output=20)])
     assert (long.pipeline, long.reason, long.estimates["backlog_tokens"]) == ("p-rld-md", "slo-miss-relay", 11)
 

@@ -46,12 +46,12 @@ def test_the_knob_is_on_by_default_as_in_the_real_config():
 
 
 def test_relay_finishing_first_still_sends_main_decode_its_kv_into_the_drc():
-    # RLD: KV in-DC at 100.1, tokens at 100.1, 110.1, 120.1: done before MD's KV (left at 100,
+    # prefill's token at 100, RLD's (KV in-DC at 100.1) at 110.1, 120.1: done before MD's KV (left at 100,
     # 100,000 B at 1,000 B/ms + 5 ms: lands at 205). It is not cancelled: all of it crosses and
     # counts, and on landing its 6 prompt blocks enter MD's DRC; MD runs nothing.
     [run], cluster = simulate(config(True), "pdd", [make_request(output=3)])
-    assert run.pipeline == "p-rld-md" and run.tokens_by_role == {"rld": 3, "md": 0}
-    assert run.token_times == pytest.approx([100.1, 110.1, 120.1])
+    assert run.pipeline == "p-rld-md" and run.tokens_by_role == {"prefill": 1, "rld": 2, "md": 0}
+    assert run.token_times == pytest.approx([100.0, 110.1, 120.1])
     assert run.wan_bytes == 100_000 and cluster.wan.bytes_sent == 100_000
     assert run.marks["md_cache_warmed"] == pytest.approx(205.0) and "kv_wan_cancelled" not in run.marks
     md = md_of(cluster)
@@ -96,7 +96,7 @@ def test_a_copy_that_landed_before_the_relay_finished_keeps_its_prompt_in_the_dr
     # Both ways all 100,000 B had crossed.
     for warm, blocks in ((True, 6), (False, 0)):
         [run], cluster = simulate(config(warm), "pdd-oneshot", [make_request(output=12)])
-        assert run.tokens_by_role == {"rld": 12, "md": 0} and run.wan_bytes == 100_000
+        assert run.tokens_by_role == {"prefill": 1, "rld": 11, "md": 0} and run.wan_bytes == 100_000
         assert run.token_times[-1] == pytest.approx(210.1)
         md = md_of(cluster)
         assert len(md.cache) == blocks and not md.running and md.used_tokens == 0

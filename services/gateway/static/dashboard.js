@@ -93,7 +93,7 @@ function renderRequests(rows) {
     const tr = el('tr', { 'data-request-id': r.id, 'data-outcome': r.outcome, class: r.id === view.selected ? 'selected' : '' },
       el('td', {}, new Date(r.created * 1000).toLocaleTimeString()), el('td', { title: r.id }, r.id),
       el('td', {}, r.pipeline || '–'), el('td', {}, r.handoff), el('td', { class: 'num' }, ms(r.ttft_ms)),
-      el('td', { class: 'num' }, `${r.tokens_by_role.rld} / ${r.tokens_by_role.md}`),
+      el('td', { class: 'num' }, `${r.tokens_by_role.prefill} / ${r.tokens_by_role.rld} / ${r.tokens_by_role.md}`),
       el('td', { class: 'num' }, bytes(r.wan_kv_bytes)), el('td', { class: 'num' }, ms(r.e2e_ms)),
       el('td', { class: `outcome-${r.outcome}` }, r.outcome));
     tr.addEventListener('click', () => select(r.id));
@@ -182,7 +182,7 @@ function drawWaterfall(w) {
   document.getElementById('wf-figures').textContent = [
     `queue ${ms(t.queue)}`, `prefill ${ms(t.prefill)}`, `KV in-DC ${ms(t.kv_local)}`, `KV WAN ${ms(t.kv_wan)}`,
     `extend ${ms(t.extend)}`, `TTFT ${ms(t.ttft)}`, `e2e ${ms(t.e2e)} ms`,
-    `relay ${r.tokens_by_role.rld} / main ${r.tokens_by_role.md} tokens`, `handoff ${r.handoff_chunks} chunks`,
+    `prefill ${r.tokens_by_role.prefill} / relay ${r.tokens_by_role.rld} / main ${r.tokens_by_role.md} tokens`, `handoff ${r.handoff_chunks} chunks`,
     `gap ${ms(r.handoff_gap_ms)} ms`, `WAN ${bytes(r.wan_kv_bytes)}`, `in-DC ${bytes(r.local_kv_bytes)}`, inst,
   ].filter(Boolean).join(' · ');
 }
