@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 from nats.errors import MaxPayloadError
 
-from pdd.servers import EmbeddedServer, free_port
 from services.scheduler.registrar import Registrar
 from shared import subjects
 from shared.bus import Bus
 from shared.config import config_from_dict
 from shared.instance import INDEX_HASHES_PER_UPDATE, InstanceService, index_parts
 from shared.messages import Heartbeat, IndexEvent, IndexUpdate, InstanceInfo
-from shared.registry import Registry, connect
 from tests.helpers import until
+from tests.scheduler import conftest as scheduler_fixtures
 from tests.wanlink.conftest import cluster
 
+registry = scheduler_fixtures.registry  # a real redis-server of the test's own
 BLOCKS = 60_000  # a cache of ~1M tokens at 16 per block
 
 
@@ -32,16 +32,6 @@ class CacheOf:
 
     async def call(self, fn):
         return fn(self)
-
-
-@pytest.fixture
-async def registry(tmp_path):
-    port = free_port()
-    server = EmbeddedServer.redis(port, "pw", tmp_path).start()
-    reg = Registry(connect(f"redis://127.0.0.1:{port}", "pw"), ttl_s=30.0)
-    yield reg
-    await reg.r.aclose()
-    server.close()
 
 
 async def test_a_whole_index_over_the_payload_limit_arrives_in_parts(nats_a, secrets, registry):
