@@ -23,6 +23,7 @@ def cfg(**extra):
         ({"instances": [{**INSTANCES[0], "device": "gpu"}, INSTANCES[1]]}, "device 'gpu'"),
         ({"instances": INSTANCES, "device": "tpu"}, "device 'tpu'"),
         ({"instances": INSTANCES, "scheduler": {"kv_wire": "int4"}}, "kv_wire"),
+        ({"instances": INSTANCES, "first_token": "gateway"}, "first_token"),
         ({"instances": [INSTANCES[0]]}, "md instance"),
         ({"instances": INSTANCES, "gateway": {"pdd_object": "some"}}, "pdd_object"),
     ],
