@@ -61,6 +61,9 @@ class DecoderService(InstanceService):
         self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._admitting = asyncio.Lock()
         self._room = asyncio.Event()  # set when blocks may have been freed
+        # request id -> set when its task (or its abort) came: prefill is dispatched beside the
+        # decoders, so its push may come first, and waits for the task (`vet`)
+        self._awaited: dict[str, asyncio.Event] = {}
 
     async def serve(self) -> None:
         self.layout = self.worker.engine.pool.layout  # immutable: the KV layout transfers must match
@@ -141,7 +144,20 @@ class DecoderService(InstanceService):
         self._room.set()
 
     # -- 1. task ----------------------------------------------------------------------------
-    async def on_task(self, task: DecodeTask) -> Ack:
+    async def on_task(self, task: DecodeTask) -> Ack | None:
+        if failpoints.hit("decoder.task"):  # not taken, not answered: as if this decoder had just died
+            return None
+        try:
+            return self._take(task)
+        finally:
+            self._came(task.request_id)
+
+    def _came(self, rid: str) -> None:
+        """The request's task (or abort) is in: a push waiting for it goes on."""
+        if (came := self._awaited.pop(rid, None)) is not None:
+            came.set()
+
+    def _take(self, task: DecodeTask) -> Ack:
         rid = task.request_id
         if rid in self.aborted:
             return Ack(rid, ok=False, error="request was aborted")
@@ -162,8 +178,17 @@ class DecoderService(InstanceService):
         return Ack(rid)
 
     # -- 2. KV arrives ----------------------------------------------------------------------
-    def vet(self, t: Transfer) -> tuple[Verdict, str]:
-        """Before a byte of KV is read: is this the transfer the scheduler told us to expect?"""
+    async def vet(self, t: Transfer) -> tuple[Verdict, str]:
+        """Before a byte of KV is read: is this the transfer the scheduler told us to expect? A push
+        may overtake its task (both were sent at once): it waits for the task, as long as the
+        scheduler waits for this decoder's ack."""
+        if t.request_id not in self.requests and t.request_id not in self.aborted:
+            came = self._awaited.setdefault(t.request_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(came.wait(), self.cfg.timeouts.control_s)
+            except TimeoutError:
+                if self._awaited.get(t.request_id) is came:
+                    del self._awaited[t.request_id]
         req = self.requests.get(t.request_id)
         if req is None:
             return Verdict.REFUSE, f"no decode task for {t.request_id!r} here (aborted?)"
@@ -357,6 +382,7 @@ class DecoderService(InstanceService):
             req.cache_only = True  # its KV lands into the prefix cache, then it ends (`_admit_parked`)
             return
         self.aborted.add(msg.request_id)
+        self._came(msg.request_id)
         self.receiver.cancel(msg.request_id)  # its KV may be mid-way across the WAN: stop carrying it
         if self.end(msg.request_id, End.ABORTED) is not None:
             await self.abort_engine(msg.request_id)

@@ -22,6 +22,7 @@ The points (grep `failpoints.hit`):
     decoder.token_chunk    a decoder's token chunk to the gateway (not the last one)
     decoder.final_chunk    a decoder's last chunk of a request (finish reason and stats)
     rld.handoff_chunk      the relay's handoff chunk to main-decode
+    decoder.task           a decoder's task is neither taken nor answered (as if it had just died)
 """
 
 from __future__ import annotations

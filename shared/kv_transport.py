@@ -328,7 +328,7 @@ class Verdict(IntEnum):
 
 
 Handler = Callable[[Transfer], Awaitable[str]]  # returns "" when committed, else an error
-Vet = Callable[[Transfer], tuple[Verdict, str]]
+Vet = Callable[[Transfer], Awaitable[tuple[Verdict, str]]]
 
 
 class KVReceiver:
@@ -397,7 +397,7 @@ class KVReceiver:
                 writer.close()
                 return
             transfer = Transfer(_decode(TransferHead, head, Frame.HEADER), wire_bytes=len(head) + _LEN.size)
-            verdict, why = self.vet(transfer) if self.vet is not None else (Verdict.RECEIVE, "")
+            verdict, why = await self.vet(transfer) if self.vet is not None else (Verdict.RECEIVE, "")
             if verdict == Verdict.REFUSE:
                 raise KVTransferError(why)
             self._receiving[transfer.request_id] = writer

@@ -185,6 +185,9 @@ class Plan(Message):
     kv_wire: WireFormat = WireFormat.NATIVE  # how KV crosses the WAN (shared/runtime/kv_wire.py)
     kv_wire_reason: str = ""
     estimates: dict[str, Any] = field(default_factory=dict)  # the figures the decision rested on
+    # this dispatch of the request (fresh each time it is planned again under the same id): prefill
+    # stamps its chunks with it, so the gateway tells the live copy's first token from a dropped one's
+    dispatch_id: str = ""
     queue_ms: float = 0.0
     error: str = ""
     status: int = 200  # HTTP status the gateway should use when error is set
@@ -258,7 +261,8 @@ class Drop(Message):
 
     request_id: str
     reason: str = ""
-    transfer_secret: str = ""  # the copy it abandons; empty: any copy
+    # the copy it abandons, by its transfer secret (a prefill copy: any of its targets'); empty: any copy
+    transfer_secret: str = ""
 
 
 # -- what a request measured ----------------------------------------------------------------
@@ -301,6 +305,7 @@ class TokenChunk(Message):
     error: str = ""
     stats: RequestStats | None = None  # set on the final chunk
     blame: str = ""  # with an error: the instance it came from (the gateway moves the request off it)
+    dispatch_id: str = ""  # prefill's chunks: the plan's dispatch they belong to (`Plan.dispatch_id`)
 
 
 @dataclass

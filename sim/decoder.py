@@ -143,8 +143,7 @@ class DecodeInstance:
             self.used_tokens += slot.reserve
             run = slot.run
             if slot.emit and run.emitted == 0:  # prefill's first token, unless prefill streamed it
-                run.token_times.append(now + self.to_client_ms)
-                run.tokens_by_role[self.role] += 1
+                run.emit(now + self.to_client_ms, self.role)
             if slot.emit and run.done:
                 self._leave(slot)
                 slot.on_finish(slot, now)
@@ -198,8 +197,7 @@ class DecodeInstance:
                     slot.on_extended(slot, t)
                     continue
             if slot.emit:
-                run.token_times.append(t + self.to_client_ms)
-                run.tokens_by_role[self.role] += 1
+                run.emit(t + self.to_client_ms, self.role)
                 slot.ctx += 1
                 if run.done:
                     self._leave(slot)

@@ -26,9 +26,11 @@ Lifecycle (`Serving.start` on a `Decision` from the scheduler's `choose_plan`):
 5. Finish: the finishing decoder's DRC keeps prompt plus answer (`done_blocks`); `on_finish`.
 
 Control messages between the sites cross the line (`control_delay_ms`, the real NATS leafnode
-since commit 0dac70d): a plan with a decoder in the other datacenter starts prefill one round
-trip later (the scheduler dispatches decoders first and waits for their acks), and each token
-of a decoder there reaches the client one delay later (`DecodeInstance.to_client_ms`). A KV
+since commit 0dac70d): prefill starts as the plan is made (the scheduler sends every stage its
+task at once), but a plan with a decoder in the other datacenter reaches the gateway only after
+that decoder's ack came back through the line, a round trip, and the gateway streams nothing
+before it has the plan (`RequestRun.planned_ms`). Each token of a decoder there reaches the
+client one delay later (`DecodeInstance.to_client_ms`). A KV
 push across opens a fresh connection (TCP, then TLS 1.3): `connect_ms` of round trips before its
 KV is usable, added on landing.
 """
@@ -97,17 +99,16 @@ class Serving:
             run.marks["chunk"] = chunk
         prefill = self.instances[d.prefill]
         across = any(self.instances[getattr(d, role)].dc != prefill.dc for role in decoders_of(d.pipeline))
-        if across and self.control_delay_ms > 0:  # dispatch to the other site, its ack back, then prefill
-            self.loop.after(2 * self.control_delay_ms, prefill.submit, run, lambda r: self._prefilled(r, d))
-        else:
-            prefill.submit(run, lambda r: self._prefilled(r, d))
+        # every stage's task at once: prefill starts now; the plan reaches the gateway once the
+        # other site's decoder acked (a round trip through the line)
+        run.planned_ms = self.loop.now + (2 * self.control_delay_ms if across else 0.0)
+        prefill.submit(run, lambda r: self._prefilled(r, d))
 
     # -- 2. KV on every path ----------------------------------------------------------------
     def _prefilled(self, run: RequestRun, d: Decision) -> None:
         run.state = RunState.KV_IN_FLIGHT
         if self.first_token_from_prefill and run.emitted == 0:  # through site A's NATS: no line
-            run.token_times.append(self.loop.now)
-            run.tokens_by_role["prefill"] += 1
+            run.emit(self.loop.now, "prefill")
         prefill = self.instances[d.prefill]
         for role in decoders_of(d.pipeline):
             self._push(run, prefill, self.instances[getattr(d, role)], d.starts.get(role, 0))

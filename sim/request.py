@@ -70,6 +70,13 @@ class RequestRun:
     local_bytes: int = 0
     handoff_chunks: int = 0
     marks: dict[str, float] = field(default_factory=dict)  # event name -> ms (see sim.records)
+    planned_ms: float = 0.0  # when the plan reached the gateway: nothing reaches the client before
+
+    def emit(self, at_ms: float, role: str) -> None:
+        """A token reaches the client at `at_ms`, or once the plan is back if that is later (the
+        gateway streams only once it knows the plan)."""
+        self.token_times.append(max(at_ms, self.planned_ms))
+        self.tokens_by_role[role] += 1
 
     @property
     def emitted(self) -> int:

@@ -143,8 +143,8 @@ class RequestFlow:
             self._recover_gap()
             if chunk is None or chunk.request_id != self.attempt_id:
                 continue  # a liveness tick, or a late chunk of an abandoned attempt
-            if chunk.role == "prefill" and chunk.token_ids and chunk.instance_id != self.plan.prefill:
-                continue  # a first token from a task the scheduler dropped and planned elsewhere
+            if chunk.role == "prefill" and chunk.dispatch_id != self.plan.dispatch_id:
+                continue  # from a copy the scheduler dropped and planned again (elsewhere, or here anew)
             if chunk.error:
                 if chunk.blame and self.stats.migrations < self.gw.cfg.max_migrations:
                     await self._migrate({chunk.blame})  # e.g. its KV could not reach that decoder (died?)

@@ -54,6 +54,8 @@ class PrefillState:
     accepted_at: float
     tasks: set[asyncio.Task] = field(default_factory=set)  # its push and transfers; cancelled on abort
     early: dict[str, EarlyConnection] = field(default_factory=dict)  # decoder id -> its connection
+    # done once the engine took its sequence: an output before that is an earlier copy's (replaced)
+    added: asyncio.Future | None = None
 
 
 class Prefiller(InstanceService):
@@ -62,7 +64,8 @@ class Prefiller(InstanceService):
     def __init__(self, cfg, inst) -> None:
         super().__init__(cfg, inst)
         self.requests: dict[str, PrefillState] = {}
-        self.seen = RecentIds()  # request ids already accepted or aborted (idempotence)
+        self.aborted = RecentIds()  # request ids aborted: a task arriving after its abort is refused
+        self.seen = RecentIds()  # transfer secrets of copies taken or dropped: each copy is taken once
         self._tls = None
         self.kv_seconds = self.metrics.histogram(
             "pdd:kv_transfer_seconds", "KV pushes, KV ready to ACK, by path", labels=("path",)
@@ -86,7 +89,7 @@ class Prefiller(InstanceService):
         return sorted(self.requests)
 
     def state_sizes(self) -> dict[str, int]:
-        return {"requests": len(self.requests), "remembered_ids": len(self.seen)}
+        return {"requests": len(self.requests), "remembered_ids": len(self.aborted) + len(self.seen)}
 
     def holding_since(self, older_than_s: float) -> dict[str, float]:
         now = time.monotonic()
@@ -94,14 +97,25 @@ class Prefiller(InstanceService):
 
     # -- 1. task ------------------------------------------------------------------------
     async def on_task(self, task: PrefillTask) -> Ack:
+        """A copy of a request is named by its targets' transfer secrets: the same copy delivered
+        twice is acked once; a re-plan's copy (new secrets) that comes before the earlier copy's
+        drop (two subjects: nothing orders them) replaces it, and the drop then finds nothing."""
         rid = task.request_id
-        if rid in self.seen or rid in self.requests:
-            return Ack(rid, ok=rid in self.requests, error="" if rid in self.requests else "request was aborted")
+        held = self.requests.get(rid)
+        if held is not None and _secrets(held.task) == _secrets(task):
+            return Ack(rid)
+        if rid in self.aborted:
+            return Ack(rid, ok=False, error="request was aborted")
+        if any(secret in self.seen for secret in _secrets(task)):
+            return Ack(rid, ok=False, error="this copy of the request was already taken or dropped")
         if problem := self.task_problem(task.prompt_ids, task.sampling) or _targets_problem(task, self.cfg.block_size):
             return Ack(rid, ok=False, error=f"{self.inst.id} refused the task: {problem}")
+        if held is not None:  # its abort goes to the engine before this copy's add; the ack does not wait for it
+            self._let_go(held)
         if (full := self.refuse_if_full(rid)) is not None:
             return full
-        self.seen.add(rid)
+        for secret in _secrets(task):
+            self.seen.add(secret)
         self.requests[rid] = state = PrefillState(task, time.monotonic())
         self._dial_early(state)
         seq = Sequence(
@@ -116,7 +130,8 @@ class Prefiller(InstanceService):
         # and a step may be a prefill chunk of seconds on a busy CPU; an ack behind it would
         # outlast the scheduler's control-plane timeout and look like a dead instance. An abort
         # of this request is queued after this command, so it finds the sequence.
-        self.worker.submit(lambda e: e.add(seq)).add_done_callback(lambda f: self._added(rid, f))
+        state.added = self.worker.submit(lambda e: e.add(seq))
+        state.added.add_done_callback(lambda f: self._added(rid, f))
         return Ack(rid)
 
     def _dial_early(self, state: PrefillState) -> None:
@@ -152,20 +167,24 @@ class Prefiller(InstanceService):
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:
             state = self.requests.get(out.seq_id)
-            if state is None:
+            if state is None or not state.added.done():
                 continue
             if out.token_id is None:
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
                 continue
             if self.cfg.first_token == "prefill":  # published before the push task even starts
-                self._spawn_for(state, self._stream_first(out.seq_id, out.token_id))
+                self._spawn_for(state, self._stream_first(state, out.token_id))
             self._spawn_for(state, self._push(state, out.token_id))
 
-    async def _stream_first(self, rid: str, token_id: int) -> None:
+    async def _stream_first(self, state: PrefillState, token_id: int) -> None:
         """The first token to the gateway at once, through this site's NATS only: the user's TTFT
         is the prefill's, never the line's. The decoders get it with the KV and send it again as
-        index 0 (with the finish, when it ends the request); the gateway keeps one copy."""
-        chunk = TokenChunk(rid, 0, [token_id], role=self.role, instance_id=self.inst.id)
+        index 0 (with the finish, when it ends the request); the gateway keeps one copy, and only
+        from the plan's dispatch (a dropped copy's first token may differ, when sampled)."""
+        rid = state.task.request_id
+        chunk = TokenChunk(
+            rid, 0, [token_id], role=self.role, instance_id=self.inst.id, dispatch_id=state.task.plan.dispatch_id
+        )
         await self.bus.publish(subjects.tokens(rid), chunk)
 
     async def _push(self, state: PrefillState, first_token: int) -> None:
@@ -185,8 +204,9 @@ class Prefiller(InstanceService):
             results = await asyncio.gather(*sends, return_exceptions=True)
         finally:
             self._settle_early(state)
-        if self.requests.pop(rid, None) is None:
-            return  # aborted meanwhile
+        if self.requests.get(rid) is not state:
+            return  # aborted or dropped meanwhile
+        del self.requests[rid]
         failed = [(t, r) for t, r in zip(task.targets, results) if isinstance(r, Exception)]
         if failed:
             await self._degrade(task, failed)
@@ -260,32 +280,60 @@ class Prefiller(InstanceService):
     # -- 5. failure and abort -----------------------------------------------------------
     async def _fail(self, rid: str, error: str, blame: str = "") -> None:
         log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
+        dispatch_id = ""
         if (state := self.requests.pop(rid, None)) is not None:
             self._settle_early(state)
+            dispatch_id = state.task.plan.dispatch_id
         chunk = TokenChunk(
-            rid, 0, [], role=self.role, instance_id=self.inst.id, finish_reason="error", error=error, blame=blame
+            rid,
+            0,
+            [],
+            role=self.role,
+            instance_id=self.inst.id,
+            finish_reason="error",
+            error=error,
+            blame=blame,
+            dispatch_id=dispatch_id,
         )
         await self.bus.publish(subjects.tokens(rid), chunk)
         await self.bus.publish(subjects.ABORT, Abort(rid, reason=f"prefill failed: {error}"))
 
     async def on_drop(self, msg: Drop) -> None:
-        await self.on_abort(Abort(msg.request_id, reason=msg.reason))
+        """Let go of the copy the drop names (by a transfer secret), and refuse it if it comes
+        later; a copy it does not name goes on. A drop naming no copy is an abort here."""
+        if not msg.transfer_secret:
+            return await self.on_abort(Abort(msg.request_id, reason=msg.reason))
+        self.seen.add(msg.transfer_secret)
+        state = self.requests.get(msg.request_id)
+        if state is not None and msg.transfer_secret in _secrets(state.task):
+            await self._let_go(state)
 
     async def on_abort(self, msg: Abort) -> None:
-        self.seen.add(msg.request_id)
-        state = self.requests.pop(msg.request_id, None)
-        if state is None:
-            return
+        self.aborted.add(msg.request_id)
+        if (state := self.requests.get(msg.request_id)) is not None:
+            await self._let_go(state, keep_kv=msg.keep_kv)
+
+    def _let_go(self, state: PrefillState, keep_kv: bool = False) -> asyncio.Future:
+        """Forget the copy, cancel its push and transfers, and abort its sequence in the engine
+        (the returned future: done when the engine let go)."""
+        rid = state.task.request_id
+        if self.requests.get(rid) is state:
+            del self.requests[rid]
         self._settle_early(state)
         me = asyncio.current_task()
         for t in list(state.tasks):
-            if t is not me and not msg.keep_kv:  # finished on the relay: md's push may still land
+            if t is not me and not keep_kv:  # finished on the relay: md's push may still land
                 t.cancel()
-        await self.worker.call(lambda e: e.abort(msg.request_id))
+        return self.worker.submit(lambda e: e.abort(rid))
 
 
 def main(argv: list[str] | None = None) -> None:
     service_main(Prefiller, "prefill", argv)
+
+
+def _secrets(task: PrefillTask) -> set[str]:
+    """What names a copy of a request: the transfer secrets the scheduler minted for its targets."""
+    return {t.transfer_secret for t in task.targets}
 
 
 def _targets_problem(task: PrefillTask, block_size: int) -> str:

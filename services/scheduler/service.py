@@ -9,14 +9,17 @@ Lifecycle of a request here:
    sending KV across is dispatched, out when the decoder's `WanSample` for that request says
    it landed, when the request is aborted or its dispatch failed, or `timeouts.request_s`
    after its dispatch at the latest).
-3. Decoders first: each gets a `DecodeTask` and must ack, so it is ready before any KV flies.
-   Then prefill gets a `PrefillTask` with the KV targets: each decoder's advertised endpoint
-   and a fresh transfer token that only that decoder expects for this request.
+3. Every stage at once, in no order: each decoder gets a `DecodeTask`, prefill a `PrefillTask`
+   with the KV targets (each decoder's advertised endpoint and a fresh transfer secret that only
+   that decoder expects for this request). No round trip through the line comes before prefill
+   starts; a push that reaches a decoder before its task waits there for the task. The plan
+   goes back once every stage acked; its `dispatch_id` names this dispatch.
 4. The plan, recorded in Redis before the dispatch (`pdd:request:<id>`, removed by the gateway
    at the end and by the scheduler when the request is aborted, after its dispatch if the abort
    came during it; an instance holding a request no longer recorded drops it), goes back to the
    gateway.
-5. If any dispatch fails, the request is aborted everywhere, its record removed, and the gateway
+5. If any dispatch fails, the request is aborted everywhere (or, where a stage did not answer,
+   this copy is dropped everywhere and the request planned again without it), its record removed, and the gateway
    gets an error plan: 503 when a role has no alive instance, 429 when every instance of a role
    is full (each stage holds at most max_running + max_waiting requests and refuses more:
    bounded queues).
@@ -259,6 +262,7 @@ class Scheduler:
             estimates=d.estimates.as_dict(),
             kv_wire=d.kv_wire,
             kv_wire_reason=d.kv_wire_reason,
+            dispatch_id=secrets.token_hex(8),
         )
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         for iid in d.instance_ids:  # before any await: a request planned meanwhile must see these
@@ -281,33 +285,47 @@ class Scheduler:
     async def _dispatch(
         self, sub: Submit, plan: Plan, prefill: InstanceInfo, decoders: list[InstanceInfo], targets: list[KVTarget]
     ) -> None:
+        """Every stage's task at once: prefill starts while main-decode's task and ack cross the
+        line, not after (a push that reaches a decoder before its task waits for it there). A
+        refusal or a silence is handled when it shows, as it would be one at a time: a busy stage
+        fails the plan (429, and the request's abort frees the others), an unreachable one has
+        this copy dropped everywhere and the request planned again."""
         await self._record(plan)  # before any stage holds it: a holder of an unrecorded request drops it
+        task = PrefillTask(
+            sub.request_id,
+            prompt_ids=sub.prompt_ids,
+            sampling=sub.sampling,
+            targets=targets,
+            plan=plan,
+            cache_salt=sub.cache_salt,
+        )
         try:
             acks = await asyncio.gather(
                 *(self._dispatch_decode(sub, plan, inst, t) for inst, t in zip(decoders, targets)),
+                self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id),
                 return_exceptions=True,
             )
             if failed := [e for e in acks if isinstance(e, BaseException)]:
                 raise failed[0]
-            task = PrefillTask(
-                sub.request_id,
-                prompt_ids=sub.prompt_ids,
-                sampling=sub.sampling,
-                targets=targets,
-                plan=plan,
-                cache_salt=sub.cache_salt,
-            )
-            await self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id)
         except BaseException as e:
-            if isinstance(e, Unreachable):  # planned again: its stages let go (not an abort, which sticks)
-                rid = sub.request_id
-                for inst, target in zip(decoders, targets):  # the re-plan may pick it again: name this copy
-                    dropped = Drop(rid, reason="re-planned", transfer_secret=target.transfer_secret)
-                    await self.bus.publish(subjects.decode_drop(inst.id), dropped)
-                if e.instance_id == prefill.id:  # slow, not dead? its late push and failure must not end the new plan
-                    await self.bus.publish(subjects.prefill_drop(prefill.id), Drop(rid, reason="re-planned"))
+            if isinstance(e, Unreachable):  # planned again: this copy's stages let go (not an abort, which sticks)
+                await self._drop_copy(sub.request_id, prefill, decoders, targets)
             await self._unrecord(plan.request_id)  # a re-plan records itself again; an error plan leaves nothing
             raise
+
+    async def _drop_copy(
+        self, rid: str, prefill: InstanceInfo, decoders: list[InstanceInfo], targets: list[KVTarget]
+    ) -> None:
+        """The re-plan may pick the same instances: each drop names this copy by its secrets, and
+        a stage holding the re-plan's copy keeps it. Prefill may have taken its task (slow, not
+        dead, or sent beside a decoder that was): its late first token and push must not end the
+        new plan."""
+        for inst, target in zip(decoders, targets):
+            await self.bus.publish(
+                subjects.decode_drop(inst.id), Drop(rid, reason="re-planned", transfer_secret=target.transfer_secret)
+            )
+        dropped = Drop(rid, reason="re-planned", transfer_secret=targets[0].transfer_secret)
+        await self.bus.publish(subjects.prefill_drop(prefill.id), dropped)
 
     async def _dispatch_decode(self, sub: Submit, plan: Plan, inst: InstanceInfo, target: KVTarget) -> None:
         task = DecodeTask(

@@ -94,3 +94,29 @@ def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, refer
         r.close()
         worker.join(240)
     assert all(s.requests == [] for s in fleet_operator.idle(timeout=5).values())
+
+
+def test_a_decoder_found_silent_only_after_prefill_started_ends_as_before(
+    fleet, fleet_operator, reference, smol_tokenizer
+):
+    """The scheduler sends prefill its task beside main-decode's: by the time md-0 is found not
+    to answer (dead a moment ago, its heartbeat not yet expired), prefill has computed the first
+    token, sent it to the gateway and begun to push. The outcome is the one a decoder that never
+    answered always had: this copy is dropped everywhere and the request planned again on md-1,
+    no migration, one first token, the model's output."""
+    prompt = fresh_prompt(40, "silent-md")
+    n = 16
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    log = fleet.run_dir / "scheduler.log"
+    before = len(log.read_text())
+    fleet_operator.failpoints("md-0/decoder.task=drop@1")  # an idle fleet's fresh prompt goes to md-0 first
+    try:
+        text, pdd, _ = stream_completion(fleet.url + "/v1/completions", body, timeout=120)
+    finally:
+        fleet_operator.failpoints("")
+    replanned = [line for line in log.read_text()[before:].splitlines() if "again without it" in line]
+    assert any("md-0" in line for line in replanned), "md-0 was planned and found silent"
+    assert pdd["instances"]["md"] == "md-1" and pdd["migrations"] == 0
+    assert pdd["tokens_by_role"]["prefill"] == 1  # the dropped copy's first token was not taken as well
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], n, ignore_eos=True, draft=text)
+    assert all(s.requests == [] for s in fleet_operator.idle(timeout=10).values())

@@ -144,7 +144,7 @@ class DecoderPair:
     async def land(self, role: str, rid: str, prompt: list[int], transfer: Transfer | None = None) -> str:
         """What the KV listener does with a transfer: vet its header, then hand it over."""
         svc, t = self.service(role), transfer or self.transfer(rid, prompt, via_wan=role == "md")
-        verdict, why = svc.vet(t)
+        verdict, why = await svc.vet(t)
         if verdict == Verdict.REFUSE:
             return f"refused: {why}"
         return "" if verdict == Verdict.HAVE_IT else await svc.on_transfer(t)

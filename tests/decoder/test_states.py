@@ -9,6 +9,7 @@ block, no message handler still waiting.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -365,6 +366,41 @@ async def test_a_drop_naming_the_held_copy_drops_it(pair, prompt):
     await pair.bus.publish(subjects.decode_drop("md-0"), Drop("r1", reason="re-planned", transfer_secret="this"))
     await pair.settle()
     pair.assert_gone("r1")
+
+
+async def test_a_push_that_overtakes_its_task_waits_for_it(pair, prompt, tiny_ref):
+    """The scheduler sends prefill its task beside the decoders' (no round trip through the line
+    before prefill starts), so on a short prefill the push can reach main-decode before the task
+    does: the push waits for the task, then lands and runs as if it had come second."""
+    landing = asyncio.create_task(pair.land("md", "r1", prompt))
+    await pair.settle()
+    assert not landing.done() and "r1" in pair.md._awaited  # the header is in; no byte is taken yet
+    assert (await pair.dispatch("r1", prompt, N, Pipeline.P_MD))[0].ok
+    assert await landing == ""
+    await pair.drive(lambda: pair.finished("r1"))
+    assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    pair.assert_gone("r1")
+    assert not pair.md._awaited
+
+
+async def test_a_push_whose_task_never_comes_is_refused_after_the_control_timeout(tiny, prompt):
+    """Waiting is bounded as the scheduler's wait for the ack is."""
+    pair = await DecoderPair(tiny, timeouts={"request_s": 60, "control_s": 0.05}).start()
+    try:
+        assert "no decode task" in await pair.land("md", "r1", prompt)
+        assert not pair.md._awaited and idle(pair.engines["md"])
+    finally:
+        await pair.stop()
+
+
+async def test_an_abort_ends_a_pushs_wait_for_its_task_at_once(pair, prompt):
+    landing = asyncio.create_task(pair.land("md", "r1", prompt))
+    await pair.settle()
+    assert not landing.done()
+    await pair.bus.publish(subjects.ABORT, Abort("r1"))
+    await pair.settle()  # no time passes: only the abort's handler runs
+    assert landing.done() and "no decode task" in landing.result()
+    assert not pair.md._awaited and idle(pair.engines["md"])
 
 
 async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):

@@ -33,7 +33,8 @@ def flow(bus, max_migrations: int = 2) -> RequestFlow:
         kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=len(TOKENS)), stream=True
     )
     f = RequestFlow(gw, parsed, OPEN, "cmpl-lost")
-    f.plan, f.holders = Plan("cmpl-lost", prefill="prefill-0", rld="rld-0", md="md-0"), {"md-0"}
+    plan = Plan("cmpl-lost", prefill="prefill-0", rld="rld-0", md="md-0", dispatch_id="d2")
+    f.plan, f.holders = plan, {"md-0"}
     return f
 
 
@@ -97,11 +98,13 @@ async def _drain(f: RequestFlow) -> None:
 async def test_the_first_token_comes_from_prefill_and_the_decoders_copy_only_ends_it():
     """Prefill streams index 0 the moment it is sampled (first_token: prefill); the decoder sends
     it again with the finish. One copy reaches the text; a first token from a prefill the plan
-    did not choose (a task the scheduler dropped and planned again) is not taken."""
+    did not choose, or from a dispatch the scheduler dropped and planned again (on the same
+    prefill: the dropped copy's sampled first token may differ), is not taken."""
     f = flow(InMemoryNats().client("gateway"))
     f.parsed = dataclasses.replace(f.parsed, sampling=Sampling(max_tokens=1))
-    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[5]], role="prefill", instance_id="prefill-9"))
-    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="prefill", instance_id="prefill-0"))
+    for prefill, dispatch_id, token in (("prefill-9", "d1", 5), ("prefill-0", "d1", 6), ("prefill-0", "d2", 0)):
+        chunk = TokenChunk(f.attempt_id, 0, [TOKENS[token]], role="prefill", instance_id=prefill)
+        f._queue.put_nowait(dataclasses.replace(chunk, dispatch_id=dispatch_id))
     f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="md", instance_id="md-0", finish_reason="length"))
     text = await asyncio.wait_for(_text(f), 10)
     assert text == Vocab().decode(TOKENS[:1]) and f.finish_reason == "length"

@@ -25,8 +25,8 @@ from tests.fakes import InMemoryNats
 DEADLINE_S = 30.0  # a failure guard: the ack comes at once, or never (without the fix)
 
 
-def _task(rid: str) -> PrefillTask:
-    target = KVTarget("md-0", "md", "127.0.0.1", 9, transfer_secret="t")  # never reached: aborted before it runs
+def _task(rid: str, secret: str = "t") -> PrefillTask:
+    target = KVTarget("md-0", "md", "127.0.0.1", 9, transfer_secret=secret)  # never reached: aborted before it runs
     return PrefillTask(
         rid, list(range(3, 40)), Sampling(max_tokens=4), [target], Plan(rid, prefill="prefill-0", md="md-0")
     )
@@ -90,6 +90,48 @@ async def test_the_schedulers_drop_lets_go_of_a_late_task_and_ends_nothing_else(
     # gateway takes a first token only from its plan's prefill): no abort to every stage, no error
     out = [(s, m) for s, m in prefill.nats.published if s == subjects.ABORT or s.startswith("pdd.tokens.")]
     assert all(s == subjects.tokens("r1") and m.index == 0 and not m.error for s, m in out), out
+
+
+async def test_a_drop_names_its_copy_and_a_re_plans_copy_on_the_same_prefill_goes_on(prefill):
+    """Prefill is dispatched beside the decoders, so a decoder that did not answer has the request
+    planned again while this prefill holds it, and the re-plan may pick this prefill again. The
+    scheduler's drop names the earlier copy by its secrets; the two travel on different subjects,
+    so the new copy may come first (it replaces the earlier one) or after (it is taken: only the
+    named copy is refused)."""
+    scheduler, worker = prefill.nats.client("scheduler"), prefill.worker
+    step = threading.Event()
+    in_step = worker.submit(lambda e: step.wait(DEADLINE_S))  # nothing computes (or pushes) meanwhile
+
+    async def task(rid: str, secret: str) -> Ack:
+        return await scheduler.request(subjects.prefill_task("prefill-0"), _task(rid, secret), Ack, DEADLINE_S)
+
+    def held_secret(rid: str) -> str | None:
+        state = prefill.requests.get(rid)
+        return state.task.targets[0].transfer_secret if state else None
+
+    try:
+        assert (await task("r1", "first")).ok
+        assert (await task("r1", "first")).ok and held_secret("r1") == "first"  # delivered twice: one copy
+        assert (await task("r1", "second")).ok and held_secret("r1") == "second"  # the re-plan's copy came first
+        await scheduler.publish(subjects.prefill_drop("prefill-0"), Drop("r1", "re-planned", transfer_secret="first"))
+        await _until(lambda: not prefill.nats.tasks, "the drop to be handled")
+        assert held_secret("r1") == "second"  # the drop found nothing of its own
+        assert not (await task("r1", "first")).ok  # the dropped copy, were it to come again
+
+        await scheduler.publish(subjects.prefill_drop("prefill-0"), Drop("r2", "re-planned", transfer_secret="old"))
+        await _until(lambda: not prefill.nats.tasks, "the drop to be handled")
+        late = await task("r2", "old")  # the drop came before its copy: that copy is refused ...
+        assert not late.ok and "dropped" in late.error
+        assert (await task("r2", "new")).ok and held_secret("r2") == "new"  # ... the re-plan's is taken
+        await scheduler.publish(subjects.prefill_drop("prefill-0"), Drop("r2", "re-planned", transfer_secret="new"))
+        await _until(lambda: prefill.held_requests() == ["r1"], "prefill to let go of r2's named copy")
+    finally:
+        step.set()
+    await in_step
+    await scheduler.publish(subjects.ABORT, Abort("r1"))
+    await _until(lambda: not prefill.held_requests(), "prefill to let go of r1")
+    await worker.call(lambda e: None)
+    assert await worker.call(lambda e: e.find("r1") is None and e.find("r2") is None and idle(e))
 
 
 async def test_a_failed_wan_push_drops_main_decodes_copy_by_its_secret(prefill):

@@ -80,6 +80,33 @@ async def test_a_plan_around_an_unreachable_instance_is_recorded_once_without_it
     assert not plan.error and plan.md == "md-1"
     assert await registry.request_ids() == ["cmpl-3"]
     assert (await registry.r.hgetall("pdd:request:cmpl-3"))["md"] == "md-1"  # the re-plan's record
+    # prefill-0 took the first copy beside md-0's silence, and is the re-plan's prefill too: the
+    # drop names the first copy (by its secret) and the first token it may have sent (by its dispatch)
+    first, second = scheduler.bus.server.sent(subjects.prefill_task("prefill-0"))
+    (drop,) = scheduler.bus.server.sent(subjects.prefill_drop("prefill-0"))
+    assert drop.transfer_secret == first.targets[0].transfer_secret != second.targets[0].transfer_secret
+    assert first.plan.dispatch_id != second.plan.dispatch_id == plan.dispatch_id
+
+
+async def test_prefill_is_dispatched_without_waiting_for_the_decoders_acks(scheduler, registry):
+    """md-0 is across the line: its task and ack cost a round trip through it, which prefill must
+    not wait for. Here md-0 answers only once prefill-0 has its task: dispatched one after the
+    other, the plan would wait for md-0's ack until the control-plane timeout and fail."""
+    prefill_has_it = asyncio.Event()
+
+    async def prefill_task(task):
+        prefill_has_it.set()
+        return Ack(task.request_id)
+
+    async def md_task(task):
+        await asyncio.wait_for(prefill_has_it.wait(), scheduler.cfg.timeouts.control_s * 2)
+        return Ack(task.request_id)
+
+    await scheduler.bus.server.client("md-0").serve(subjects.decode_task("md-0"), DecodeTask, md_task)
+    await scheduler.bus.server.client("prefill-0").serve(subjects.prefill_task("prefill-0"), PrefillTask, prefill_task)
+    plan = await scheduler.on_submit(submit("cmpl-11"))
+    assert (plan.error, plan.prefill, plan.md) == ("", "prefill-0", "md-0") and plan.dispatch_id
+    assert len(scheduler.bus.server.sent(subjects.decode_task("md-0"))) == 1  # once: no re-plan
 
 
 async def test_an_unreachable_prefill_leaves_no_record(scheduler, registry):

@@ -36,15 +36,19 @@ def test_p_md_one_prefill_one_wan_transfer_then_steps():
 
 def test_control_messages_between_the_sites_pay_the_lines_delay():
     # as test_p_md_one_prefill_one_wan_transfer_then_steps, with the NATS link across the line:
-    # the dispatch to MD and its ack first (2 x 5 ms), so prefill is [10, 110] and the KV lands at
-    # 215; each of MD's tokens reaches the gateway 5 ms after MD sampled it.
+    # prefill is dispatched beside MD, not after its ack, so prefill is still [0, 100] and the KV
+    # lands at 205; each of MD's tokens reaches the gateway 5 ms after MD sampled it.
     wan = {"bandwidth_mbps": 8.0, "delay_ms": 5.0, "jitter_ms": 0.0, "control_crosses": True}
     [run], _ = simulate(make_config(wan=wan), "pd-wan", [make_request(output=3)])
-    assert run.marks["prefill_end"] == pytest.approx(110.0)
-    assert run.token_times == pytest.approx([220.0, 230.0, 240.0])
+    assert run.marks["prefill_end"] == pytest.approx(100.0)
+    assert run.token_times == pytest.approx([210.0, 220.0, 230.0])
     # a push that opens its connection first (one round trip, 10 ms) lands 10 ms later
     [tls], _ = simulate(make_config(wan={**wan, "connect_rtts": 1}), "pd-wan", [make_request(output=1)])
-    assert tls.token_times == pytest.approx([230.0])
+    assert tls.token_times == pytest.approx([220.0])
+    # prefill's own first token (pdd) waits only for the plan, back once MD acked (2 x 5 ms)
+    short = dataclasses.replace(make_request(output=2), prompt_len=5)
+    [fast], _ = simulate(make_config(wan=wan), "pdd", [short])
+    assert fast.tokens_by_role["prefill"] == 1 and fast.token_times[0] == pytest.approx(10.0)
     # pd-local's decoder sits with the gateway: nothing crosses, nothing changes
     [local], _ = simulate(make_config(wan=wan), "pd-local", [make_request(output=2)])
     assert local.token_times == pytest.approx([100.0, 110.1])

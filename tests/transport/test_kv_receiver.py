@@ -62,7 +62,7 @@ class Rig:
         self.answer = ""  # the handler's verdict: "" commits, else the error the sender gets
         self.rx = KVReceiver(self.handler, stall_s, vet=self.vet, **kw)
 
-    def vet(self, t: Transfer) -> tuple[Verdict, str]:
+    async def vet(self, t: Transfer) -> tuple[Verdict, str]:
         self.vetted.append(t.request_id)
         if t.request_id not in self.expect:
             return Verdict.REFUSE, f"no decode task for {t.request_id!r} here"
