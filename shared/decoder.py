@@ -181,7 +181,11 @@ class DecoderService(InstanceService):
     async def vet(self, t: Transfer) -> tuple[Verdict, str]:
         """Before a byte of KV is read: is this the transfer the scheduler told us to expect? A push
         may overtake its task (both were sent at once): it waits for the task, as long as the
-        scheduler waits for this decoder's ack."""
+        scheduler waits for this decoder's ack. What needs no task is checked first: a header
+        that could fit no task here is refused at once, not held."""
+        kv, layout = t.head.kv, self.layout
+        if (kv.num_layers, kv.kv_heads, kv.head_dim) != (layout.num_layers, layout.kv_heads, layout.head_dim):
+            return Verdict.REFUSE, f"KV header of {t.request_id} does not fit this model's layout: {kv}"
         if t.request_id not in self.requests and t.request_id not in self.aborted:
             came = self._awaited.setdefault(t.request_id, asyncio.Event())
             try:

@@ -15,7 +15,8 @@ Lifecycle of a request here:
 5. A dropped or stalled push is retried (`kv_retries`). If main-decode's copy still cannot be
    delivered while the relay has its own, the relay is told to finish the request and
    main-decode to drop it: the user's stream goes on. Any other failure sends an error to the
-   gateway: the request fails clearly, never hangs. Abort drops the sequence and cancels its
+   gateway, which ends the request or moves it off the decoder it blames (its abort frees every
+   stage): the request fails clearly, never hangs. Abort drops the sequence and cancels its
    transfers.
 """
 
@@ -224,7 +225,8 @@ class Prefiller(InstanceService):
             drop = Drop(rid, reason="KV push failed", transfer_secret=md_secret)
             await self.bus.publish(subjects.decode_drop(task.plan.md), drop)
             return
-        await self._fail(rid, "; ".join(str(e) for _, e in failed), blame=failed[0][0].instance_id)
+        errors = "; ".join(str(e) for _, e in failed)
+        await self._fail(rid, errors, blame=failed[0][0].instance_id, dispatch_id=task.plan.dispatch_id)
 
     async def _send(
         self, target: KVTarget, rid: str, payload: KVPayload, first: FirstToken, early: EarlyConnection | None
@@ -278,12 +280,15 @@ class Prefiller(InstanceService):
         raise KVTransferError(f"KV push to {target.instance_id} failed: {error}")
 
     # -- 5. failure and abort -----------------------------------------------------------
-    async def _fail(self, rid: str, error: str, blame: str = "") -> None:
+    async def _fail(self, rid: str, error: str, blame: str = "", dispatch_id: str = "") -> None:
+        """Tell the gateway, stamped with the copy's dispatch: it ends the request, or moves it off
+        `blame`, and its abort frees every stage. Not a broadcast abort from here: this copy may be
+        one the scheduler is dropping and planning again under the same id (a decoder that took no
+        task fails the push at once), and an abort would end the new copy with it."""
         log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
-        dispatch_id = ""
         if (state := self.requests.pop(rid, None)) is not None:
             self._settle_early(state)
-            dispatch_id = state.task.plan.dispatch_id
+            dispatch_id = dispatch_id or state.task.plan.dispatch_id
         chunk = TokenChunk(
             rid,
             0,
@@ -296,7 +301,6 @@ class Prefiller(InstanceService):
             dispatch_id=dispatch_id,
         )
         await self.bus.publish(subjects.tokens(rid), chunk)
-        await self.bus.publish(subjects.ABORT, Abort(rid, reason=f"prefill failed: {error}"))
 
     async def on_drop(self, msg: Drop) -> None:
         """Let go of the copy the drop names (by a transfer secret), and refuse it if it comes

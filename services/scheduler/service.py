@@ -28,6 +28,7 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import signal
@@ -48,6 +49,7 @@ from shared.messages import (
     ClusterStatus,
     DecodeTask,
     Drop,
+    FinishOnRelay,
     Inspect,
     InstanceInfo,
     KVTarget,
@@ -57,6 +59,7 @@ from shared.messages import (
     WanSample,
 )
 from shared.model_info import model_name
+from shared.pipelines import Handoff, Pipeline, hands_off
 from shared.prefix_hash import block_hashes, namespace_of
 from shared.registry import Registry, connect
 from shared.security import Secrets
@@ -276,20 +279,21 @@ class Scheduler:
         self.backlog.add(sub.request_id, on_line, now)  # before any await, as the dispatches above
         self.wan_backlog.set(self.backlog.total(now))
         try:
-            await self._dispatch(sub, plan, prefill, decoders, targets)
+            return await self._dispatch(sub, plan, prefill, decoders, targets)
         except BaseException:  # nothing of it will cross (or, re-planned, the next plan counts it)
             self._settle(sub.request_id)
             raise
-        return plan
 
     async def _dispatch(
         self, sub: Submit, plan: Plan, prefill: InstanceInfo, decoders: list[InstanceInfo], targets: list[KVTarget]
-    ) -> None:
+    ) -> Plan:
         """Every stage's task at once: prefill starts while main-decode's task and ack cross the
         line, not after (a push that reaches a decoder before its task waits for it there). A
-        refusal or a silence is handled when it shows, as it would be one at a time: a busy stage
-        fails the plan (429, and the request's abort frees the others), an unreachable one has
-        this copy dropped everywhere and the request planned again."""
+        refusal or a silence is handled when it shows, with the outcomes it had one at a time: a
+        busy stage fails the plan (429, and the request's abort frees the others); an unreachable
+        one has this copy dropped everywhere and the request planned again, except main-decode
+        behind a relay that took its task: the relay finishes the request, as when main-decode's
+        KV cannot be delivered (prefill may be computing or pushing already)."""
         await self._record(plan)  # before any stage holds it: a holder of an unrecorded request drops it
         task = PrefillTask(
             sub.request_id,
@@ -305,13 +309,41 @@ class Scheduler:
                 self._expect_ack(subjects.prefill_task(prefill.id), task, prefill.id),
                 return_exceptions=True,
             )
-            if failed := [e for e in acks if isinstance(e, BaseException)]:
-                raise failed[0]
+            stages = [*decoders, prefill]
+            failed = {inst.id: e for inst, e in zip(stages, acks) if isinstance(e, BaseException)}
+            if failed.keys() == {plan.md} and isinstance(failed[plan.md], Unreachable) and hands_off(plan.pipeline):
+                md_target = next(t for t in targets if t.instance_id == plan.md)
+                return await self._relay_finishes(plan, md_target, failed[plan.md])
+            if failed:
+                raise next(iter(failed.values()))
+            return plan
         except BaseException as e:
             if isinstance(e, Unreachable):  # planned again: this copy's stages let go (not an abort, which sticks)
                 await self._drop_copy(sub.request_id, prefill, decoders, targets)
             await self._unrecord(plan.request_id)  # a re-plan records itself again; an error plan leaves nothing
             raise
+
+    async def _relay_finishes(self, plan: Plan, md_target: KVTarget, silence: Unreachable) -> Plan:
+        """The plan without main-decode: the relay is told to finish the request alone and
+        main-decode to drop its copy (should it wake), and the gateway gets a `p-rld` plan."""
+        rid, md = plan.request_id, plan.md
+        log.warning("%s: %s; the relay %s finishes %s", md, silence, plan.rld, rid)
+        self.unreachable[md] = time.time()
+        reason = f"{md} did not answer its task"
+        await self.bus.publish(subjects.finish_on_relay(plan.rld), FinishOnRelay(rid, reason=reason))
+        dropped = Drop(rid, reason=reason, transfer_secret=md_target.transfer_secret)
+        await self.bus.publish(subjects.decode_drop(md), dropped)
+        self._settle(rid)  # its KV will not cross
+        alone = dataclasses.replace(
+            plan,
+            pipeline=Pipeline.P_RLD,
+            handoff=Handoff.NONE,
+            md="",
+            md_cached_tokens=0,
+            reason=f"{plan.reason}; {reason}: the relay finishes it",
+        )
+        await self._record(alone)
+        return alone
 
     async def _drop_copy(
         self, rid: str, prefill: InstanceInfo, decoders: list[InstanceInfo], targets: list[KVTarget]

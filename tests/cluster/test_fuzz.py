@@ -21,6 +21,7 @@ import pytest
 from shared import subjects
 from shared.bus import Bus
 from shared.kv_transport import FirstToken, Frame, TransferHead, frame, packed
+from shared.messages import Abort
 from shared.runtime.kv_payload import KVHeader
 from tests.cluster.conftest import fresh_prompt, stream_completion
 
@@ -42,7 +43,7 @@ def _header(**kv) -> bytes:
 
 
 def _valid_header() -> bytes:
-    """A well-formed HEADER, but with a transfer secret the decoder never minted."""
+    """A well-formed HEADER, for a request the decoder has no task for (and a secret it never minted)."""
     kv = KVHeader(start=0, end=16, **LAYOUT)
     return packed(Frame.HEADER, TransferHead(request_id="fuzz", sender="prefill-0", secret="guess", kv=kv, wan=True))
 
@@ -76,6 +77,21 @@ def _refused_within(port: int, ctx: ssl.SSLContext, payload: bytes) -> float:
             except (ConnectionResetError, ssl.SSLError, OSError):
                 pass
             return time.perf_counter() - t0
+
+
+def _abort(cluster, request_id: str) -> None:
+    """A push may overtake its task (prefill is dispatched beside the decoders), so a header for
+    a request the decoder has no task for waits for the task up to `timeouts.control_s`
+    (tests/decoder/test_states.py); one for an aborted request is refused at once. The fuzzer's
+    request is aborted first: every case here is judged on its frames, not on that wait."""
+
+    async def run() -> None:
+        bus = await Bus.connect(cluster.nats_url("B"), "fuzzer", "operator", cluster.secrets)
+        await bus.publish(subjects.ABORT, Abort(request_id, reason="fuzzed"))
+        await bus.nc.flush()
+        await bus.close()
+
+    asyncio.run(run())
 
 
 def _garbage_on_every_subject(cluster) -> int:
@@ -113,6 +129,7 @@ def test_a_fuzzed_main_decode_refuses_everything_and_keeps_serving(cluster, oper
     body = {"max_tokens": 48, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
     prompts = [fresh_prompt(20, f"fuzzed{i}") for i in range(8)]
     times: dict[str, float] = {}
+    _abort(cluster, "fuzz")
 
     def fuzz(rounds: int) -> None:
         for _ in range(rounds):

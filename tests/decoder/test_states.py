@@ -422,7 +422,7 @@ async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):
         (lambda t: setattr(t.head, "secret", "guessed"), "wrong transfer secret"),
         (lambda t: _forge_kv(t, start=16), "differs from its task"),  # a range the plan did not send
         (lambda t: _forge_kv(t, end=999), "differs from its task"),
-        (lambda t: _forge_kv(t, num_layers=10**5), "differs from its task"),
+        (lambda t: _forge_kv(t, num_layers=10**5), "does not fit this model"),
         (lambda t: setattr(t.first, "token_id", 10**9), "not in the vocabulary"),
         (lambda t: setattr(t.first, "token_id", -1), "not in the vocabulary"),
     ],

@@ -7,6 +7,7 @@ abort removes the record, even one that lands while the plan is still being disp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -86,6 +87,26 @@ async def test_a_plan_around_an_unreachable_instance_is_recorded_once_without_it
     (drop,) = scheduler.bus.server.sent(subjects.prefill_drop("prefill-0"))
     assert drop.transfer_secret == first.targets[0].transfer_secret != second.targets[0].transfer_secret
     assert first.plan.dispatch_id != second.plan.dispatch_id == plan.dispatch_id
+
+
+async def test_main_decode_silent_behind_a_relay_that_took_its_task_leaves_the_relay_finishing(scheduler, registry):
+    """p-rld-md: prefill (dispatched beside main-decode) may already be pushing to the relay when
+    md-0 turns out silent. Planning again would meet a relay already running this copy; instead
+    the relay finishes the request, as when main-decode's KV cannot be delivered."""
+    await registry.heartbeat(instance("rld-0", "rld", "A"))
+    await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
+    await answer(scheduler, "rld-0", DecodeTask, Ack(""))  # md-0 has no responder
+    plan = await scheduler.on_submit(dataclasses.replace(submit("cmpl-12"), pipeline="p-rld-md"))
+    assert (plan.error, plan.pipeline, plan.rld, plan.md) == ("", "p-rld", "rld-0", "")
+    assert "md-0 did not answer" in plan.reason
+    (finish,) = scheduler.bus.server.sent(subjects.finish_on_relay("rld-0"))
+    (drop,) = scheduler.bus.server.sent(subjects.decode_drop("md-0"))
+    (prefill_task,) = scheduler.bus.server.sent(subjects.prefill_task("prefill-0"))  # not planned again
+    md_secret = next(t.transfer_secret for t in prefill_task.targets if t.instance_id == "md-0")
+    assert finish.request_id == drop.request_id == "cmpl-12" and drop.transfer_secret == md_secret
+    assert not scheduler.bus.server.sent(subjects.prefill_drop("prefill-0"))
+    assert (await registry.r.hgetall("pdd:request:cmpl-12"))["md"] == ""  # the record is the relay's alone
+    assert scheduler.backlog.total(time.monotonic()) == 0  # none of its KV will cross
 
 
 async def test_prefill_is_dispatched_without_waiting_for_the_decoders_acks(scheduler, registry):
