@@ -10,7 +10,8 @@ import asyncio
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from shared.messages import DecodeTask, RequestStats, TokenChunk
+from shared.kv_transport import FirstToken
+from shared.messages import DecodeTask, Logprob, RequestStats, TokenChunk
 from shared.runtime.kv_payload import KVPayload
 from shared.runtime.sequence import Sequence
 
@@ -38,6 +39,7 @@ class Replay:
 
     start: int = -1  # index of the first token sent (-1: none yet)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None  # theirs, when the request asked for them
     final: TokenChunk | None = None
 
     def record(self, chunk: TokenChunk) -> None:
@@ -46,6 +48,8 @@ class Replay:
                 self.start = chunk.index
             if chunk.index == self.start + len(self.token_ids):  # in order: one step's token after another
                 self.token_ids += chunk.token_ids
+                if chunk.logprobs is not None and len(self.logprobs or []) + len(chunk.logprobs) == len(self.token_ids):
+                    self.logprobs = (self.logprobs or []) + chunk.logprobs
         if chunk.finish_reason is not None or chunk.error:
             self.final = chunk
 
@@ -54,10 +58,12 @@ class Replay:
         base = self.start if self.start >= 0 else max(index, 0)
         first = max(index, base)
         end = self.final
+        aligned = self.logprobs is not None and len(self.logprobs) == len(self.token_ids)
         return TokenChunk(
             request_id,
             first,
             self.token_ids[first - base :],
+            logprobs=self.logprobs[first - base :] if aligned else None,
             role=role,
             instance_id=instance_id,
             finish_reason=end.finish_reason if end else None,
@@ -73,7 +79,7 @@ class DecodeRequest:
     accepted_at: float
     phase: Phase = Phase.PENDING
     stats: RequestStats = field(default_factory=RequestStats)
-    parked: tuple[Sequence, KVPayload, int] | None = None  # (sequence, KV, prefill's first token)
+    parked: tuple[Sequence, KVPayload, FirstToken] | None = None  # (sequence, KV, prefill's first token)
     error: str = ""
     tasks: set[asyncio.Task] = field(default_factory=set)  # cancelled when the request ends
     md_ready: bool = False  # relay: main-decode holds the KV (KVReady came)

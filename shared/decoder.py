@@ -235,7 +235,7 @@ class DecoderService(InstanceService):
         )
         seq.prompt_len = len(task.prompt_ids)
         seq.shadow = self.shadows(task)
-        req.parked, req.phase = (seq, KVPayload(header, layers), first), Phase.PARKED
+        req.parked, req.phase = (seq, KVPayload(header, layers), t.first), Phase.PARKED
         self.parked.append(req.id)
         await self._admit_parked()
         return req.error  # "" = committed: running, or parked until the pool has room
@@ -277,7 +277,7 @@ class DecoderService(InstanceService):
             await self.abort_engine(req.id)
             return
         if not seq.shadow:
-            self.emit(TokenOutput(req.id, first, 0, done))
+            self.emit(TokenOutput(req.id, first.token_id, 0, done, logprob=first.logprob))
         if req.id in self.requests:
             await self.on_admitted(req, done)
 
@@ -322,6 +322,7 @@ class DecoderService(InstanceService):
             instance_id=self.inst.id,
             finish_reason=out.finish_reason,
             error=out.error or "",
+            logprobs=None if out.logprob is None else [out.logprob],
         )
         if req is not None:
             self.on_emit(req, out)

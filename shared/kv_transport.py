@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from shared.messages import BadMessage, Message, RequestStats
+from shared.messages import BadMessage, Logprob, Message, RequestStats
 from shared.runtime.kv_payload import KVHeader
 from shared.security import peer_unit
 
@@ -77,6 +77,7 @@ class FirstToken(Message):
 
     token_id: int
     stats: RequestStats = field(default_factory=RequestStats)
+    logprob: Logprob | None = None  # the first token's, when the request asked for them
 
 
 @dataclass

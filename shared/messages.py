@@ -91,6 +91,7 @@ def _check(value: Any, tp: Any, where: str) -> Any:
 
 # -- requests -------------------------------------------------------------------------------
 MAX_TTFT_SLO_MS = 3_600_000.0  # a request's own TTFT SLO: at most an hour (NaN fails the range too)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass
@@ -110,6 +111,9 @@ class Sampling(Message):
     frequency_penalty: float = 0.0  # minus this times how often each token was generated
     repetition_penalty: float = 1.0  # vLLM's: logits of prompt and generated tokens divided (or multiplied) by it
     min_tokens: int = 0  # no EOS or stop token before this many tokens
+    # log-probabilities of each sampled token, with this many most likely alternatives (None:
+    # none wanted); from the model's raw logits, before penalties and temperature, as vLLM's
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +140,8 @@ class Sampling(Message):
             return "penalties or min_tokens out of range"
         if len(self.stop) > 16 or any(len(s) > 256 for s in self.stop):
             return "too many or too long stop strings"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            return f"logprobs {self.logprobs} not in [0, {MAX_TOP_LOGPROBS}]"
         return token_problem(self.stop_token_ids, vocab_size, "stop_token_ids", 1024)
 
 
@@ -293,6 +299,20 @@ class RequestStats(Message):
 
 
 @dataclass
+class Logprob(Message):
+    """A sampled token's log-probability and the most likely tokens at its position (the number a
+    request asked for, most likely first), from the raw logits of the role that sampled it."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.top_ids) != len(self.top_logprobs) or len(self.top_ids) > MAX_TOP_LOGPROBS:
+            raise ValueError(f"{len(self.top_ids)} top ids for {len(self.top_logprobs)} logprobs")
+
+
+@dataclass
 class TokenChunk(Message):
     """decoder -> gateway: generated tokens [index, index + len(token_ids)), or the end."""
 
@@ -306,6 +326,11 @@ class TokenChunk(Message):
     stats: RequestStats | None = None  # set on the final chunk
     blame: str = ""  # with an error: the instance it came from (the gateway moves the request off it)
     dispatch_id: str = ""  # prefill's chunks: the plan's dispatch they belong to (`Plan.dispatch_id`)
+    logprobs: list[Logprob] | None = None  # one per token id, when the request asked for them
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
 
 
 @dataclass

@@ -160,25 +160,29 @@ async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest)
             headers={**headers, "Cache-Control": "no-cache"},
         )
     try:
-        text, finish, pdd = await _until_done_or_gone(flow, request)
+        text, finish, pdd, tokens = await _until_done_or_gone(flow, request)
     except StreamError as e:
         flow.error = str(e)
         raise APIError(500, str(e), type="server_error", counted=True) from None
     finally:
         await gw.release(flow)
-    return JSONResponse(responses.whole(flow, gw.served_model, text, finish, gw.pdd_view(flow, pdd)), headers=headers)
+    logprobs = responses.LogprobsView(flow, gw.tokenizer).render(tokens)
+    body = responses.whole(flow, gw.served_model, text, finish, gw.pdd_view(flow, pdd), logprobs)
+    return JSONResponse(body, headers=headers)
 
 
-async def _until_done_or_gone(flow: RequestFlow, request: Request) -> tuple[str, str | None, dict]:
-    """The whole answer; if the waiting client goes away first, the flow is abandoned (and its
-    release aborts it in every stage), as a streaming one's would be."""
+async def _until_done_or_gone(flow: RequestFlow, request: Request) -> tuple[str, str | None, dict, responses.Tokens]:
+    """The whole answer (text, finish reason, `pdd`, its tokens with their logprobs); if the
+    waiting client goes away first, the flow is abandoned (and its release aborts it in every
+    stage), as a streaming one's would be."""
 
-    async def collect() -> tuple[str, str | None, dict]:
-        text, finish, pdd = "", None, {}
+    async def collect() -> tuple[str, str | None, dict, responses.Tokens]:
+        text, finish, pdd, tokens = "", None, {}, []
         async for delta in flow.deltas():
             text += delta.text
+            tokens += delta.logprobs
             finish, pdd = delta.finish_reason or finish, delta.pdd or pdd
-        return text, finish, pdd
+        return text, finish, pdd, tokens
 
     work = asyncio.create_task(collect())
     while not work.done():
@@ -195,10 +199,11 @@ def _stalled(flow: RequestFlow, deadline_s: float) -> None:
 
 
 async def _sse(gw: Gateway, flow: RequestFlow) -> AsyncIterator[bytes]:
-    first = True
+    first, logprobs = True, responses.LogprobsView(flow, gw.tokenizer)
     try:
         async for delta in flow.deltas():
-            chunk = responses.chunk(flow, gw.served_model, delta.text, delta.finish_reason, first)
+            lp = logprobs.render(delta.logprobs)
+            chunk = responses.chunk(flow, gw.served_model, delta.text, delta.finish_reason, first, lp)
             first = False
             if delta.pdd is not None and (pdd := gw.pdd_view(flow, delta.pdd)) is not None:
                 chunk["pdd"] = pdd

@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.gateway.auth import Key
@@ -42,7 +42,7 @@ from services.gateway.pdd_object import FlowStats, build_pdd
 from services.gateway.reassembly import TokenReassembler
 from shared import subjects
 from shared.bus import BusTimeout
-from shared.messages import Abort, Plan, Resend, Resent, Sampling, Submit, TokenChunk
+from shared.messages import Abort, Logprob, Plan, Resend, Resent, Sampling, Submit, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class Delta:
     text: str
     finish_reason: str | None = None
     pdd: dict[str, Any] | None = None
+    # the tokens this delta's text came from, each with its logprobs (requests that asked for them)
+    logprobs: list[tuple[int, Logprob | None]] = field(default_factory=list)
 
 
 class RequestFlow:
@@ -78,6 +80,7 @@ class RequestFlow:
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub = None
         self._reassembler = TokenReassembler()
+        self._logprobs: dict[int, Logprob] = {}  # client index -> its token's logprobs, until it is returned
         self._gap: GapWatch | None = None  # when a chunk is presumed lost (set as the stream starts)
         self._checked_at = 0.0  # when the holders' heartbeats were last checked
         self._asks: set[asyncio.Task] = set()
@@ -138,6 +141,7 @@ class RequestFlow:
         stops = StopChecker(list(self.parsed.sampling.stop))
         end: int | None = None  # client index just past the final token, once known
         final_reason = None
+        told: list[tuple[int, Logprob | None]] = []  # tokens whose logprobs go with the next delta
         while end is None or reassembler.next_index < end:
             chunk = await self._next_chunk()
             self._recover_gap()
@@ -153,7 +157,11 @@ class RequestFlow:
             self._count(chunk)
             if chunk.finish_reason is not None:
                 end, final_reason = self.offset + chunk.index + len(chunk.token_ids), chunk.finish_reason
+            at = reassembler.next_index
+            self._keep_logprobs(chunk)
             new = reassembler.add(self.offset + chunk.index, chunk.token_ids)
+            if self.parsed.sampling.logprobs is not None:
+                told += [(t, self._logprobs.pop(at + i, None)) for i, t in enumerate(new)]
             if new:
                 self._gap.advanced(time.perf_counter())
                 self.generated += new
@@ -163,14 +171,25 @@ class RequestFlow:
                 text, hit = stops.add(piece) if armed else (piece, False)
                 if hit:  # the decoders may still be running: close() aborts them
                     self.finish_reason = "stop"
-                    yield Delta(text, "stop", self._pdd())
+                    yield Delta(text, "stop", self._pdd(), told)
                     return
                 if text:
-                    yield Delta(text)
+                    yield Delta(text, logprobs=told)
+                    told = []
         text, hit = stops.add(detok.flush())
         self.finished = True
         self.finish_reason = "stop" if hit else final_reason
-        yield Delta(text + stops.flush(), self.finish_reason, self._pdd())
+        yield Delta(text + stops.flush(), self.finish_reason, self._pdd(), told)
+
+    def _keep_logprobs(self, chunk: TokenChunk) -> None:
+        """A chunk's logprobs, by client index, for the positions not returned yet (the first copy
+        of a position wins, as its token does), within the request's budget."""
+        if chunk.logprobs is None or self.parsed.sampling.logprobs is None:
+            return
+        start, limit = self.offset + chunk.index, self.parsed.sampling.max_tokens  # client indices
+        for pos, lp in enumerate(chunk.logprobs, start):
+            if self._reassembler.next_index <= pos < limit:
+                self._logprobs.setdefault(pos, lp)
 
     @property
     def outcome(self) -> str:
@@ -240,6 +259,7 @@ class RequestFlow:
         await self.gw.forget_request(self.attempt_id)
         sampling = replace(self.parsed.sampling, max_tokens=self.parsed.sampling.max_tokens - len(self.generated))
         self.offset = len(self.generated)
+        self._logprobs.clear()  # the next attempt samples the positions not yet returned anew
         self.stats.last_progress = time.perf_counter()
         deadline, wait_s = time.perf_counter() + self.gw.cfg.timeouts.request_s, 0.1
         pipeline = self.parsed.pipeline  # a forced plan is kept while it can be served at all

@@ -9,9 +9,11 @@ Conventions, chosen to match the OpenAI API itself:
   included (OpenAI answers 400 there, not FastAPI's 422); unknown model 404; body too big 413.
 - `null` for an optional field means "use the default".
 - a parameter that would change the output is honoured (penalties, stop_token_ids,
-  min_tokens...) or refused with 400 naming it (n > 1, best_of > 1, logprobs, top_logprobs,
-  echo, suffix, logit_bias, tools / tool_choice other than none, response_format other than
-  text); only parameters that change nothing of the output (user, metadata, ...) are ignored.
+  min_tokens, logprobs...) or refused with 400 naming it (n > 1, best_of > 1, echo, suffix,
+  logit_bias, tools / tool_choice other than none, response_format other than text); only
+  parameters that change nothing of the output (user, metadata, ...) are ignored.
+- logprobs as each endpoint has them: chat `logprobs: true` with `top_logprobs` 0-20,
+  completions `logprobs` 0-5 (the number of alternatives).
 - an explicit max_tokens that does not fit the context is 400; the default is clipped to fit.
 """
 
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.messages import MAX_TTFT_SLO_MS, Sampling
+from shared.messages import MAX_TOP_LOGPROBS, MAX_TTFT_SLO_MS, Sampling
 from shared.model_info import WIRE_FORMATS
 from shared.pipelines import HANDOFFS, PIPELINES, Pipeline, hands_off
 
@@ -33,6 +35,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; a client wanting greedy output sends 0
 MAX_STOP_STRINGS = 4
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions' `logprobs`
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Json = dict[str, Any]
@@ -192,6 +195,7 @@ def _common(obj: Json, kind: str, served_model: str) -> ParsedRequest:
         repetition_penalty=_number(obj, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
         min_tokens=_int(obj, "min_tokens", 0, lambda v: v >= 0, ">= 0"),
         stop_token_ids=_stop_token_ids(obj.get("stop_token_ids")),
+        logprobs=_logprobs(obj, kind),
     )
     return ParsedRequest(
         kind=kind,
@@ -220,7 +224,7 @@ def _reject_unsupported(obj: Json) -> None:
         value = _int(obj, key, 1)
         if value != 1:
             raise invalid(f"'{key}' = {value} is not supported; only 1", key, "unsupported_parameter")
-    for key in ("logprobs", "top_logprobs", "echo", "logit_bias", "functions"):
+    for key in ("echo", "logit_bias", "functions"):
         value = obj.get(key)
         if not (value is None or value is False or value == {} or value == []):
             raise invalid(f"'{key}' is not supported", key, "unsupported_parameter")
@@ -235,6 +239,21 @@ def _reject_unsupported(obj: Json) -> None:
     fmt = obj.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise invalid("'response_format' other than text is not supported", "response_format", "unsupported_parameter")
+
+
+def _logprobs(obj: Json, kind: str) -> int | None:
+    """How many alternatives to return with each token's log-probability (None: no logprobs)."""
+    if kind == "completion":
+        if "top_logprobs" in obj and obj["top_logprobs"] is not None:
+            raise invalid("'top_logprobs' is a chat parameter; completions take 'logprobs': N", "top_logprobs")
+        rule = f"in [0, {MAX_COMPLETION_LOGPROBS}]"
+        return _int(obj, "logprobs", None, lambda v: 0 <= v <= MAX_COMPLETION_LOGPROBS, rule)
+    top = _int(obj, "top_logprobs", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+    if not _bool(obj, "logprobs"):
+        if top is not None:
+            raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _include_usage(options: Any) -> bool:

@@ -1,5 +1,5 @@
 """The OpenAI response shapes the gateway sends: streamed chunks, the usage chunk, whole
-responses, and the `pdd` object as each key may see it."""
+responses, their logprobs, and the `pdd` object as each key may see it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 from services.gateway.auth import Key
+from shared.messages import Logprob
 
 Json = dict[str, Any]
+Tokens = list[tuple[int, Logprob | None]]  # tokens with their logprobs (services/gateway/flow.py `Delta`)
 HIDDEN_FROM_USERS = ("instances", "plan_estimates", "prefix_hit_tokens", "md_cached_tokens", "recomputed_tokens")
 
 
@@ -16,7 +18,7 @@ def event(obj: Json) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def chunk(flow, model: str, text: str, finish: str | None, first: bool) -> Json:
+def chunk(flow, model: str, text: str, finish: str | None, first: bool, logprobs: Json | None = None) -> Json:
     """One streamed chunk; `id` and `created` are the request's, the same in every chunk."""
     base = {"id": flow.request_id, "created": flow.created, "model": model}
     if flow.parsed.kind == "chat":
@@ -24,13 +26,54 @@ def chunk(flow, model: str, text: str, finish: str | None, first: bool) -> Json:
         return {
             **base,
             "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
     return {
         **base,
         "object": "text_completion",
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
+
+
+class LogprobsView:
+    """A request's logprobs in its endpoint's shape, delta by delta: chat's `content` entries
+    (token, logprob, bytes, top_logprobs), completions' parallel lists (tokens, token_logprobs,
+    top_logprobs, text_offset, counted over the token strings so far). None for a request that
+    did not ask for them."""
+
+    def __init__(self, flow, tokenizer) -> None:
+        self.chat = flow.parsed.kind == "chat"
+        self.wanted = flow.parsed.sampling.logprobs is not None
+        self.tokenizer = tokenizer
+        self.text_offset = 0
+
+    def render(self, tokens: Tokens) -> Json | None:
+        if not self.wanted:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in tokens], "refusal": None}
+        out: Json = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp in tokens:
+            text = self._text(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob if lp else None)
+            top = zip(lp.top_ids, lp.top_logprobs) if lp else ()
+            out["top_logprobs"].append({self._text(i): v for i, v in top})
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(text)
+        return out
+
+    def _chat_entry(self, token_id: int, lp: Logprob | None) -> Json:
+        top = zip(lp.top_ids, lp.top_logprobs) if lp else ()
+        entry = self._token(token_id, lp.logprob if lp else None)
+        return {**entry, "top_logprobs": [self._token(i, v) for i, v in top]}
+
+    def _token(self, token_id: int, logprob: float | None) -> Json:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def usage_chunk(flow, model: str) -> Json:
@@ -51,7 +94,7 @@ def usage(flow) -> Json:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def whole(flow, model: str, text: str, finish: str | None, pdd: Json | None) -> Json:
+def whole(flow, model: str, text: str, finish: str | None, pdd: Json | None, logprobs: Json | None = None) -> Json:
     base = {"id": flow.request_id, "created": flow.created, "model": model, "usage": usage(flow)}
     if pdd is not None:
         base["pdd"] = pdd
@@ -60,12 +103,12 @@ def whole(flow, model: str, text: str, finish: str | None, pdd: Json | None) -> 
         return {
             **base,
             "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         }
     return {
         **base,
         "object": "text_completion",
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
 
 

@@ -174,21 +174,27 @@ class Prefiller(InstanceService):
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
                 continue
             if self.cfg.first_token == "prefill":  # published before the push task even starts
-                self._spawn_for(state, self._stream_first(state, out.token_id))
-            self._spawn_for(state, self._push(state, out.token_id))
+                self._spawn_for(state, self._stream_first(state, out))
+            self._spawn_for(state, self._push(state, out))
 
-    async def _stream_first(self, state: PrefillState, token_id: int) -> None:
+    async def _stream_first(self, state: PrefillState, out: TokenOutput) -> None:
         """The first token to the gateway at once, through this site's NATS only: the user's TTFT
         is the prefill's, never the line's. The decoders get it with the KV and send it again as
         index 0 (with the finish, when it ends the request); the gateway keeps one copy, and only
         from the plan's dispatch (a dropped copy's first token may differ, when sampled)."""
         rid = state.task.request_id
         chunk = TokenChunk(
-            rid, 0, [token_id], role=self.role, instance_id=self.inst.id, dispatch_id=state.task.plan.dispatch_id
+            rid,
+            0,
+            [out.token_id],
+            role=self.role,
+            instance_id=self.inst.id,
+            dispatch_id=state.task.plan.dispatch_id,
+            logprobs=None if out.logprob is None else [out.logprob],
         )
         await self.bus.publish(subjects.tokens(rid), chunk)
 
-    async def _push(self, state: PrefillState, first_token: int) -> None:
+    async def _push(self, state: PrefillState, out: TokenOutput) -> None:
         task = state.task
         rid = task.request_id
         prefill_ms = (time.monotonic() - state.accepted_at) * 1000
@@ -196,7 +202,8 @@ class Prefiller(InstanceService):
             payloads, hit = await self.worker.call(lambda e: e.export_and_release(rid, [t.start for t in task.targets]))
         except NotHeld:
             return  # aborted between the first token and the export: nothing is held
-        first = FirstToken(first_token, RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit))
+        stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit)
+        first = FirstToken(out.token_id, stats, logprob=out.logprob)
         sends = [
             self._spawn_for(state, self._send(t, rid, p, first, state.early.get(t.instance_id)))
             for t, p in zip(task.targets, payloads)

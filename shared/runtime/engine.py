@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import IndexEvent
+from shared.messages import IndexEvent, Logprob
 from shared.runtime.kv_exchange import KVExchange
 from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
-from shared.runtime.sampling import sample_batch
+from shared.runtime.sampling import sample_batch, token_logprobs
 from shared.runtime.sequence import FinishReason, SeqStatus, Sequence
 from shared.runtime.stops import StopRules
 
@@ -50,6 +50,7 @@ class TokenOutput:
     finish_reason: str | None = None
     error: str | None = None
     caught_up: bool = False  # a shadow sequence computed every token it knows (no token sampled)
+    logprob: Logprob | None = None  # the token's, when its request asked for them
 
 
 @dataclass(frozen=True)
@@ -218,8 +219,10 @@ class Engine(KVExchange):
                 outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, caught_up=True))
         steps = [s.num_generated for s in result.sampled]
         histories = [self.stops.history(s) if s.params.penalised else None for s in result.sampled]
-        tokens = sample_batch(result.logits, [s.params for s in result.sampled], steps, histories)
-        outputs += [self._append(seq, token) for seq, token in zip(result.sampled, tokens)]
+        params = [s.params for s in result.sampled]
+        tokens = sample_batch(result.logits, params, steps, histories)
+        logprobs = token_logprobs(result.logits, params, tokens)
+        outputs += [self._append(s, token, lp) for s, token, lp in zip(result.sampled, tokens, logprobs)]
         return outputs
 
     def _admit(self) -> list[TokenOutput]:
@@ -275,7 +278,7 @@ class Engine(KVExchange):
                 budget -= n
         return decodes + chunks
 
-    def _append(self, seq: Sequence, token: int) -> TokenOutput:
+    def _append(self, seq: Sequence, token: int, logprob: Logprob | None = None) -> TokenOutput:
         index = seq.num_generated
         seq.token_ids.append(token)
         seq.sampled_here += 1
@@ -283,7 +286,7 @@ class Engine(KVExchange):
         if reason is not None:
             self.running.pop(seq.seq_id, None)
             self._finish(seq, reason, hold=seq.hold_kv)
-        return TokenOutput(seq.seq_id, token, index, reason)
+        return TokenOutput(seq.seq_id, token, index, reason, logprob=logprob)
 
     def _fail(self, seq: Sequence, error: str) -> TokenOutput:
         self._finish(seq, FinishReason.ERROR, hold=False)

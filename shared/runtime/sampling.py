@@ -6,6 +6,10 @@ over prompt and generated tokens, and `min_tokens` banning end-of-sequence and s
 until that many are out. They depend only on the token ids, so main-decode, handed a request's
 ids by the relay, penalises exactly as the relay would have.
 
+Log-probabilities (`token_logprobs`, for requests that ask) come from the raw logits, before
+penalties and temperature (vLLM's default), one row at a time in float32: a token's figures
+depend on its own row alone, so they are the same whichever role sampled it, alone or batched.
+
 A seeded request draws its randomness from a generator seeded by `(seed, step)`, where step
 is the number of tokens generated before this one. The draw is a pure function of the logits,
 the seed and the step, so an instance that picks a request up mid-way (relay-decode hands it to
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import Sampling
+from shared.messages import Logprob, Sampling
 
 _STEP_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive steps apart
 _MASK63 = (1 << 63) - 1
@@ -78,6 +82,26 @@ def sample_batch(
         probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
         for j, i in enumerate(rows):
             out[i] = int(torch.multinomial(probs[j], 1, generator=_generator(params[i], steps[i])))
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, params: list[Sampling], tokens: list[int]) -> list[Logprob | None]:
+    """Each row's sampled token's log-probability and its `params.logprobs` most likely tokens
+    (None for rows that asked for none)."""
+    out: list[Logprob | None] = []
+    for i, (p, token) in enumerate(zip(params, tokens)):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        row = torch.log_softmax(logits[i].float(), dim=-1)
+        top = torch.topk(row, p.logprobs) if p.logprobs else None
+        out.append(
+            Logprob(
+                float(row[token]),
+                top.indices.tolist() if top is not None else [],
+                top.values.tolist() if top is not None else [],
+            )
+        )
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import httpx
 import pytest
 
 from tests.cluster.conftest import KEYS, fresh_prompt, stream_completion
@@ -110,3 +111,24 @@ def test_narrower_kv_on_the_wan_lands_and_serves(keyed, wire):
     ratio = narrow["wan_kv_bytes"] / native["wan_kv_bytes"]
     assert ratio < {"bf16": 0.55, "int8": 0.3}[wire], ratio  # 0.50x and 0.27x of float32, plus framing
     assert text and sum(narrow["tokens_by_role"].values()) == 6
+
+
+def test_logprobs_on_the_shipped_fleet_are_the_same_on_every_plan(keyed):
+    """Prefill's first token has float32 figures, the relay's and main-decode's bfloat16 ones:
+    whichever decoder sampled a token, a bfloat16 row's logits are its own (batch-invariant
+    kernels), so the figures are the same bits on every plan here too."""
+    prompt = fresh_prompt(24, "mixed-logprobs-")
+    seen = {}
+    for pipeline, handoff in PLANS:
+        pdd = {"pipeline": pipeline, **({"handoff": handoff} if handoff else {})}
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 2, "pdd": pdd}
+        r = httpx.post(keyed.url + "/v1/completions", json=body, headers=ADMIN, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert len(choice["logprobs"]["token_logprobs"]) == 24
+        seen[(pipeline, handoff)] = (
+            choice["text"],
+            choice["logprobs"]["token_logprobs"],
+            choice["logprobs"]["top_logprobs"],
+        )
+    assert len(set(map(repr, seen.values()))) == 1, seen

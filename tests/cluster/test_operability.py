@@ -57,7 +57,7 @@ def test_sdk_models_and_unsupported_parameters(client, model_id):
     for kwargs, param in (
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ):

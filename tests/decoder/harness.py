@@ -20,7 +20,7 @@ from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
 from shared.kv_transport import FirstToken, Transfer, TransferHead, Verdict
-from shared.messages import Ack, DecodeTask, Plan, RequestStats, Sampling, TokenChunk
+from shared.messages import Ack, DecodeTask, Logprob, Plan, RequestStats, Sampling, TokenChunk
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import export_kv, layer_to_bytes
 from shared.runtime.kv_pool import KVPool
@@ -127,7 +127,7 @@ class DecoderPair:
         e.add(seq)
         first = None
         while first is None:
-            first = next((o.token_id for o in e.step() if o.seq_id == rid), None)
+            first = next((o for o in e.step() if o.seq_id == rid), None)
         payload = export_kv(e.pool, e.held[rid].block_table, start, len(prompt))
         e.release(rid)
         layers = [layer_to_bytes(k, v, wire) for k, v in payload.layers]
@@ -138,7 +138,7 @@ class DecoderPair:
             kv=dataclasses.replace(payload.header, wire=wire),
             wan=via_wan,
         )
-        first_token = FirstToken(first, RequestStats(prefill_ms=1.0))
+        first_token = FirstToken(first.token_id, RequestStats(prefill_ms=1.0), logprob=first.logprob)
         return Transfer(head, layers=layers, first=first_token, wire_bytes=sum(map(len, layers)))
 
     async def land(self, role: str, rid: str, prompt: list[int], transfer: Transfer | None = None) -> str:
@@ -167,6 +167,14 @@ class DecoderPair:
 
     def finished(self, rid: str) -> bool:
         return any(c.finish_reason is not None for c in self.chunks.get(rid, ()))
+
+    def logprobs(self, rid: str) -> dict[int, Logprob]:
+        """index -> the logprobs its first copy carried (requests that asked for them)."""
+        out: dict[int, Logprob] = {}
+        for c in self.chunks[rid]:
+            for i, lp in enumerate(c.logprobs or ()):
+                out.setdefault(c.index + i, lp)
+        return out
 
     def tokens(self, rid: str) -> dict[int, tuple[int, str]]:
         """index -> (token, role that sent it); a repeated index must carry the same token."""

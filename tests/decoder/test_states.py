@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from shared import subjects
 from shared.decode_state import Phase
@@ -401,6 +402,34 @@ async def test_an_abort_ends_a_pushs_wait_for_its_task_at_once(pair, prompt):
     await pair.settle()  # no time passes: only the abort's handler runs
     assert landing.done() and "no decode task" in landing.result()
     assert not pair.md._awaited and idle(pair.engines["md"])
+
+
+@pytest.mark.parametrize("handoff", ["oneshot", "catchup"])
+async def test_logprobs_are_the_same_whichever_role_sampled_the_token(pair, prompt, tiny_ref, handoff):
+    """Prefill samples token 0, the relay the next ones, main-decode the rest after the handoff:
+    each token's logprobs come from the role that sampled it, and equal, to the last bit, those of
+    the same request decoded on main-decode alone, and the model's own log-softmax."""
+    await pair.dispatch("alone", prompt, N, Pipeline.P_MD, logprobs=3)
+    assert await pair.land("md", "alone", prompt) == ""
+    await pair.drive(lambda: pair.finished("alone"))
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, handoff, logprobs=3)
+    assert await pair.land("rld", "r1", prompt) == ""
+    await pair.drive(lambda: len(pair.tokens("r1")) >= 10, roles=("rld",))
+    assert await pair.land("md", "r1", prompt) == ""
+    await pair.drive(lambda: pair.finished("r1"))
+    by_role = {role for _, role in pair.tokens("r1").values()}
+    assert by_role == {"rld", "md"}, "the relay and main-decode each sampled some"
+    alone, relayed = pair.logprobs("alone"), pair.logprobs("r1")
+    assert sorted(alone) == sorted(relayed) == list(range(N))
+    assert relayed == alone  # every field, exactly
+    tokens = [t for t, _ in pair.tokens("r1").values()]
+    with torch.no_grad():
+        logits = tiny_ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, t in enumerate(tokens):
+        assert relayed[i].logprob == pytest.approx(float(ref[i, t]), abs=1e-4)
+        assert relayed[i].top_ids == ref[i].topk(3).indices.tolist() and len(relayed[i].top_logprobs) == 3
+    pair.assert_gone("r1")
 
 
 async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):

@@ -268,9 +268,11 @@ def test_body_size():
         ("n", 0),
         ("n", "1"),
         ("best_of", 3),
-        ("logprobs", 5),
-        ("logprobs", 0),
+        ("logprobs", 6),
+        ("logprobs", -1),
         ("logprobs", True),
+        ("logprobs", 1.5),
+        ("top_logprobs", 2),
         ("echo", True),
         ("suffix", "tail"),
         ("pdd", "p-md"),
@@ -462,5 +464,31 @@ def test_template_failure_is_400():
 def test_chat_validates_shared_fields_too():
     e = error_of(chat, {"messages": [{"role": "user", "content": "hi"}], "model": "other"})
     assert e.status == 404
-    e = error_of(chat, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    e = error_of(chat, {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"})
     assert e.param == "logprobs"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as OpenAI refuses it
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": 3}, "logprobs"),  # chat's is a boolean
+    ],
+)
+def test_chat_logprobs_fields_are_checked(fields, param):
+    e = error_of(chat, {"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert (e.status, e.param) == (400, param), e.message
+
+
+def test_logprobs_reach_the_sampling_parameters():
+    """The number of alternatives travels in `Sampling.logprobs` to every role (None: none)."""
+    hi = [{"role": "user", "content": "hi"}]
+    assert chat({"messages": hi}).sampling.logprobs is None
+    assert chat({"messages": hi, "logprobs": True}).sampling.logprobs == 0
+    assert chat({"messages": hi, "logprobs": True, "top_logprobs": 5}).sampling.logprobs == 5
+    assert chat({"messages": hi, "logprobs": False, "top_logprobs": None}).sampling.logprobs is None
+    assert completion({"prompt": "x"}).sampling.logprobs is None
+    assert completion({"prompt": "x", "logprobs": 0}).sampling.logprobs == 0
+    assert completion({"prompt": "x", "logprobs": 5}).sampling.logprobs == 5

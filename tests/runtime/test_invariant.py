@@ -9,6 +9,7 @@ those in a batch of 16, on the runtime's default CPU path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from shared.runtime.kv_pool import KVPool
 from shared.runtime.models import kv_layout, load_model, tiny_llama
 from shared.runtime.runner import ModelRunner
 from shared.runtime.sequence import Sequence
-from tests.helpers import greedy, make_engine, random_prompts, run_to_completion, seq
+from tests.helpers import greedy, make_engine, random_prompts
 
 DTYPES = [torch.float32, torch.bfloat16]
 H, KVH, D, BLOCK = 9, 3, 64, 16  # SmolLM2's attention
@@ -158,18 +159,29 @@ def test_an_extend_writes_the_kv_that_decoding_wrote_and_ends_on_the_same_logits
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_tokens_alone_equal_those_in_a_batch_of_16(smol_dir, dtype):
+    """The tokens and their logprobs (the sampled token's and the top 5), to the last bit."""
     model = load_model(smol_dir, dtype=dtype)
     prompts = random_prompts(model.config.vocab_size, [5 + 9 * i for i in range(16)], seed=4)
+    params = dataclasses.replace(greedy(8), logprobs=5)
+
+    def run(engine) -> dict[str, list]:
+        outs: dict[str, list] = {}
+        while engine.has_work:
+            for o in engine.step():
+                outs.setdefault(o.seq_id, []).append((o.token_id, o.logprob))
+        return outs
+
     alone = {}
     for i in (0, 7, 15):
         engine = make_engine(model, 64, BLOCK, dtype)
-        engine.add(seq(str(i), prompts[i], 8))
-        alone.update(run_to_completion(engine))
+        engine.add(Sequence(str(i), list(prompts[i]), params))
+        alone.update(run(engine))
     engine = make_engine(model, 256, BLOCK, dtype)
     for i, p in enumerate(prompts):
-        engine.add(seq(str(i), p, 8))
-    together = run_to_completion(engine)
+        engine.add(Sequence(str(i), list(p), params))
+    together = run(engine)
     assert {i: together[i] for i in alone} == alone
+    assert all(lp is not None and len(lp.top_ids) == 5 for out in alone.values() for _, lp in out)
 
 
 def test_a_model_the_kernels_do_not_take_runs_the_old_path_and_says_why(caplog):
