@@ -125,15 +125,49 @@ def _pdd_sum(records: list[Record], group: str, key: str) -> int:
     return sum(int((r.get("pdd") or {}).get(group, {}).get(key, 0)) for r in records)
 
 
-def _latency_summary(lats: list[RequestLatency]) -> dict[str, dict[str, float]]:
-    return {
-        "ttft_ms": latency_stats([x.ttft_ms for x in lats]),
-        "ttst_ms": latency_stats([x.ttst_ms for x in lats if x.ttst_ms is not None]),
-        "itl_ms": latency_stats([g for x in lats for g in x.gaps_ms]),
-        "tpot_ms": latency_stats([x.tpot_ms for x in lats if x.tpot_ms is not None]),
-        "e2e_ms": latency_stats([x.e2e_ms for x in lats]),
-        "max_gap_ms": latency_stats([max(x.gaps_ms) for x in lats if x.gaps_ms]),
+def _latency_summary(lats: list[RequestLatency], fields: tuple[str, ...] = LATENCY_FIELDS) -> dict[str, dict]:
+    values = {
+        "ttft_ms": lambda: [x.ttft_ms for x in lats],
+        "ttst_ms": lambda: [x.ttst_ms for x in lats if x.ttst_ms is not None],
+        "itl_ms": lambda: [g for x in lats for g in x.gaps_ms],
+        "tpot_ms": lambda: [x.tpot_ms for x in lats if x.tpot_ms is not None],
+        "e2e_ms": lambda: [x.e2e_ms for x in lats],
+        "max_gap_ms": lambda: [max(x.gaps_ms) for x in lats if x.gaps_ms],
     }
+    return {key: latency_stats(values[key]()) for key in fields}
+
+
+PIPELINE_FIELDS = ("ttft_ms", "ttst_ms", "e2e_ms", "max_gap_ms")
+
+
+def by_pipeline(done: list[Record]) -> dict[str, dict[str, Any]]:
+    """Completed requests grouped by the pipeline their `pdd` object names ("" when none): each
+    group's count and TTFT, time to second token, E2E (time to the last token) and largest gap.
+    An agent waits for the whole answer, so E2E matters as much as TTFT; the median request is
+    a later, cached turn on one pipeline, the tail a cold one on another."""
+    groups: dict[str, list[RequestLatency]] = {}
+    for r in done:
+        if (lat := request_latencies(r)) is not None:
+            groups.setdefault(str((r.get("pdd") or {}).get("pipeline", "")), []).append(lat)
+    return {
+        name: {"count": len(lats), **_latency_summary(lats, PIPELINE_FIELDS)} for name, lats in sorted(groups.items())
+    }
+
+
+def handoff_gap_ratios(done: list[Record]) -> list[float]:
+    """For each handed-off request (its relay and main-decode both sent tokens), the largest
+    gap at the handoff (the gateway's `handoff_gap_ms`) over the request's own median
+    inter-token gap: 1.0 is a handoff no one could see in the stream."""
+    out = []
+    for r in done:
+        pdd, lat = r.get("pdd") or {}, request_latencies(r)
+        roles = pdd.get("tokens_by_role") or {}
+        if lat is None or not lat.gaps_ms or not (roles.get("rld") and roles.get("md")):
+            continue
+        median = sorted(lat.gaps_ms)[len(lat.gaps_ms) // 2]
+        if median > 0:
+            out.append(float(pdd.get("handoff_gap_ms", 0.0)) / median)
+    return out
 
 
 def _pdd_figures(done: list[Record], prompt: int, known: bool) -> dict[str, Any]:
@@ -159,7 +193,9 @@ def summarize_mode(
     cost = duration_h * cost_rate_per_hour (chips plus the WAN line, see `cost_rate_per_hour`).
     bcr = goodput_rps / cost_rate_per_hour: SLA-good requests per second per unit of hourly
     hardware cost (0.0 when the rate is 0). Durations come from `mode_duration_s`.
-    wan_kv_bytes, tokens_by_role and hit_rate are None when requests completed and none carried a
+    by_pipeline: `by_pipeline`; handoff_gap_ratio: stats of `handoff_gap_ratios` (zeros when no
+    request was handed off).
+    wan_kv_bytes, tokens_by_role, hit_rate and by_pipeline are None when requests completed and none carried a
     `pdd` object; cost and bcr are None for a mode absent from settings.instances (a server we
     did not start). request_goodput counts against settings.goodput (vLLM's `--goodput`).
     busy: {instance id: {"role", "dc", "busy_s", "wall_s", "busy_fraction"}} or None.
@@ -192,6 +228,8 @@ def summarize_mode(
         "goodput_rps": goodput,
         "output_tok_s": _ratio(sum(int(r.get("output_tokens", 0)) for r in done), duration),
         **pdd,
+        "by_pipeline": by_pipeline(done) if pdd_known else None,
+        "handoff_gap_ratio": latency_stats(handoff_gap_ratios(done)),
         "line_bytes": line,
         "cost": duration / 3600 * rate if fleet_known else None,
         "bcr": _ratio(goodput, rate) if fleet_known else None,

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from benchmarks.plots import timeline_segments
-from benchmarks.report import check_targets, write_report
+from benchmarks.report import check_targets, render_markdown, write_report
 from benchmarks.summary import (
     HIT_BUCKETS,
     build_results,
     cost_rate_per_hour,
+    handoff_gap_ratios,
     hit_buckets,
     latency_stats,
     outputs_match,
@@ -38,6 +39,8 @@ MODE_KEYS = {
     "bcr",
     "busy",
     "line_bytes",
+    "by_pipeline",
+    "handoff_gap_ratio",
     *VLLM_KEYS,
 }
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -212,7 +215,7 @@ def three_mode_records() -> list[dict[str, Any]]:
                 f"q{i}",
                 "pdd",
                 i,
-                [i + 0.2, i + 0.25, i + 0.3],
+                [i + 0.185, i + 0.25, i + 0.3],
                 3,
                 prompt=1000,
                 hit_md=hit,
@@ -248,6 +251,8 @@ def test_targets_pass_and_miss() -> None:
     assert targets["TTFT P90 pdd / pd-wan"]["result"] == "PASS"
     assert targets["WAN KV bytes pdd / pd-wan"]["measured"] == pytest.approx(0.1)
     assert targets["TTFT P50 pdd / pd-local"]["result"] == "PASS"
+    assert targets["time to second token P50 pdd / pd-local"]["measured"] == pytest.approx(0.25 / 0.23)
+    assert targets["E2E P50 pdd / pd-local"]["measured"] == pytest.approx(0.3 / 0.28)
     assert targets["outputs match across modes"]["result"] == "PASS"
     assert targets["RLD share of pdd output tokens"]["measured"] == pytest.approx(2 / 18)
     slow = {**results, "outputs_match_across_modes": 0.5}
@@ -317,3 +322,26 @@ def test_the_lines_own_counters_are_the_wan_bytes_when_measured():
     assert (s["wan_kv_bytes"], s["wan_kv_bytes_attributed"], s["line_bytes"]) == (8_000, 3_000, carried)
     assert summarize_mode([rec], {}, "pdd")["wan_kv_bytes"] == 3_000  # no counters: the responses' sum
     assert line_bytes(None, state(1, 1)) is None
+
+
+def test_by_pipeline_and_the_handoff_gap_against_the_requests_own_pace() -> None:
+    """Each pipeline's requests apart (the median request is a cached turn on one, the tail a cold
+    one on another), and each handed-off request's handoff gap over its own median token gap."""
+    smooth = make_record("h1", "pdd", 0.0, [0.1, 0.2, 0.3, 0.4, 0.5], 5, first=1, rld=2)  # gaps all 100 ms
+    smooth["pdd"]["handoff_gap_ms"] = 100.0  # no longer than any other gap
+    bumpy = make_record("h2", "pdd", 0.0, [0.1, 0.2, 0.3, 0.6, 0.7], 5, first=1, rld=2)
+    bumpy["pdd"]["handoff_gap_ms"] = 300.0  # three of its steps
+    alone = make_record("m1", "pdd", 0.0, [0.05, 0.06], 2, first=1)  # main-decode only: not handed off
+    s = summarize_mode([smooth, bumpy, alone], SETTINGS, "pdd")
+    assert sorted(s["by_pipeline"]) == ["P->MD", "P->RLD->MD"]
+    handed = s["by_pipeline"]["P->RLD->MD"]
+    assert handed["count"] == 2 and handed["e2e_ms"]["max"] == pytest.approx(700.0)
+    assert handed["ttst_ms"]["p50"] == pytest.approx(200.0) and handed["max_gap_ms"]["max"] == pytest.approx(300.0)
+    assert s["by_pipeline"]["P->MD"]["ttft_ms"]["p50"] == pytest.approx(50.0)
+    assert sorted(handoff_gap_ratios([smooth, bumpy, alone])) == pytest.approx([1.0, 3.0])
+    assert s["handoff_gap_ratio"]["max"] == pytest.approx(3.0)
+    results = build_results({"name": "unit"}, SETTINGS, three_mode_records() + [smooth, bumpy])
+    target = next(t for t in check_targets(results) if t["target"].startswith("handoff gap"))
+    assert target["result"] == "MISS" and target["measured"] > 1.5
+    report = render_markdown(results, {})
+    assert "## By pipeline" in report and "P->RLD->MD" in report
