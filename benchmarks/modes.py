@@ -5,17 +5,19 @@ fleet pays a WAN line) and the simulator (sim/config.py: which instances, where,
 Every mode runs the same model, the same WAN settings and the same count of prefill and final
 decoder instances; only the feature under test differs.
 
-    mode         main-decode  DRC  relay  pipeline  handoff  1st token  what it is
-    pd-local     A            yes  no     p-md      -        prefill    P and D in one datacenter, no WAN: the floor
-    pd-wan       B            no   no     p-md      -        decoder    naive cross-DC PD: the full KV of every
-                                                                        request crosses the WAN before a token
-    pd-wan-drc   B            yes  no     p-md      -        decoder    cross-DC PD with the decode-side RadixCache
-    pdd          B            yes  yes    auto      auto     prefill    everything: the scheduler chooses both
-    pdd-oneshot  B            yes  yes    auto      oneshot  prefill    PDD with every handoff one-shot
-    pdd-catchup  B            yes  yes    auto      catchup  prefill    PDD with every handoff catch-up
+    mode         main-decode  DRC  relay  pipeline  handoff  1st token  warm  what it is
+    pd-local     A            yes  no     p-md      -        prefill    yes   P and D in one datacenter, no WAN: floor
+    pd-wan       B            no   no     p-md      -        decoder    no    naive cross-DC PD: the full KV of every
+                                                                              request crosses the WAN before a token
+    pd-wan-drc   B            yes  no     p-md      -        decoder    no    cross-DC PD with the decode-side cache
+    pdd          B            yes  yes    auto      auto     prefill    yes   everything: the scheduler chooses both
+    pdd-oneshot  B            yes  yes    auto      oneshot  prefill    yes   PDD with every handoff one-shot
+    pdd-catchup  B            yes  yes    auto      catchup  prefill    yes   PDD with every handoff catch-up
 
 "1st token" is who streams it (`first_token` in the cluster config): prefill the moment it is
-sampled, or the decoder once the KV arrived, as naive cross-DC PD does.
+sampled, or the decoder once the KV arrived, as naive cross-DC PD does. "warm" is whether a
+finished request's answer is computed into prefill's cache (`warm_prefill`): the floor has it
+too, so that pdd against pd-local measures what the line costs, not what a cache saves.
 
 This module is light (no torch, no matplotlib): `pdd --help` imports it.
 """
@@ -45,6 +47,7 @@ class Mode:
     pipeline: str  # the scheduler's default_pipeline: AUTO or a pinned Pipeline
     handoff: str  # the scheduler's default_handoff: AUTO or a pinned Handoff
     first_token: str = "prefill"  # who streams it (ClusterConfig.first_token)
+    warm_prefill: bool = True  # ClusterConfig.warm_prefill
 
     @property
     def wan(self) -> bool:
@@ -57,8 +60,26 @@ MODE_TABLE: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("pd-local", md_dc="A", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT),
-        Mode("pd-wan", md_dc="B", drc=False, relay=False, pipeline=P_MD, handoff=ONESHOT, first_token="decoder"),
-        Mode("pd-wan-drc", md_dc="B", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT, first_token="decoder"),
+        Mode(
+            "pd-wan",
+            "B",
+            drc=False,
+            relay=False,
+            pipeline=P_MD,
+            handoff=ONESHOT,
+            first_token="decoder",
+            warm_prefill=False,
+        ),
+        Mode(
+            "pd-wan-drc",
+            "B",
+            drc=True,
+            relay=False,
+            pipeline=P_MD,
+            handoff=ONESHOT,
+            first_token="decoder",
+            warm_prefill=False,
+        ),
         Mode("pdd", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO),
         Mode("pdd-oneshot", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=ONESHOT),
         Mode("pdd-catchup", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=CATCHUP),
@@ -123,6 +144,7 @@ def mode_config(
         "kv_wire": kv_wire if m.relay else NATIVE,
     }
     cfg["first_token"] = m.first_token
+    cfg["warm_prefill"] = m.warm_prefill
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)
     return cfg

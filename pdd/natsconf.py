@@ -25,6 +25,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
             "pdd.scheduler.status",
             "pdd.abort",
             "pdd.decode.*.resend",
+            "pdd.prefill.*.warm",
             "pdd.wanlink.*.control",
         ],
         "subscribe": ["pdd.tokens.>"],
@@ -40,8 +41,8 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         ],
     },
     "prefill": {
-        "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],
-        "subscribe": ["pdd.prefill.*.task", "pdd.prefill.*.drop", *_OPERATED],
+        "publish": ["pdd.tokens.>", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],
+        "subscribe": ["pdd.prefill.*.task", "pdd.prefill.*.drop", "pdd.prefill.*.warm", *_OPERATED],
     },
     "rld": {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.chunk", *_REPORT],

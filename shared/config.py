@@ -201,6 +201,10 @@ class ClusterConfig:
     # sampled (its TTFT never waits on the line), or "decoder", once its KV arrived (as naive
     # cross-DC PD does: the bench's pd-wan baselines)
     first_token: str = "prefill"
+    # a finished request's prompt and answer go back to the prefill that served it, which computes
+    # the answer's KV into its prefix cache while idle: the session's next turn, whose prompt holds
+    # that answer, does not prefill it again (token ids cross, never KV: the handoff in reverse)
+    warm_prefill: bool = True
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)

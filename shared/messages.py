@@ -271,6 +271,17 @@ class Drop(Message):
     transfer_secret: str = ""
 
 
+@dataclass
+class Warm(Message):
+    """gateway -> the prefill that served a finished request (`pdd.prefill.<id>.warm`): its prompt
+    and answer, as token ids; prefill computes the answer's KV into its prefix cache while idle,
+    so the session's next turn finds it there (`ClusterConfig.warm_prefill`)."""
+
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str = ""  # the tenant's: the cache keeps tenants apart
+
+
 # -- what a request measured ----------------------------------------------------------------
 @dataclass
 class RequestStats(Message):

@@ -62,6 +62,10 @@ def prefill_drop(instance_id: str) -> str:
     return f"pdd.prefill.{instance_id}.drop"
 
 
+def prefill_warm(instance_id: str) -> str:
+    return f"pdd.prefill.{instance_id}.warm"
+
+
 def tokens(request_id: str) -> str:
     return f"pdd.tokens.{request_id}"
 

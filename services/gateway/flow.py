@@ -20,7 +20,9 @@
    (429), the move retries with backoff rather than failing a stream already admitted.
 6. `close()` always runs: it unsubscribes, deletes the request state in Redis, and — if the
    request did not finish (client gone, error, stop string hit early) — broadcasts an abort so
-   every stage frees what it holds. Cleanup is shielded from the caller's cancellation.
+   every stage frees what it holds. Cleanup is shielded from the caller's cancellation. A
+   request that finished sends its prompt and answer to its prefill instead (`Warm`,
+   `warm_prefill`): the session's next turn finds the answer in prefill's cache.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from services.gateway.pdd_object import FlowStats, build_pdd
 from services.gateway.reassembly import TokenReassembler
 from shared import subjects
 from shared.bus import BusTimeout
-from shared.messages import Abort, Logprob, Plan, Resend, Resent, Sampling, Submit, TokenChunk
+from shared.messages import Abort, Logprob, Plan, Resend, Resent, Sampling, Submit, TokenChunk, Warm
 
 log = logging.getLogger(__name__)
 
@@ -317,4 +319,7 @@ class RequestFlow:
             await self._sub.unsubscribe()
         if not self.finished and self.plan is not None:
             await self.gw.bus.publish(subjects.ABORT, Abort(self.attempt_id))
+        elif self.finished and self.gw.cfg.warm_prefill and self.plan.prefill:  # the next turn holds this answer
+            warm = Warm(self.attempt_id, self.parsed.prompt_ids + self.generated, self.gw.cache_salt(self.key))
+            await self.gw.bus.publish(subjects.prefill_warm(self.plan.prefill), warm)
         await self.gw.forget_request(self.attempt_id)

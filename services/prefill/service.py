@@ -18,6 +18,8 @@ Lifecycle of a request here:
    gateway, which ends the request or moves it off the decoder it blames (its abort frees every
    stage): the request fails clearly, never hangs. Abort drops the sequence and cancels its
    transfers.
+6. Once a request ends, its prompt and answer may come back (`Warm`, services/prefill/warm.py):
+   the answer's KV is computed into the prefix cache while nothing else runs here.
 """
 
 from __future__ import annotations
@@ -28,10 +30,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.prefill.warm import AnswerWarmer
 from shared import subjects
 from shared.instance import InstanceService, service_main
 from shared.kv_transport import EarlyConnection, FirstToken, KVPush, KVTransferError, TransferHead, send_kv
-from shared.messages import Abort, Ack, Drop, FinishOnRelay, KVTarget, PrefillTask, RequestStats, TokenChunk
+from shared.messages import (
+    Abort,
+    Ack,
+    Drop,
+    FinishOnRelay,
+    KVTarget,
+    PrefillTask,
+    RequestStats,
+    Sampling,
+    TokenChunk,
+    Warm,
+)
 from shared.pipelines import hands_off
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
@@ -67,6 +81,7 @@ class Prefiller(InstanceService):
         self.requests: dict[str, PrefillState] = {}
         self.aborted = RecentIds()  # request ids aborted: a task arriving after its abort is refused
         self.seen = RecentIds()  # transfer secrets of copies taken or dropped: each copy is taken once
+        self.warmer: AnswerWarmer | None = None
         self._tls = None
         self.kv_seconds = self.metrics.histogram(
             "pdd:kv_transfer_seconds", "KV pushes, KV ready to ACK, by path", labels=("path",)
@@ -76,6 +91,9 @@ class Prefiller(InstanceService):
         )
         self.kv_bytes = self.metrics.counter("pdd:kv_transfer_bytes", "KV bytes pushed, by path", ("path",))
         self.kv_failures = self.metrics.counter("pdd:kv_transfer_failures", "KV push attempts that failed", ("path",))
+        self.answers_warmed = self.metrics.counter(
+            "pdd:prefill_answers_warmed", "finished requests' answers computed into the prefix cache"
+        )
 
     async def serve(self) -> None:
         secrets = Secrets.of(self.cfg)
@@ -85,12 +103,21 @@ class Prefiller(InstanceService):
         # elsewhere under the same id: let go of it, and refuse its task if that comes later. Not the
         # broadcast abort, which would end the new plan too.
         await self.bus.serve(subjects.prefill_drop(self.inst.id), Drop, self.on_drop)
+        self.warmer = AnswerWarmer(
+            self.worker, lambda: bool(self.requests), self.cfg.model, on_warmed=self.answers_warmed.inc
+        )
+        self.spawn(self.warmer.run())
+        await self.bus.serve(subjects.prefill_warm(self.inst.id), Warm, self.on_warm)
 
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
     def state_sizes(self) -> dict[str, int]:
-        return {"requests": len(self.requests), "remembered_ids": len(self.aborted) + len(self.seen)}
+        return {
+            "requests": len(self.requests),
+            "remembered_ids": len(self.aborted) + len(self.seen),
+            "answers_to_warm": len(self.warmer.queue) if self.warmer else 0,
+        }
 
     def holding_since(self, older_than_s: float) -> dict[str, float]:
         now = time.monotonic()
@@ -167,6 +194,8 @@ class Prefiller(InstanceService):
     # -- 2./3. first token -> export ----------------------------------------------------
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:
+            if self.warmer is not None and self.warmer.took(out):
+                continue
             state = self.requests.get(out.seq_id)
             if state is None or not state.added.done():
                 continue
@@ -308,6 +337,12 @@ class Prefiller(InstanceService):
             dispatch_id=dispatch_id,
         )
         await self.bus.publish(subjects.tokens(rid), chunk)
+
+    async def on_warm(self, msg: Warm) -> None:
+        if problem := self.task_problem(msg.token_ids, Sampling(max_tokens=1)):
+            log.info("%s: answer of %s not warmed: %s", self.inst.id, msg.request_id, problem)
+            return
+        self.warmer.offer(msg)
 
     async def on_drop(self, msg: Drop) -> None:
         """Let go of the copy the drop names (by a transfer secret), and refuse it if it comes

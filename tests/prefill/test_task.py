@@ -12,15 +12,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
-
-from services.prefill.service import Prefiller
 from shared import subjects
-from shared.config import config_from_dict
 from shared.messages import Abort, Ack, Drop, KVTarget, Plan, PrefillTask, Sampling
-from shared.runtime.worker import EngineWorker
-from tests.decoder.harness import CONFIG, engine, idle
-from tests.fakes import InMemoryNats
+from tests.decoder.harness import idle
 
 DEADLINE_S = 30.0  # a failure guard: the ack comes at once, or never (without the fix)
 
@@ -38,17 +32,6 @@ async def _until(predicate, what: str) -> None:
     while not predicate():
         assert loop.time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-async def prefill(tiny):
-    """prefill-0 on a real engine thread, answering on an in-memory bus; `.nats` is that bus."""
-    cfg = config_from_dict(CONFIG)
-    service = Prefiller(cfg, cfg.instance("prefill-0"))
-    service.nats = InMemoryNats()
-    await service.start(service.nats.client("prefill-0"), EngineWorker(engine(tiny), service.on_outputs))
-    yield service
-    await service.shutdown()  # stops the engine thread too
 
 
 async def test_a_task_is_acked_while_the_engine_is_in_a_long_step_and_an_abort_after_it_still_lands(prefill):

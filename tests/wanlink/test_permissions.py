@@ -19,6 +19,7 @@ FLOWS = [  # subject, its publishers, its subscribers
     (subjects.SUBMIT, ["gateway"], ["scheduler"]),
     (subjects.prefill_task("prefill-0"), ["scheduler"], ["prefill"]),
     (subjects.prefill_drop("prefill-0"), ["scheduler"], ["prefill"]),
+    (subjects.prefill_warm("prefill-0"), ["gateway"], ["prefill"]),
     (subjects.decode_task("md-0"), ["scheduler"], ["rld", "md"]),
     (subjects.decode_drop("md-0"), ["scheduler", "prefill"], ["rld", "md"]),
     (subjects.tokens("cmpl-1"), INSTANCES, ["gateway"]),
@@ -27,7 +28,7 @@ FLOWS = [  # subject, its publishers, its subscribers
     (subjects.handoff_ready("rld-0"), ["md"], ["rld"]),
     (subjects.finish_on_relay("rld-0"), ["prefill", "md"], ["rld"]),
     (subjects.handoff_chunk("md-0"), ["rld"], ["md"]),
-    (subjects.ABORT, ["gateway", "scheduler", "prefill", "rld"], ["scheduler", *INSTANCES]),
+    (subjects.ABORT, ["gateway", "scheduler", "rld"], ["scheduler", *INSTANCES]),
     (subjects.HEARTBEAT, INSTANCES, ["scheduler"]),
     (subjects.INDEX, INSTANCES, ["scheduler"]),
     (subjects.LEAVE, INSTANCES, ["scheduler"]),
@@ -69,13 +70,21 @@ async def test_each_flow_reaches_its_subscribers_from_each_publisher(buses, subj
     assert all(buses[role].nc.last_error is None for role in publishers + subscribers)
 
 
-async def test_a_role_may_not_send_what_another_role_sends(buses):
-    """The negative control: main-decode cannot tell a prefill to drop a request."""
-    md = buses["md"].nc
-    await md.publish(subjects.prefill_drop("prefill-0"), b"forged")
-    await md.flush()
-    await until(lambda: md.last_error is not None, timeout=10.0, what="the server's -ERR")
-    assert "permissions violation" in str(md.last_error).lower()
+@pytest.mark.parametrize(
+    "role, subject",
+    [
+        ("md", subjects.prefill_drop("prefill-0")),  # main-decode cannot tell a prefill to drop a request
+        ("prefill", subjects.ABORT),  # a prefill ends nothing for everyone: its failure goes to the gateway
+        ("md", subjects.prefill_warm("prefill-0")),  # only the gateway feeds prefill's cache
+    ],
+)
+async def test_a_role_may_not_send_what_another_role_sends(buses, role, subject):
+    """The negative controls."""
+    nc = buses[role].nc
+    await nc.publish(subject, b"forged")
+    await nc.flush()
+    await until(lambda: nc.last_error is not None, timeout=10.0, what="the server's -ERR")
+    assert "permissions violation" in str(nc.last_error).lower()
 
 
 async def test_a_service_is_reachable_once_serve_returns(nats_a, secrets):
