@@ -56,30 +56,13 @@ class Mode:
 
 
 P_MD, ONESHOT, CATCHUP = Pipeline.P_MD.value, Handoff.ONESHOT.value, Handoff.CATCHUP.value
+NAIVE = {"first_token": "decoder", "warm_prefill": False}  # the naive cross-DC baselines
 MODE_TABLE: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("pd-local", md_dc="A", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT),
-        Mode(
-            "pd-wan",
-            "B",
-            drc=False,
-            relay=False,
-            pipeline=P_MD,
-            handoff=ONESHOT,
-            first_token="decoder",
-            warm_prefill=False,
-        ),
-        Mode(
-            "pd-wan-drc",
-            "B",
-            drc=True,
-            relay=False,
-            pipeline=P_MD,
-            handoff=ONESHOT,
-            first_token="decoder",
-            warm_prefill=False,
-        ),
+        Mode("pd-wan", md_dc="B", drc=False, relay=False, pipeline=P_MD, handoff=ONESHOT, **NAIVE),
+        Mode("pd-wan-drc", md_dc="B", drc=True, relay=False, pipeline=P_MD, handoff=ONESHOT, **NAIVE),
         Mode("pdd", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO),
         Mode("pdd-oneshot", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=ONESHOT),
         Mode("pdd-catchup", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=CATCHUP),
