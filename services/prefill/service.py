@@ -39,6 +39,8 @@ from shared.messages import (
     Ack,
     Drop,
     FinishOnRelay,
+    Inspect,
+    InstanceState,
     KVTarget,
     PrefillTask,
     RequestStats,
@@ -337,6 +339,12 @@ class Prefiller(InstanceService):
             dispatch_id=dispatch_id,
         )
         await self.bus.publish(subjects.tokens(rid), chunk)
+
+    async def _flush_cache(self, msg: Inspect) -> InstanceState:
+        """The cache flush, answers waiting to be warmed and the one being warmed included."""
+        for seq_id in self.warmer.clear():
+            await self.worker.call(lambda e, s=seq_id: e.abort(s))
+        return await super()._flush_cache(msg)
 
     async def on_warm(self, msg: Warm) -> None:
         if problem := self.task_problem(msg.token_ids, Sampling(max_tokens=1)):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from shared.messages import Sampling, Warm
 from shared.prefix_hash import namespace_of
 from shared.runtime.engine import TokenOutput
-from shared.runtime.sequence import Sequence
+from shared.runtime.sequence import FinishReason, Sequence
 from shared.runtime.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,15 @@ class AnswerWarmer:
     def offer(self, msg: Warm) -> None:
         self.queue.append(msg)
         self._offered.set()
+
+    def clear(self) -> list[str]:
+        """Forget every offer; the sequence ids still in the engine, for the caller to abort
+        (an operator's cache flush leaves nothing to land in the cache after it)."""
+        self.queue.clear()
+        for seq_id, done in self._warming.items():
+            if not done.done():
+                done.set_result(TokenOutput(seq_id, None, 0, FinishReason.ABORT, "flushed"))
+        return list(self._warming)
 
     def took(self, out: TokenOutput) -> bool:
         """The engine's output is one of ours (the warming sequence ended): True, and it is done."""

@@ -36,6 +36,8 @@ MODE_KEYS = {
     "cost",
     "bcr",
     "busy",
+    "by_pipeline",
+    "handoff_gap_ratio",
     *VLLM_KEYS,
 }
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from shared import subjects
-from shared.messages import Abort, Ack, Warm
+from shared.messages import Abort, Ack, Inspect, Warm
 from shared.prefix_hash import namespace_of
 from tests.decoder.harness import BLOCK
 from tests.prefill.test_task import DEADLINE_S, _task, _until
@@ -55,3 +55,23 @@ async def test_a_bad_offer_is_dropped_and_the_next_one_goes_on(prefill):
     await _until(lambda: prefill.warmer.warmed == 1, "the good answer to be warmed")
     await asyncio.sleep(0)
     assert prefill.warmer.warmed == 1 and not prefill.warmer.queue
+
+
+async def test_a_cache_flush_drops_the_answers_waiting_to_be_warmed(prefill):
+    """An operator's flush leaves nothing to land in the cache after it (the bench flushes
+    between modes and expects a cold cache)."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    task = _task("busy")
+    task.targets[0].port = server.sockets[0].getsockname()[1]
+    scheduler, gateway = prefill.nats.client("scheduler"), prefill.nats.client("gateway")
+    try:
+        assert (await scheduler.request(subjects.prefill_task("prefill-0"), task, Ack, DEADLINE_S)).ok
+        await gateway.publish(subjects.prefill_warm("prefill-0"), Warm("r0", PROMPT + ANSWER))
+        await _until(lambda: prefill.warmer.queue, "the offer to be queued")
+        await scheduler.publish(subjects.ABORT, Abort("busy"))
+        await _until(lambda: not prefill.held_requests(), "the request to be let go")
+        state = await prefill._flush_cache(Inspect())
+    finally:
+        server.close()
+    assert state.extra["cached_blocks"] == 0 and not prefill.warmer.queue
+    assert await cached_tokens(prefill, PROMPT + ANSWER) == 0 and prefill.warmer.warmed in (0, 1)
