@@ -107,6 +107,8 @@ class RelayDecoder(DecoderService):
             sent += len(chunk.token_ids)
 
     async def _final(self, req: DecodeRequest, sent: int) -> None:
+        if self._overlaps(req):
+            return await self._final_overlapped(req, sent)
         t0 = time.perf_counter()
         seq = await self.worker.call(lambda e: e.abort(req.id))  # stop decoding; frees the blocks
         self.room_freed()  # KV parked for want of blocks may fit now
@@ -122,6 +124,34 @@ class RelayDecoder(DecoderService):
         req.phase = Phase.RUNNING
         again = Sequence(req.id, list(seq.token_ids), seq.params, prompt_len=seq.prompt_len)
         await self.worker.call(lambda e: e.add(again))
+
+    def _overlaps(self, req: DecodeRequest) -> bool:
+        """Whether main-decode's next tokens are the relay's, bit for bit: the request's tokens
+        are a function of its ids (greedy, or seeded per step), and both decoders run the
+        batch-invariant kernels in one precision. Then the relay may keep streaming while its
+        final chunk crosses: the gateway keeps one copy of each index."""
+        sampling, md = req.task.sampling, self.cfg.instance(req.task.plan.md)
+        deterministic = sampling.greedy or sampling.seed is not None
+        return deterministic and self.worker.engine.runner.invariant and md.dtype == self.inst.dtype
+
+    async def _final_overlapped(self, req: DecodeRequest, sent: int) -> None:
+        """The final chunk holds the tokens so far; the relay keeps decoding and streaming while
+        it crosses and main-decode extends it, and stops once main-decode acked: main-decode's
+        first token is then about one step behind the relay's last, not a round trip."""
+        t0 = time.perf_counter()
+        generated = await self.worker.call(lambda e: _generated(e.find(req.id)))  # running, or not yet stepped
+        if generated is None:
+            return  # it finished here first
+        stats = copy.copy(req.stats)
+        stats.handoff_stop_ms = (time.perf_counter() - t0) * 1000
+        taken = await self._send(req, HandoffChunk(req.id, sent, generated[sent:], final=True, stats=stats))
+        if not taken:
+            log.warning("%s: final handoff of %s failed; finishing it on relay", self.inst.id, req.id)
+            req.phase = Phase.RUNNING  # it never stopped decoding here
+            return
+        await self.worker.call(lambda e: e.abort(req.id))  # main-decode streams from here
+        self.room_freed()
+        self.end(req.id, End.HANDED_OFF)
 
     async def _send(self, req: DecodeRequest, chunk: HandoffChunk) -> bool:
         subject = subjects.handoff_chunk(req.task.plan.md)
@@ -144,6 +174,11 @@ class RelayDecoder(DecoderService):
         if not ack.ok:
             log.warning("%s: main-decode refused a handoff chunk of %s: %s", self.inst.id, req.id, ack.error)
         return ack.ok
+
+
+def _generated(seq: Sequence | None) -> list[int] | None:
+    """On the engine thread: the tokens a sequence generated so far (a copy), None without one."""
+    return None if seq is None else seq.token_ids[seq.prompt_len :]
 
 
 def main(argv: list[str] | None = None) -> None:

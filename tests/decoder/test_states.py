@@ -82,6 +82,47 @@ async def test_p_rld_md_hands_over_exactly(pair, prompt, tiny_ref, handoff):
     pair.assert_gone("r1")
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 5}, {"temperature": 0.8}])
+async def test_the_relay_streams_on_while_its_final_chunk_crosses(pair, prompt, tiny_ref, sampling):
+    """Greedy or seeded, main-decode's next tokens are the relay's bit for bit (batch-invariant
+    kernels, one precision): the relay keeps decoding and streaming while its final chunk crosses
+    the line and main-decode extends it, and stops at the ack, so the stream has no gap of a round
+    trip. Unseeded sampling draws differently on each side: the relay stops first, as before."""
+    crossing = asyncio.Event()
+    send = pair.rld._send
+
+    async def slow_line(req, chunk):  # the final chunk and its ack are on the line until `crossing`
+        if chunk.final:
+            await crossing.wait()
+        return await send(req, chunk)
+
+    pair.rld._send = slow_line
+    await pair.dispatch("r1", prompt, N, Pipeline.P_RLD_MD, "oneshot", **sampling)
+    assert await pair.land("rld", "r1", prompt) == ""
+    await pair.drive(lambda: len(pair.tokens("r1")) >= 4, roles=("rld",))
+    assert await pair.land("md", "r1", prompt) == ""  # KVReady: the relay starts its final chunk
+    await pair.drive(lambda: pair.rld.requests["r1"].phase == Phase.HANDING_OFF, roles=("rld",))
+    before = len(pair.tokens("r1"))
+    for _ in range(6):  # six relay steps while the chunk crosses
+        pair.rld.worker.step()
+        await pair.settle()
+    crossing.set()
+    await pair.drive(lambda: pair.finished("r1"))
+    (final,) = pair.nats.sent(subjects.handoff_chunk("md-0"))
+    handed = final.start_index + len(final.token_ids)  # main-decode samples from here
+    relay_last = max(c.index + len(c.token_ids) for c in pair.chunks["r1"] if c.role == "rld")
+    md_first = min(c.index for c in pair.chunks["r1"] if c.role == "md" and c.token_ids)
+    assert md_first == handed
+    if sampling.get("temperature") and sampling.get("seed") is None:
+        assert relay_last == handed == before, "stopped before the final chunk left"
+    else:
+        assert relay_last == handed + 6, "streamed on while the chunk crossed"  # and md sent those again
+        if not sampling:
+            assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
+    assert len(pair.tokens("r1")) == N  # every index once, the same token from either side (tokens())
+    pair.assert_gone("r1")
+
+
 async def test_p_rld_finishes_on_the_relay(pair, prompt, tiny_ref):
     await pair.dispatch("r1", prompt, N, Pipeline.P_RLD)
     assert await pair.land("rld", "r1", prompt) == ""
