@@ -19,8 +19,9 @@ Lifecycle of a request here:
    came during it; an instance holding a request no longer recorded drops it), goes back to the
    gateway.
 5. If any dispatch fails, the request is aborted everywhere (or, where a stage did not answer,
-   this copy is dropped everywhere and the request planned again without it), its record removed, and the gateway
-   gets an error plan: 503 when a role has no alive instance, 429 when every instance of a role
+   this copy is dropped everywhere and the request planned again without it; main-decode silent
+   behind a relay that took its task leaves the relay finishing it), its record removed, and the
+   gateway gets an error plan: 503 when a role has no alive instance, 429 when every instance of a role
    is full (each stage holds at most max_running + max_waiting requests and refuses more:
    bounded queues).
 """

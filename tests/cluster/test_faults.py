@@ -116,13 +116,11 @@ def test_a_burst_of_ten_times_capacity(cluster, model_id, operator, reference, s
         f"\n{capacity} admitted (the fastest took {fastest_admitted:.1f} s); {len(rejected)} more told 429 in "
         f"p50 {p50 * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms, {sum(latencies):.2f} s in all"
     )
-    # at once: not held behind the admitted requests. All the refusals together take less time
-    # than one admitted request (they were answered while those ran), and even the slowest is
-    # answered in a quarter of one (a few ms is typical; one held for a slot would take all of one).
-    assert sum(latencies) < fastest_admitted and latencies[-1] < fastest_admitted / 4, (
-        latencies[-5:],
-        fastest_admitted,
-    )
+    # at once: not held behind the admitted requests. A refusal held for a slot would take a whole
+    # admitted request (seconds); even the slowest is answered in half of one, the median in a
+    # twentieth (a few ms is typical; on a busy 2-core host the gateway's loop, serving the twelve
+    # streams, holds a few of them for tenths of a second, and their sum is no measure of waiting)
+    assert latencies[-1] < fastest_admitted / 2 and p50 < fastest_admitted / 20, (latencies[-5:], fastest_admitted)
     assert all(r[0] == 429 and r[2] and r[3]["error"]["type"] == "rate_limit_error" for r in rejected)
     expected = reference(smol_tokenizer(prompt)["input_ids"], 64, ignore_eos=True, draft=results[0][0])
     assert all(text == expected for text, _ in results)
