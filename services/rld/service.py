@@ -130,9 +130,11 @@ class RelayDecoder(DecoderService):
         are a function of its ids (greedy, or seeded per step), and both decoders run the
         batch-invariant kernels in one precision. Then the relay may keep streaming while its
         final chunk crosses: the gateway keeps one copy of each index."""
-        sampling, md = req.task.sampling, self.cfg.instance(req.task.plan.md)
+        sampling = req.task.sampling
+        md = next((i for i in self.cfg.instances if i.id == req.task.plan.md), None)
         deterministic = sampling.greedy or sampling.seed is not None
-        return deterministic and self.worker.engine.runner.invariant and md.dtype == self.inst.dtype
+        same_kernels = self.worker.engine.runner.invariant and md is not None and md.dtype == self.inst.dtype
+        return deterministic and same_kernels
 
     async def _final_overlapped(self, req: DecodeRequest, sent: int) -> None:
         """The final chunk holds the tokens so far; the relay keeps decoding and streaming while
