@@ -92,6 +92,7 @@ def _check(value: Any, tp: Any, where: str) -> Any:
 # -- requests -------------------------------------------------------------------------------
 MAX_TTFT_SLO_MS = 3_600_000.0  # a request's own TTFT SLO: at most an hour (NaN fails the range too)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_GRAMMAR_CHARS = 128 * 1024  # a grammar travels in every task of its request (NATS payloads: 1 MiB)
 
 
 @dataclass
@@ -114,6 +115,13 @@ class Sampling(Message):
     # log-probabilities of each sampled token, with this many most likely alternatives (None:
     # none wanted); from the model's raw logits, before penalties and temperature, as vLLM's
     logprobs: int | None = None
+    # constrained decoding: llguidance's grammar (the gateway builds it from `response_format` or
+    # `tools`; shared/runtime/grammar.py applies it); "" for none
+    grammar: str = ""
+    # how many of the prompt's last tokens are this request's own output: a migrated attempt's
+    # prompt ends with what the client already has, and penalties, min_tokens, the seeded step
+    # and the grammar count those tokens as generated, so the attempt goes on exactly
+    resumed: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -135,13 +143,17 @@ class Sampling(Message):
             abs(self.presence_penalty) <= 2
             and abs(self.frequency_penalty) <= 2
             and 0 < self.repetition_penalty <= 2
-            and 0 <= self.min_tokens <= self.max_tokens
+            and 0 <= self.min_tokens <= self.max_tokens + self.resumed
         ):
             return "penalties or min_tokens out of range"
         if len(self.stop) > 16 or any(len(s) > 256 for s in self.stop):
             return "too many or too long stop strings"
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             return f"logprobs {self.logprobs} not in [0, {MAX_TOP_LOGPROBS}]"
+        if len(self.grammar) > MAX_GRAMMAR_CHARS:
+            return f"grammar of {len(self.grammar)} characters, more than {MAX_GRAMMAR_CHARS}"
+        if not 0 <= self.resumed < context_len:
+            return f"resumed {self.resumed} not in [0, {context_len})"
         return token_problem(self.stop_token_ids, vocab_size, "stop_token_ids", 1024)
 
 

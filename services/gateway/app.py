@@ -36,6 +36,7 @@ from services.gateway.deadlines import DeadlineStream, read_body
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gateway import Gateway
 from services.gateway.openai_api import APIError, ParsedRequest, parse_chat, parse_completion
+from services.gateway.tool_calls import ToolCallStream
 from shared.telemetry import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def create_app(gw: Gateway) -> FastAPI:
             context_len=gw.context_len,
             count_tokens=gw.encode,
             vocab_size=gw.vocab_size,
+            grammar_vocab=gw.grammar_vocab,
         )
         return await _serve(gw, request, key, parsed)
 
@@ -118,6 +120,7 @@ def create_app(gw: Gateway) -> FastAPI:
             served_model=gw.served_model,
             context_len=gw.context_len,
             apply_template=gw.apply_chat_template,
+            grammar_vocab=gw.grammar_vocab,
         )
         return await _serve(gw, request, key, parsed)
 
@@ -167,7 +170,12 @@ async def _serve(gw: Gateway, request: Request, key: Key, parsed: ParsedRequest)
     finally:
         await gw.release(flow)
     logprobs = responses.LogprobsView(flow, gw.tokenizer).render(tokens)
-    body = responses.whole(flow, gw.served_model, text, finish, gw.pdd_view(flow, pdd), logprobs)
+    calls = ToolCallStream.of(flow)
+    if calls is not None:
+        text, _ = calls.delta(text, finished=True)
+        finish = calls.finish_reason(finish)
+    tool_calls = calls.calls if calls is not None else None
+    body = responses.whole(flow, gw.served_model, text, finish, gw.pdd_view(flow, pdd), logprobs, tool_calls)
     return JSONResponse(body, headers=headers)
 
 
@@ -199,11 +207,15 @@ def _stalled(flow: RequestFlow, deadline_s: float) -> None:
 
 
 async def _sse(gw: Gateway, flow: RequestFlow) -> AsyncIterator[bytes]:
-    first, logprobs = True, responses.LogprobsView(flow, gw.tokenizer)
+    first, logprobs, calls = True, responses.LogprobsView(flow, gw.tokenizer), ToolCallStream.of(flow)
     try:
         async for delta in flow.deltas():
             lp = logprobs.render(delta.logprobs)
-            chunk = responses.chunk(flow, gw.served_model, delta.text, delta.finish_reason, first, lp)
+            text, finish, tool_calls = delta.text, delta.finish_reason, None
+            if calls is not None:  # the answer's text as content or as tool-call deltas
+                text, tool_calls = calls.delta(text, finished=finish is not None)
+                finish = calls.finish_reason(finish)
+            chunk = responses.chunk(flow, gw.served_model, text, finish, first, lp, tool_calls)
             first = False
             if delta.pdd is not None and (pdd := gw.pdd_view(flow, delta.pdd)) is not None:
                 chunk["pdd"] = pdd

@@ -259,7 +259,9 @@ class RequestFlow:
         await self.gw.bus.publish(subjects.ABORT, Abort(self.attempt_id, reason=f"{sorted(dead)} failed"))
         await self._sub.unsubscribe()
         await self.gw.forget_request(self.attempt_id)
-        sampling = replace(self.parsed.sampling, max_tokens=self.parsed.sampling.max_tokens - len(self.generated))
+        # the prompt ends with the output so far: penalties, seeds and the grammar count it as output
+        done = len(self.generated)
+        sampling = replace(self.parsed.sampling, max_tokens=self.parsed.sampling.max_tokens - done, resumed=done)
         self.offset = len(self.generated)
         self._logprobs.clear()  # the next attempt samples the positions not yet returned anew
         self.stats.last_progress = time.perf_counter()

@@ -9,11 +9,14 @@ import logging
 import time
 from collections import deque
 
+import llguidance
+
 from services.gateway.auth import OPEN, Key, KeyRing
 from services.gateway.flow import RequestFlow
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import APIError, ParsedRequest
 from services.gateway.responses import pdd_for
+from services.gateway.structured import Tools, native_history, render_history
 from services.gateway.tokenizer import TextTokenizer
 from shared.bus import Bus
 from shared.config import ClusterConfig
@@ -29,6 +32,10 @@ class Gateway:
         self.cfg = cfg
         self.model = load_model_info(cfg.model)
         self.tokenizer = TextTokenizer(self.model.path)
+        # checks request grammars against the model's vocabulary (built once, ~0.4 s)
+        self.grammar_vocab = llguidance.LLTokenizer(
+            str(self.model.path / "tokenizer.json"), n_vocab=self.model.vocab_size
+        )
         self.context_len = self.model.context_len
         self.vocab_size = self.model.vocab_size
         self.served_model = self.model.name
@@ -63,7 +70,14 @@ class Gateway:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
+        """The prompt of a chat: the model's template renders tools when it knows them; else
+        they and the history's calls are written in the fallback format (structured.py)."""
+        if tools is not None and self.tokenizer.knows_tools:
+            specs = [{"type": "function", "function": f} for f in tools.functions]
+            return self.tokenizer.encode(self.tokenizer.render_chat(native_history(messages), tools=specs))
+        if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = render_history(messages, tools)
         return self.tokenizer.encode(self.tokenizer.render_chat(messages))
 
     # -- admission --------------------------------------------------------------------------

@@ -9,9 +9,11 @@ Conventions, chosen to match the OpenAI API itself:
   included (OpenAI answers 400 there, not FastAPI's 422); unknown model 404; body too big 413.
 - `null` for an optional field means "use the default".
 - a parameter that would change the output is honoured (penalties, stop_token_ids,
-  min_tokens, logprobs...) or refused with 400 naming it (n > 1, best_of > 1, echo, suffix,
-  logit_bias, tools / tool_choice other than none, response_format other than text); only
-  parameters that change nothing of the output (user, metadata, ...) are ignored.
+  min_tokens, logprobs, response_format, tools...) or refused with 400 naming it (n > 1,
+  best_of > 1, echo, suffix, logit_bias, functions); only parameters that change nothing of the
+  output (user, metadata, ...) are ignored.
+- structured outputs and tool calls (services/gateway/structured.py): a grammar the engines
+  enforce; a schema it cannot enforce is 400 naming the parameter.
 - logprobs as each endpoint has them: chat `logprobs: true` with `top_logprobs` 0-20,
   completions `logprobs` 0-5 (the number of alternatives).
 - an explicit max_tokens that does not fit the context is 400; the default is clipped to fit.
@@ -26,6 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+
+from services.gateway import structured
+from services.gateway.structured import Tools
 from shared.messages import MAX_TOP_LOGPROBS, MAX_TTFT_SLO_MS, Sampling
 from shared.model_info import WIRE_FORMATS
 from shared.pipelines import HANDOFFS, PIPELINES, Pipeline, hands_off
@@ -95,6 +101,7 @@ class ParsedRequest:
     handoff: str | None = None
     kv_wire: str | None = None  # forced WAN wire format (admins: `pdd.kv_wire`)
     ttft_slo_ms: float | None = None  # this request's TTFT SLO (admins: `pdd.ttft_slo_ms`)
+    tools: Tools | None = None  # chat: the tools it may call (the answer is parsed for calls)
 
     @property
     def steers(self) -> bool:
@@ -119,12 +126,18 @@ def parse_completion(
     context_len: int,
     count_tokens: Callable[[str], list[int]],
     vocab_size: int | None = None,
+    grammar_vocab: llguidance.LLTokenizer | None = None,
 ) -> ParsedRequest:
-    """POST /v1/completions. `vocab_size`, when given, bounds prompts sent as token ids."""
+    """POST /v1/completions. `vocab_size`, when given, bounds prompts sent as token ids;
+    `grammar_vocab` checks grammars against the model's vocabulary."""
     obj = _load_object(body)
     req = _common(obj, "completion", served_model)
     if obj.get("suffix"):
         raise invalid("'suffix' is not supported", "suffix", "unsupported_parameter")
+    if obj.get("tool_choice") not in (None, "none") or (obj.get("tools") and obj.get("tool_choice") != "none"):
+        param = "tools" if obj.get("tools") else "tool_choice"
+        raise invalid("tool calls are a chat parameter: use /v1/chat/completions", param, "unsupported_parameter")
+    req.sampling.grammar = _grammar(obj, None, grammar_vocab)
     req.prompt_ids = _prompt_ids(obj.get("prompt"), count_tokens, vocab_size)
     req.sampling.max_tokens = _max_tokens(obj, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, req, context_len)
     return req
@@ -135,14 +148,21 @@ def parse_chat(
     *,
     served_model: str,
     context_len: int,
-    apply_template: Callable[[list[dict[str, str]]], list[int]],
+    apply_template: Callable[[list[Json], Tools | None], list[int]],
+    grammar_vocab: llguidance.LLTokenizer | None = None,
 ) -> ParsedRequest:
-    """POST /v1/chat/completions. `apply_template` renders the messages and tokenizes them."""
+    """POST /v1/chat/completions. `apply_template` renders the messages (and the tools) and
+    tokenizes them; `grammar_vocab` checks grammars against the model's vocabulary."""
     obj = _load_object(body)
     req = _common(obj, "chat", served_model)
+    try:
+        req.tools = structured.parse_tools(obj)
+    except structured.SpecError as e:
+        raise invalid(str(e), e.param) from None
+    req.sampling.grammar = _grammar(obj, req.tools, grammar_vocab)
     messages = _messages(obj.get("messages"))
     try:
-        req.prompt_ids = list(apply_template(messages))
+        req.prompt_ids = list(apply_template(messages, req.tools))
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
         raise invalid(f"'messages' could not be rendered with the chat template: {e}", "messages") from None
     if not req.prompt_ids:
@@ -228,17 +248,26 @@ def _reject_unsupported(obj: Json) -> None:
         value = obj.get(key)
         if not (value is None or value is False or value == {} or value == []):
             raise invalid(f"'{key}' is not supported", key, "unsupported_parameter")
-    if obj.get("tool_choice") not in (None, "none"):
-        raise invalid("'tool_choice' other than \"none\" is not supported", "tool_choice", "unsupported_parameter")
-    if obj.get("tools") and obj.get("tool_choice") != "none":
-        raise invalid(
-            "'tools' are not supported (send tool_choice \"none\" to pass them to the template)",
-            "tools",
-            "unsupported_parameter",
-        )
-    fmt = obj.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise invalid("'response_format' other than text is not supported", "response_format", "unsupported_parameter")
+
+
+def _grammar(obj: Json, tools: Tools | None, vocab: llguidance.LLTokenizer | None) -> str:
+    """The grammar the answer must follow: `response_format`'s or the tools' ("" for none)."""
+    param = "response_format"
+    try:
+        grammar = structured.parse_response_format(obj.get("response_format"))
+        if tools is not None and tools.may_call:
+            if grammar:
+                raise invalid(
+                    "send either 'response_format' or 'tools' that may be called, not both", "response_format"
+                )
+            grammar, param = structured.tool_grammar(tools), "tools"
+        if grammar:
+            structured.check_grammar(grammar, vocab, param)
+    except structured.SpecError as e:
+        raise invalid(str(e), e.param) from None
+    except ValueError as e:  # llguidance: a schema that is not a JSON object
+        raise invalid(f"'{param}' is not a JSON schema: {e}", param) from None
+    return grammar
 
 
 def _logprobs(obj: Json, kind: str) -> int | None:
@@ -327,7 +356,7 @@ def _token_ids(ids: list[int], vocab_size: int | None) -> list[int]:
     return list(ids)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[Json]:
     if value is None:
         raise invalid("'messages' is required", "messages")
     if not isinstance(value, list):
@@ -337,13 +366,21 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
 
 
-def _message(msg: Any, param: str) -> dict[str, str]:
+def _message(msg: Any, param: str) -> Json:
     if not isinstance(msg, dict):
         raise invalid(f"'{param}' must be an object, got {_json_type(msg)}", param)
     role = msg.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise invalid(f"'{param}.role' must be one of {', '.join(CHAT_ROLES)}; got {_show(role)}", f"{param}.role")
-    return {"role": role, "content": _content(msg.get("content"), role, f"{param}.content")}
+    out: Json = {"role": role, "content": _content(msg.get("content"), role, f"{param}.content")}
+    if role == "assistant" and msg.get("tool_calls"):
+        try:
+            out["tool_calls"] = structured.parse_history_calls(msg["tool_calls"], f"{param}.tool_calls")
+        except structured.SpecError as e:
+            raise invalid(str(e), e.param) from None
+    if role == "tool" and isinstance(msg.get("tool_call_id"), str):
+        out["tool_call_id"] = msg["tool_call_id"]
+    return out
 
 
 def _content(value: Any, role: str, param: str) -> str:

@@ -18,11 +18,21 @@ def event(obj: Json) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def chunk(flow, model: str, text: str, finish: str | None, first: bool, logprobs: Json | None = None) -> Json:
+def chunk(
+    flow,
+    model: str,
+    text: str,
+    finish: str | None,
+    first: bool,
+    logprobs: Json | None = None,
+    tool_calls: list[Json] | None = None,
+) -> Json:
     """One streamed chunk; `id` and `created` are the request's, the same in every chunk."""
     base = {"id": flow.request_id, "created": flow.created, "model": model}
     if flow.parsed.kind == "chat":
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta: Json = {"role": "assistant", "content": text} if first else {"content": text}
+        if tool_calls:
+            delta = {**delta, "content": text or None, "tool_calls": tool_calls}
         return {
             **base,
             "object": "chat.completion.chunk",
@@ -94,12 +104,22 @@ def usage(flow) -> Json:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def whole(flow, model: str, text: str, finish: str | None, pdd: Json | None, logprobs: Json | None = None) -> Json:
+def whole(
+    flow,
+    model: str,
+    text: str,
+    finish: str | None,
+    pdd: Json | None,
+    logprobs: Json | None = None,
+    tool_calls: list[Json] | None = None,
+) -> Json:
     base = {"id": flow.request_id, "created": flow.created, "model": model, "usage": usage(flow)}
     if pdd is not None:
         base["pdd"] = pdd
     if flow.parsed.kind == "chat":
-        message = {"role": "assistant", "content": text}
+        message: Json = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
         return {
             **base,
             "object": "chat.completion",

@@ -49,6 +49,7 @@ class TextTokenizer:
         template_path = folder / "chat_template.jinja"
         source = template_path.read_text() if template_path.exists() else config.get("chat_template")
         self._template = _compile(source) if isinstance(source, str) else None
+        self.knows_tools = isinstance(source, str) and "tools" in source  # renders `tools` itself
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -56,11 +57,13 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if self._template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None, **self.special
         )
 
 

@@ -7,6 +7,7 @@ import torch
 from shared.config import ClusterConfig, InstanceConfig
 from shared.model_info import model_path
 from shared.runtime.engine import Engine
+from shared.runtime.grammar import Grammars
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.models import kv_layout, load_model, load_tokenizer, parse_dtype
 from shared.runtime.provision import provision_default_model
@@ -48,6 +49,7 @@ def _build(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
         decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         cache=RadixCache(pool.allocator, pool.block_size, _index_key(cfg)) if inst.prefix_cache else None,
         namespace=cfg.model,  # the scheduler hashes prompts in the same namespace
+        grammars=Grammars(path / "tokenizer.json", model.config.vocab_size, eos_ids),
     )
 
 

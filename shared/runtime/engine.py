@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.messages import IndexEvent, Logprob
+from shared.runtime.grammar import Grammars
 from shared.runtime.kv_exchange import KVExchange
 from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.models import kv_layout
@@ -82,6 +83,7 @@ class Engine(KVExchange):
         decode_text: Callable[[list[int]], str] | None = None,
         cache: RadixCache | None = None,
         namespace: str = "",
+        grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
         self.cache = cache  # optional prefix cache; holds its own references on blocks
@@ -90,6 +92,7 @@ class Engine(KVExchange):
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
         self.stops = StopRules(eos_token_ids, decode_text)
+        self.grammars = grammars  # constrained decoding (None: requests with a grammar fail)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished with hold_kv, blocks not yet released
@@ -217,13 +220,28 @@ class Engine(KVExchange):
                 seq.num_computed, seq.imported = seq.imported[1], None
             if seq.shadow and seq.num_pending == 1:
                 outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, caught_up=True))
-        steps = [s.num_generated for s in result.sampled]
-        histories = [self.stops.history(s) if s.params.penalised else None for s in result.sampled]
-        params = [s.params for s in result.sampled]
-        tokens = sample_batch(result.logits, params, steps, histories)
+        sampled = result.sampled
+        steps = [s.num_output for s in sampled]
+        histories = [self.stops.history(s) if s.params.penalised else None for s in sampled]
+        masks, failed = self._masks(sampled)
+        params = [s.params for s in sampled]
+        tokens = sample_batch(result.logits, params, steps, histories, masks)
         logprobs = token_logprobs(result.logits, params, tokens)
-        outputs += [self._append(s, token, lp) for s, token, lp in zip(result.sampled, tokens, logprobs)]
+        for s, token, lp in zip(sampled, tokens, logprobs):
+            if s.seq_id in failed:
+                self.running.pop(s.seq_id, None)
+                outputs.append(self._fail(s, failed[s.seq_id]))
+            else:
+                outputs.append(self._append(s, token, lp))
         return outputs
+
+    def _masks(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor | None] | None, dict[str, str]]:
+        """The grammar masks of the constrained rows (None when no row has a grammar)."""
+        if not any(s.params.grammar for s in seqs):
+            return None, {}
+        if self.grammars is None:
+            return None, {s.seq_id: "this instance has no grammar support" for s in seqs if s.params.grammar}
+        return self.grammars.masks(seqs)
 
     def _admit(self) -> list[TokenOutput]:
         failed: list[TokenOutput] = []
@@ -283,6 +301,8 @@ class Engine(KVExchange):
         seq.token_ids.append(token)
         seq.sampled_here += 1
         reason = self.stops.reason(seq, token)
+        if reason is None and seq.params.grammar and self.grammars is not None and self.grammars.finished(seq):
+            reason = FinishReason.STOP  # the grammar allows nothing more (a JSON answer closed)
         if reason is not None:
             self.running.pop(seq.seq_id, None)
             self._finish(seq, reason, hold=seq.hold_kv)
@@ -295,6 +315,8 @@ class Engine(KVExchange):
     def _finish(self, seq: Sequence, reason: str, hold: bool) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if self.grammars is not None:
+            self.grammars.drop(seq.seq_id)
         if hold:
             self.held[seq.seq_id] = seq
         else:

@@ -10,6 +10,9 @@ Log-probabilities (`token_logprobs`, for requests that ask) come from the raw lo
 penalties and temperature (vLLM's default), one row at a time in float32: a token's figures
 depend on its own row alone, so they are the same whichever role sampled it, alone or batched.
 
+A request with a grammar (structured outputs, tool calls) samples only among the tokens its
+grammar allows next (shared/runtime/grammar.py); its logprobs stay the model's own.
+
 A seeded request draws its randomness from a generator seeded by `(seed, step)`, where step
 is the number of tokens generated before this one. The draw is a pure function of the logits,
 the seed and the step, so an instance that picks a request up mid-way (relay-decode hands it to
@@ -65,17 +68,30 @@ def sample(logits: torch.Tensor, params: Sampling, step: int) -> int:
 
 
 def sample_batch(
-    logits: torch.Tensor, params: list[Sampling], steps: list[int], histories: list[History | None] | None = None
+    logits: torch.Tensor,
+    params: list[Sampling],
+    steps: list[int],
+    histories: list[History | None] | None = None,
+    masks: list[torch.Tensor | None] | None = None,
 ) -> list[int]:
     """Sample one token per row. Greedy rows share one argmax; the other rows share each filter's
     tensor ops (temperature, top-k, softmax, top-p over all of them at once: a per-row top-p sort of
     a 49k vocabulary took about a millisecond each) and draw with their own generator. Rows with
-    penalties get them first (`histories` gives their tokens)."""
+    penalties get them first (`histories` gives their tokens), then rows with a grammar lose the
+    tokens it does not allow (`masks`: a bool row of allowed tokens, shared/runtime/grammar.py)."""
     if not params:
         return []
-    if histories is not None and any(h is not None for h in histories):
+    penalised = histories is not None and any(h is not None for h in histories)
+    masked = masks is not None and any(m is not None for m in masks)
+    if penalised or masked:
         logits = logits.clone()
+    if penalised:
         apply_penalties(logits, params, histories)
+    if masked:
+        for i, allowed in enumerate(masks):
+            if allowed is not None:
+                logits[i, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+                logits[i, allowed.shape[0] :] = float("-inf")  # padded vocabulary rows: never a token
     out = torch.argmax(logits, dim=-1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

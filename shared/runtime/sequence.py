@@ -65,6 +65,17 @@ class Sequence:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def output_start(self) -> int:
+        """Where the request's own output begins: a migrated attempt's prompt ends with some of it."""
+        return self.prompt_len - self.params.resumed
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens of the request so far, an earlier attempt's included (penalties,
+        min_tokens, the seeded step and the grammar count these)."""
+        return len(self.token_ids) - self.output_start
+
+    @property
     def num_pending(self) -> int:
         """Known tokens whose KV is not computed yet."""
         return len(self.token_ids) - self.num_computed

@@ -22,7 +22,7 @@ class StopRules:
     def reason(self, seq: Sequence, token: int) -> str | None:
         """Why `seq` stops now that `token` (its last) was sampled, or None."""
         p = seq.params
-        if seq.num_generated < p.min_tokens:  # nothing stops it before min_tokens but its budget
+        if seq.num_output < p.min_tokens:  # nothing stops it before min_tokens but its budget
             return FinishReason.LENGTH if seq.num_generated >= p.max_tokens else None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
@@ -38,9 +38,8 @@ class StopRules:
         """What the penalties of the next token see."""
         p = seq.params
         banned = () if p.ignore_eos else self.eos_token_ids
-        return History(
-            seq.token_ids[: seq.prompt_len], seq.token_ids[seq.prompt_len :], tuple({*banned, *p.stop_token_ids})
-        )
+        start = seq.output_start
+        return History(seq.token_ids[:start], seq.token_ids[start:], tuple({*banned, *p.stop_token_ids}))
 
     def _hits_stop_string(self, seq: Sequence) -> bool:
         longest = max(len(s) for s in seq.params.stop)

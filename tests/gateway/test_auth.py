@@ -298,7 +298,8 @@ def fake_gateway(keys: KeyRing, need_key: bool = True) -> SimpleNamespace:
 
     gw.missing_roles, gw.admit, gw.check_capacity = missing_roles, admit, lambda: None
     gw.encode = lambda text: [1] * len(text.split())
-    gw.apply_chat_template = lambda messages: [1] * len(messages)
+    gw.apply_chat_template = lambda messages, tools=None: [1] * len(messages)
+    gw.grammar_vocab = None
     gw.model_card = lambda: {"id": "smol", "object": "model"}
     return gw
 

@@ -23,7 +23,7 @@ def chars(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def render(messages: list[dict[str, str]]) -> list[int]:
+def render(messages: list[dict], tools=None) -> list[int]:
     return chars("".join(f"<{m['role']}>{m['content']}" for m in messages))
 
 
@@ -150,7 +150,7 @@ def test_parameters_that_change_the_output_are_parsed_or_refused():
     for body, param in (
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -396,7 +396,7 @@ def test_default_max_tokens_is_clipped_to_fit():
 def test_chat_renders_messages_with_the_template():
     seen = []
 
-    def template(messages):
+    def template(messages, tools=None):
         seen.append(messages)
         return render(messages)
 
@@ -454,7 +454,7 @@ def test_bad_messages_are_400(messages, param):
 
 
 def test_template_failure_is_400():
-    def template(messages):
+    def template(messages, tools=None):
         raise ValueError("roles must alternate")
 
     e = error_of(chat, {"messages": [{"role": "user", "content": "hi"}]}, apply_template=template)
