@@ -66,8 +66,12 @@ class Grammars:
         return out, failed
 
     def finished(self, seq: Sequence) -> bool:
-        """The grammar is complete and allows nothing more (the JSON object closed)."""
-        return bool(seq.params.grammar) and self.sync(seq).matcher.is_stopped()
+        """The grammar is complete and allows nothing more (the JSON object closed). A grammar
+        error is left for the next `masks`, which fails the sequence."""
+        try:
+            return bool(seq.params.grammar) and self.sync(seq).matcher.is_stopped()
+        except GrammarError:
+            return False
 
     def sync(self, seq: Sequence) -> _State:
         """The sequence's matcher, fed every generated id it has not seen. Raises GrammarError."""

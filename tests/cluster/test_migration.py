@@ -4,6 +4,7 @@ missing, and greedy output still equals the reference. The dead instance is neve
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -39,12 +40,38 @@ def _holder(fleet, operator: Operator, role: str) -> str | None:
     return next((i.id for i in fleet.cfg.instances if i.role == role and operator.inspect(i.id).requests), None)
 
 
-@pytest.mark.parametrize("pipeline, victim", [("p-md", "md"), ("p-rld-md", "rld"), ("p-md", "prefill")])
-def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, reference, smol_tokenizer, pipeline, victim):
+# a JSON answer long enough to be cut in its middle (the grammar's state moves as the ids do)
+JSON_ANSWER = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "items",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 6, "maxItems": 8}
+            },
+            "required": ["items"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "pipeline, victim, answer",
+    [("p-md", "md", "text"), ("p-rld-md", "rld", "text"), ("p-md", "prefill", "text"), ("p-md", "md", "json")],
+)
+def test_request_survives_the_death_of_its_instance(
+    fleet, fleet_operator, reference, smol_tokenizer, pipeline, victim, answer
+):
     words = 400 if victim == "prefill" else 40  # a long prompt keeps prefill busy for seconds
     prompt = fresh_prompt(words, f"kill-{victim}")
     n = 48
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": pipeline}}
+    expected = None
+    if answer == "json":  # what the same request gives when nothing dies
+        body = {**body, "prompt": prompt + " List them as JSON:", "max_tokens": 128, "response_format": JSON_ANSWER}
+        expected, _, _ = stream_completion(fleet.url + "/v1/completions", body, timeout=120)
     r = fleet_operator.redis()
     result: dict = {}
     events: list[dict] = []  # the stream's chunks as they arrive
@@ -84,7 +111,10 @@ def test_request_survives_the_death_of_its_instance(fleet, fleet_operator, refer
             f"\nkilled {target} ({pipeline}): migrations {pdd['migrations']}, tokens {pdd['tokens_by_role']}, "
             f"now on {pdd['instances']}"
         )
-        assert text == reference(smol_tokenizer(prompt)["input_ids"], n, ignore_eos=True, draft=text)
+        if answer == "json":
+            assert text == expected and len(json.loads(text)["items"]) >= 6, (text, expected)
+        else:
+            assert text == reference(smol_tokenizer(prompt)["input_ids"], n, ignore_eos=True, draft=text)
         assert pdd["migrations"] == 1 and target not in pdd["instances"].values()
         assert not r.exists(f"pdd:instance:{target}")  # its heartbeat expired
     finally:

@@ -58,8 +58,12 @@ def test_sdk_models_and_unsupported_parameters(client, model_id):
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"n": 2}, "n"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+            "response_format",
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(
