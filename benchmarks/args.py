@@ -45,7 +45,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# each microbenchmark's defaults (`pdd bench handoff`, `pdd bench grammar`)
+MICRO_DEFAULTS = {"handoff": {"tokens": 100, "reps": 30}, "grammar": {"tokens": 48, "reps": 3}}
+
+
 def add_handoff_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=100)
-    p.add_argument("--reps", type=int, default=30)
+    """The microbenchmarks' options (`--tokens` and `--reps` default per benchmark: MICRO_DEFAULTS)."""
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
     p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="bench grammar: rows decoding at once (half constrained)")
+    p.add_argument("--threads", type=int, default=2, help="bench grammar: torch threads")
+
+
+def micro_defaults(args: argparse.Namespace, what: str) -> argparse.Namespace:
+    for key, value in MICRO_DEFAULTS[what].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args

@@ -13,6 +13,8 @@ pdd bench [--workload W --modes M1,M2 --out DIR ...]
                               PDD and its baselines side by side (benchmarks/bench.py)
 pdd bench handoff [--tokens 100 --reps 30]
                               KV over the WAN vs token ids + extend (benchmarks/handoff_micro.py)
+pdd bench grammar [--batch 8 --tokens 48 --reps 3]
+                              the grammar mask's cost, and unconstrained rows beside constrained ones
 pdd sim [--config FILE --workload W --modes M1,M2 --out DIR ...]
                               the same modes, simulated on any fleet (sim/run.py)
 pdd sim profile               measure this machine's chip profile (sim/measure.py)
@@ -71,10 +73,16 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from benchmarks.args import micro_defaults
+
     if args.what == "handoff":
         from benchmarks import handoff_micro
 
-        return handoff_micro.main(args)
+        return handoff_micro.main(micro_defaults(args, "handoff"))
+    if args.what == "grammar":
+        from benchmarks import grammar_cost
+
+        return grammar_cost.main(micro_defaults(args, "grammar"))
     from benchmarks import bench
 
     return bench.main(args)
@@ -84,7 +92,7 @@ def _add_bench(sub) -> None:
     from benchmarks.args import add_bench_arguments, add_handoff_arguments
 
     p = sub.add_parser("bench", help="benchmarks: modes side by side, or `bench handoff`")
-    p.add_argument("what", nargs="?", choices=["run", "handoff"], default="run")
+    p.add_argument("what", nargs="?", choices=["run", "handoff", "grammar"], default="run")
     add_bench_arguments(p)
     add_handoff_arguments(p)
     p.set_defaults(func=_bench)

@@ -27,18 +27,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
 
 from shared.messages import IndexEvent, Logprob
-from shared.runtime.grammar import Grammars
+from shared.runtime.grammar import Grammars, Masks
 from shared.runtime.kv_exchange import KVExchange
 from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
-from shared.runtime.sampling import sample_batch, token_logprobs
+from shared.runtime.sampling import TokenMask, sample_batch, token_logprobs
 from shared.runtime.sequence import FinishReason, SeqStatus, Sequence
 from shared.runtime.stops import StopRules
 
@@ -211,7 +212,12 @@ class Engine(KVExchange):
         work = self._schedule()
         if not work:
             return outputs
-        result = self.runner.forward(work)
+        masking = self._prefetch_masks(work)
+        try:
+            result = self.runner.forward(work)
+        finally:  # a failed step frees sequences: not while the grammar thread reads them
+            if masking is not None:
+                wait([masking])
         self.steps += 1
         self.last_step_tokens = sum(n for _, n in work)
         for seq, n in work:
@@ -223,7 +229,7 @@ class Engine(KVExchange):
         sampled = result.sampled
         steps = [s.num_output for s in sampled]
         histories = [self.stops.history(s) if s.params.penalised else None for s in sampled]
-        masks, failed = self._masks(sampled)
+        masks, failed = self._masks(sampled, masking)
         params = [s.params for s in sampled]
         tokens = sample_batch(result.logits, params, steps, histories, masks)
         logprobs = token_logprobs(result.logits, params, tokens)
@@ -235,13 +241,25 @@ class Engine(KVExchange):
                 outputs.append(self._append(s, token, lp))
         return outputs
 
-    def _masks(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor | None] | None, dict[str, str]]:
-        """The grammar masks of the constrained rows (None when no row has a grammar)."""
-        if not any(s.params.grammar for s in seqs):
-            return None, {}
+    def _prefetch_masks(self, work: list[tuple[Sequence, int]]) -> Future[Masks] | None:
+        """The grammar masks of the constrained rows this step will sample, computed while its
+        forward runs (they depend only on tokens already known)."""
         if self.grammars is None:
-            return None, {s.seq_id: "this instance has no grammar support" for s in seqs if s.params.grammar}
-        return self.grammars.masks(seqs)
+            return None
+        sampling = [s for s, n in work if s.params.grammar and not s.shadow and s.num_computed + n >= s.num_tokens]
+        return self.grammars.prefetch(sampling) if sampling else None
+
+    def _masks(
+        self, seqs: list[Sequence], masking: Future[Masks] | None
+    ) -> tuple[list[TokenMask | None], dict[str, str]]:
+        """Each sampled row's grammar mask (None for rows without a grammar) and the rows whose
+        grammar failed."""
+        if not any(s.params.grammar for s in seqs):
+            return [], {}
+        if self.grammars is None:
+            return [], {s.seq_id: "this instance has no grammar support" for s in seqs if s.params.grammar}
+        ready, failed = self.grammars.masks(seqs, masking.result() if masking is not None else None)
+        return [ready.get(s.seq_id) for s in seqs], failed
 
     def _admit(self) -> list[TokenOutput]:
         failed: list[TokenOutput] = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.messages import Logprob, Sampling
@@ -72,33 +73,62 @@ def sample_batch(
     params: list[Sampling],
     steps: list[int],
     histories: list[History | None] | None = None,
-    masks: list[torch.Tensor | None] | None = None,
+    masks: list[TokenMask | None] | None = None,
 ) -> list[int]:
     """Sample one token per row. Greedy rows share one argmax; the other rows share each filter's
     tensor ops (temperature, top-k, softmax, top-p over all of them at once: a per-row top-p sort of
     a 49k vocabulary took about a millisecond each) and draw with their own generator. Rows with
     penalties get them first (`histories` gives their tokens), then rows with a grammar lose the
-    tokens it does not allow (`masks`: a bool row of allowed tokens, shared/runtime/grammar.py)."""
+    tokens it does not allow (`masks`, shared/runtime/grammar.py): a greedy row whose argmax the
+    grammar allows keeps it (the masked row's argmax is the same token), another greedy row takes
+    the best of the allowed ids, a sampled row is masked in full (~0.1 ms for a 49k vocabulary)."""
     if not params:
         return []
-    penalised = histories is not None and any(h is not None for h in histories)
-    masked = masks is not None and any(m is not None for m in masks)
-    if penalised or masked:
+    cloned = histories is not None and any(h is not None for h in histories)
+    if cloned:
         logits = logits.clone()
-    if penalised:
         apply_penalties(logits, params, histories)
-    if masked:
-        for i, allowed in enumerate(masks):
-            if allowed is not None:
-                logits[i, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
-                logits[i, allowed.shape[0] :] = float("-inf")  # padded vocabulary rows: never a token
     out = torch.argmax(logits, dim=-1).tolist()
+    masked = [i for i, m in enumerate(masks or ()) if m is not None and not (params[i].greedy and m.allows(out[i]))]
+    vocab = logits.shape[-1]
+    for i in (i for i in masked if params[i].greedy):  # the best allowed token: argmax over those alone
+        ids = masks[i].ids(vocab)
+        out[i] = int(ids[torch.argmax(logits[i, ids])]) if len(ids) else out[i]
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    if any(not params[i].greedy for i in masked):
+        logits = logits if cloned else logits.clone()
+        for i in (i for i in masked if not params[i].greedy):
+            logits[i].masked_fill_(~masks[i].allowed(vocab), float("-inf"))
     if rows:
         probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
         for j, i in enumerate(rows):
             out[i] = int(torch.multinomial(probs[j], 1, generator=_generator(params[i], steps[i])))
     return out
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """The tokens a grammar allows next: one bit per token id, packed little-endian in 32-bit
+    words (llguidance's layout)."""
+
+    words: torch.Tensor  # int32 [ceil(vocab / 32)]
+
+    def allows(self, token: int) -> bool:
+        return bool((int(self.words[token >> 5]) >> (token & 31)) & 1)
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """One flag per token id of a `vocab`-wide logits row (ids past the mask's: not allowed)."""
+        return torch.from_numpy(self._bits(vocab))
+
+    def ids(self, vocab: int) -> torch.Tensor:
+        """The allowed token ids below `vocab`, ascending."""
+        return torch.from_numpy(np.flatnonzero(self._bits(vocab)))
+
+    def _bits(self, vocab: int) -> np.ndarray:
+        bits = np.unpackbits(self.words.numpy().view(np.uint8), bitorder="little").view(np.bool_)
+        if len(bits) < vocab:
+            bits = np.concatenate([bits, np.zeros(vocab - len(bits), dtype=np.bool_)])
+        return bits[:vocab]
 
 
 def token_logprobs(logits: torch.Tensor, params: list[Sampling], tokens: list[int]) -> list[Logprob | None]:

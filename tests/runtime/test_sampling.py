@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.messages import Sampling
-from shared.runtime.sampling import sample
+from shared.runtime.sampling import TokenMask, sample, sample_batch
 from shared.runtime.sequence import Sequence
 from tests.helpers import make_engine, random_prompts, run_to_completion
 
@@ -88,3 +88,25 @@ def test_stop_strings(smol, smol_tokenizer):
     out = run_to_completion(engine)["stop"]
     assert decode(out).endswith("Thursday") or "Thursday" in decode(out[-3:])
     assert len(out) < 12
+
+
+def _mask(allowed: list[int], vocab: int) -> TokenMask:
+    bits = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        bits[t >> 5] |= 1 << (t & 31)
+    return TokenMask(torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32))
+
+
+def test_a_grammar_mask_picks_the_best_allowed_token_and_leaves_other_rows_alone():
+    vocab = 70
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+    logits[0, 5] = logits[0, 40] = 9.0  # a tie among allowed tokens: the lower id, as argmax takes it
+    allowed = [5, 31, 40, 63]
+    mask = _mask(allowed, vocab)
+    assert [t for t in range(vocab) if mask.allows(t)] == allowed and mask.ids(vocab).tolist() == allowed
+    params = [Sampling(), Sampling(), Sampling(temperature=1.0, seed=1), Sampling()]
+    picks = sample_batch(logits, params, [0] * 4, masks=[mask, None, mask, mask])
+    free = logits.argmax(-1).tolist()
+    assert picks[0] == 5 and picks[1] == free[1] and picks[2] in allowed
+    assert picks[3] == allowed[int(logits[3, allowed].argmax())]
+    assert sample_batch(logits[:2], params[:2], [0, 0]) == free[:2]  # without masks: the argmax
