@@ -24,6 +24,13 @@ prompt is over 20x that. Production agents have tens of thousands of tokens of c
 outputs of hundreds; scaled to a 2-core CPU's 1-2K-token prompts, tool outputs shrink alike.
 (With 40-120-token tool outputs the skew needs ~2.2K-token prompts and still tops out near 0.65.)
 
+With `tools` (`pdd bench --workload agentic-tools`), every chat request carries three coding
+tools (read_file, run_tests, search_code; nested objects, enums, arrays): a session's first turn
+must call one (`tool_choice: "required"`), each later turn calls one with probability
+`tool_turn_share` or answers in text (`"none"`); the tool result that follows a call goes back as
+a `tool` message answering that call, after an answer as the user's next message. The report
+adds the time to the complete tool call.
+
 `agent_sessions` draws the same sessions at fleet scale for the simulator: every length of
 `AgenticParams.scaled(k)` k times the bench's (a 128K context at k = 16), message bodies as
 named `Segment`s of a known length instead of text (sim/workload.py names their blocks), so a
@@ -32,6 +39,7 @@ run of tens of thousands of 64K-token prompts is drawn in seconds. Same rules, s
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -44,6 +52,69 @@ MESSAGE_OVERHEAD = 5  # <|im_start|> role \n ... <|im_end|> \n
 GENERATION_PROMPT = 3  # <|im_start|> assistant \n
 SYSTEM_PREAMBLE = "You are a coding agent. Use the tools, keep answers short. Instructions follow.\n"
 ANOMALOUS_ASK = "Read the document below and answer in one word: does it describe a bug?\n\n"
+TOOLS_PROMPT_TOKENS = 120  # the fallback tools prompt's own words (services/gateway/structured.py)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read part of a file of the repository.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "maxLength": 48},
+                    "lines": {
+                        "type": "object",
+                        "properties": {
+                            "start": {"type": "integer", "minimum": 1, "maximum": 9999},
+                            "end": {"type": "integer", "minimum": 1, "maximum": 9999},
+                        },
+                        "required": ["start", "end"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["path", "lines"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run some of the test suite.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "suite": {"enum": ["unit", "integration", "all"]},
+                    "filter": {"type": "string", "maxLength": 32},
+                },
+                "required": ["suite", "filter"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_code",
+            "description": "Search the repository for words.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "words": {
+                        "type": "array",
+                        "items": {"type": "string", "maxLength": 24},
+                        "minItems": 1,
+                        "maxItems": 3,
+                    }
+                },
+                "required": ["words"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 
 
 @dataclass(frozen=True)
@@ -59,6 +130,9 @@ class AgenticParams:
     anomalous_input_tokens: tuple[int, int] = (2048, 4096)
     anomalous_output_tokens: tuple[int, int] = (4, 8)
     context_margin: int = 64  # slack for tokenizing answers differently from how they were made
+    tools: bool = False  # chat requests carry TOOLS and call them (see the module docstring)
+    tool_turn_share: float = 0.7  # with tools: later turns that call a tool (the rest answer)
+    tool_call_tokens: int = 96  # with tools: the answer budget of a turn that must call
 
     def __post_init__(self) -> None:
         for name in (
@@ -99,6 +173,9 @@ class AgenticParams:
             anomalous_input_tokens=times(self.anomalous_input_tokens),
             anomalous_output_tokens=self.anomalous_output_tokens,
             context_margin=self.context_margin * k,
+            tools=self.tools,
+            tool_turn_share=self.tool_turn_share,
+            tool_call_tokens=self.tool_call_tokens * k,
         )
 
 
@@ -157,6 +234,7 @@ class _Session:
     turn: int = 1
     last_request: str = ""
     last_max_tokens: int = 0
+    last_called: bool = False  # the last turn had to call a tool (tools mode)
 
 
 @dataclass
@@ -175,6 +253,8 @@ class _Builder:
         text = self.material.join(SYSTEM_PREAMBLE, body)
         self.system = {"role": "system", "content": text}
         self.system_cost = self.cost(text)
+        if self.params.tools:  # the tools are described in the system message too (a template without tools)
+            self.system_cost += self.material.tokens(json.dumps(TOOLS)) + TOOLS_PROMPT_TOKENS
 
     def log_uniform(self, lo: int, hi: int) -> int:
         """Mostly short, sometimes long: how tool outputs are sized."""
@@ -227,20 +307,29 @@ class _Builder:
         body = self.material.draw(self.rng, self.log_uniform(*p.tool_tokens))
         tool = self.material.join(f"Tool result (step {s.turn}):\n", body)
         grown = s.tokens + s.last_max_tokens + MESSAGE_OVERHEAD + self.cost(tool)
-        if grown + GENERATION_PROMPT + p.output_tokens[1] + p.context_margin > p.max_context:
+        longest = max(p.output_tokens[1], p.tool_call_tokens if p.tools else 0)
+        if grown + GENERATION_PROMPT + longest + p.context_margin > p.max_context:
             self.pool.remove(s)
             return self.new_session(rid, t)
         answer = {"role": "assistant", "content": None, "from": s.last_request}  # the runner fills it in
-        s.messages += [answer, {"role": "user", "content": tool}]
+        result = {"role": "tool", "content": tool, "from": s.last_request} if s.last_called else None
+        s.messages += [answer, result or {"role": "user", "content": tool}]
         s.tokens, s.turn = grown, s.turn + 1
         return self.emit(s, rid, t, "continue", depends_on=s.last_request)
 
     def emit(self, s: _Session, rid: str, t: float, kind: str, depends_on: str | None) -> BenchRequest:
-        max_tokens = self.rng.randint(*self.params.output_tokens)
-        s.last_request, s.last_max_tokens = rid, max_tokens
+        p = self.params
+        max_tokens = self.rng.randint(*p.output_tokens)
+        calls = p.tools and (kind == "new" or self.rng.random() < p.tool_turn_share)
+        if calls:
+            max_tokens = p.tool_call_tokens  # a call cut short would not parse
+        s.last_request, s.last_max_tokens, s.last_called = rid, max_tokens, calls
         self.prompt_tokens.append(s.tokens + GENERATION_PROMPT)
         messages = [dict(m) for m in s.messages]
-        return BenchRequest(rid, s.session_id, s.turn, t, max_tokens, kind, messages=messages, depends_on=depends_on)
+        tools = {"tools": TOOLS, "tool_choice": "required" if calls else "none"} if p.tools else {}
+        return BenchRequest(
+            rid, s.session_id, s.turn, t, max_tokens, kind, messages=messages, depends_on=depends_on, **tools
+        )
 
 
 def agentic(n_requests: int, seed: int, rate_rps: float, tokenizer: Any | None = None, **knobs: Any) -> Workload:
@@ -249,7 +338,9 @@ def agentic(n_requests: int, seed: int, rate_rps: float, tokenizer: Any | None =
     With a tokenizer, context budgets count real tokens; without, a conservative estimate.
     """
     counts = "tokenizer" if tokenizer is not None else "estimated (chars/3)"
-    return _draw("agentic", n_requests, seed, rate_rps, AgenticParams(**knobs), _Text(tokenizer), counts)
+    params = AgenticParams(**knobs)
+    name = "agentic-tools" if params.tools else "agentic"
+    return _draw(name, n_requests, seed, rate_rps, params, _Text(tokenizer), counts)
 
 
 def agent_sessions(n_requests: int, seed: int, rate_rps: float, params: AgenticParams) -> Workload:
@@ -261,7 +352,7 @@ def _draw(name: str, n: int, seed: int, rate_rps: float, params: AgenticParams, 
     builder = _Builder(params, seed, material)
     arrivals = poisson_arrivals(n, rate_rps, seed)
     kinds = builder.plan_kinds(n)
-    prefix = "ag" if name == "agentic" else "ags"
+    prefix = "ags" if name == "agents" else "ag"
     requests = [builder.next_request(k, f"{prefix}-{i:05d}", t) for i, (k, t) in enumerate(zip(kinds, arrivals))]
     tokens = builder.prompt_tokens
     stats = {

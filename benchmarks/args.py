@@ -9,7 +9,7 @@ from shared.model_info import AUTO_WIRE, WIRE_FORMATS
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="agentic", help="agentic | random | trace:FILE")
+    p.add_argument("--workload", default="agentic", help="agentic | agentic-tools | random | trace:FILE")
     p.add_argument("--modes", default="pd-local,pd-wan,pdd", help=f"comma-separated: {','.join(MODES)}")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--requests", type=int, default=40)

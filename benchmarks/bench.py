@@ -44,7 +44,7 @@ PRICES = {"chip_a": 1.0, "chip_b": 1.25, "wan_line": 0.5}  # chip B at the repor
 
 def _workload(args: argparse.Namespace):
     tokenizer = None
-    if args.workload == "agentic":  # its prompts are sized in the default model's tokens
+    if args.workload.startswith("agentic"):  # its prompts are sized in the default model's tokens
         from shared.runtime.models import load_tokenizer
         from shared.runtime.provision import provision_default_model
 

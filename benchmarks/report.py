@@ -249,6 +249,18 @@ def _pipelines(modes: dict[str, dict[str, Any]]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def tool_calls_section(modes: dict[str, dict[str, Any]]) -> list[str]:
+    """The agentic-tools workload's calls: the time to the complete call, and whether they parse."""
+    called = {m: s["tool_calls"] for m, s in modes.items() if s.get("tool_calls")}
+    if not called:
+        return []
+    rows = [["requests that called", *(t["requests"] for t in called.values())]]
+    rows += [["arguments parse (share)", *(t["arguments_parse"] for t in called.values())]]
+    for k in ("p50", "p90", "p99"):
+        rows += [[f"complete call {k.upper()} ms", *(t["complete_ms"][k] for t in called.values())]]
+    return ["## Tool calls (time from sending to the complete call)", "", table(["metric", *called], rows), ""]
+
+
 def _ratios(modes: dict[str, dict[str, Any]]) -> list[str]:
     rows = ratio_rows(modes)
     if not rows:
@@ -307,6 +319,7 @@ def render_markdown(results: dict[str, Any], buckets_by_mode: dict[str, list[dic
         _overview(modes),
         _busy(modes),
         _latencies(modes),
+        tool_calls_section(modes),
         _pipelines(modes),
         _ratios(modes),
         _buckets(buckets_by_mode),

@@ -69,7 +69,8 @@ def _body(req: BenchRequest, answers: dict[str, str], extra: dict[str, Any]) -> 
     common = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     common |= extra
     if req.messages is not None:
-        return "/v1/chat/completions", {**common, "messages": fill_answers(req.messages, answers)}
+        tools = {"tools": req.tools, "tool_choice": req.tool_choice} if req.tools else {}
+        return "/v1/chat/completions", {**common, **tools, "messages": fill_answers(req.messages, answers)}
     return "/v1/completions", {**common, "prompt": req.prompt_ids}
 
 
@@ -90,9 +91,12 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
                 return
             choices = event.get("choices") or []  # the usage chunk, last, has none
             piece = (choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or "") if choices else ""
-            if piece:
+            calls = _tool_calls(rec, choices[0].get("delta") or {}) if choices else False
+            if piece or calls:
                 rec["token_times_s"].append(time.perf_counter() - t0)
                 rec["text"] += piece
+            if choices and choices[0].get("finish_reason") == "tool_calls":
+                rec["tool_call_done_s"] = time.perf_counter() - t0
             if event.get("usage"):
                 rec["usage"] = event["usage"]
             if choices and choices[0].get("finish_reason"):
@@ -100,6 +104,19 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
             if "pdd" in event:
                 rec["pdd"] = event["pdd"]
                 rec["ok"] = True
+
+
+def _tool_calls(rec: dict[str, Any], delta: dict[str, Any]) -> bool:
+    """Put a delta's tool-call fragments together into `rec["tool_calls"]`; whether it had any."""
+    for d in delta.get("tool_calls") or []:
+        calls = rec.setdefault("tool_calls", [])
+        while len(calls) <= d.get("index", 0):
+            calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call, fn = calls[d.get("index", 0)], d.get("function") or {}
+        call["id"] = d.get("id") or call["id"]
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+    return bool(delta.get("tool_calls"))
 
 
 async def _one(client, target: Target, req: BenchRequest, mode: str, t0: float, state: dict) -> dict[str, Any]:
@@ -134,7 +151,10 @@ async def _sent(client, target: Target, req: BenchRequest, mode: str, t0: float,
     usage = rec.pop("usage", {})
     rec["output_tokens"] = usage.get("completion_tokens", len(rec["token_times_s"]))
     rec["prompt_tokens"] = usage.get("prompt_tokens", 0)
-    state["answers"][req.request_id] = rec["text"]
+    calls = rec.get("tool_calls")
+    state["answers"][req.request_id] = (
+        {"role": "assistant", "content": rec["text"] or None, "tool_calls": calls} if calls else rec["text"]
+    )
     state["done"][req.request_id].set()
     state["progress"].tick(rec["ok"])
     return rec

@@ -18,6 +18,7 @@ the run's settings (`slo`, `prices`, `instances`, `duration_s`). Nothing here ta
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,7 @@ def summarize_mode(
         **pdd,
         "by_pipeline": by_pipeline(done) if pdd_known else None,
         "handoff_gap_ratio": latency_stats(handoff_gap_ratios(done)),
+        "tool_calls": tool_call_figures(done),
         "line_bytes": line,
         "cost": duration / 3600 * rate if fleet_known else None,
         "bcr": _ratio(goodput, rate) if fleet_known else None,
@@ -242,12 +244,40 @@ def outputs_match(records_by_mode: dict[str, list[Record]]) -> float:
 
     0.0 when no request id is common to every mode (nothing could be compared).
     """
-    texts = [{r["request_id"]: r.get("text", "") for r in rs if r.get("ok")} for rs in records_by_mode.values()]
+    texts = [{r["request_id"]: _output(r) for r in rs if r.get("ok")} for rs in records_by_mode.values()]
     if not texts:
         return 0.0
     common = set.intersection(*(set(t) for t in texts))
     same = sum(len({t[rid] for t in texts}) == 1 for rid in common)
     return _ratio(same, len(common))
+
+
+def _output(record: Record) -> str:
+    """A request's answer: its text, and its tool calls' names and arguments (ids are random)."""
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in record.get("tool_calls") or []]
+    return record.get("text", "") + (json.dumps(calls) if calls else "")
+
+
+def tool_call_figures(done: list[Record]) -> dict[str, Any] | None:
+    """Requests that called tools: how many, the share whose every call's arguments parse as
+    JSON, and the time from sending to the complete call (its finish chunk); None when none did."""
+    called = [r for r in done if r.get("tool_calls")]
+    if not called:
+        return None
+
+    def parses(call: dict[str, Any]) -> bool:
+        try:
+            return isinstance(json.loads(call["function"]["arguments"]), dict)
+        except ValueError:
+            return False
+
+    return {
+        "requests": len(called),
+        "arguments_parse": _ratio(sum(all(parses(c) for c in r["tool_calls"]) for r in called), len(called)),
+        "complete_ms": latency_stats(
+            [(r["tool_call_done_s"] - r["sent_s"]) * 1000 for r in called if "tool_call_done_s" in r]
+        ),
+    }
 
 
 def md_hit_fraction(record: Record) -> float:

@@ -29,6 +29,8 @@ class BenchRequest:
     messages: list[dict] | None = None  # chat form (may hold answer placeholders)
     prompt_ids: list[int] | None = None  # completion form: token ids
     depends_on: str | None = None  # previous turn of the same session: wait for its answer
+    tools: list[dict] | None = None  # chat: the tools it may call (`agentic --tools`)
+    tool_choice: Any = None  # "required" (a call) or "none" (an answer) when tools are given
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt_ids is None):
@@ -71,14 +73,23 @@ def is_placeholder(message: dict) -> bool:
     return message.get("role") == "assistant" and message.get("content") is None and "from" in message
 
 
-def fill_answers(messages: list[dict], answers: dict[str, str]) -> list[dict]:
-    """A copy of `messages` with every answer placeholder replaced by the actual answer text."""
+def fill_answers(messages: list[dict], answers: dict[str, str | dict]) -> list[dict]:
+    """A copy of `messages` with every answer placeholder replaced by the actual answer: its text,
+    or the assistant message of a turn that called tools. A tool result (`{"role": "tool", "from":
+    ...}`) answers that turn's first call; when the turn called none (a server without tools), it
+    is sent as a user message."""
     out = []
     for m in messages:
-        if is_placeholder(m):
+        if is_placeholder(m) or m.get("role") == "tool":
             if m["from"] not in answers:
                 raise KeyError(f"no answer for {m['from']!r} yet: run it before its follow-up turn")
-            out.append({"role": "assistant", "content": answers[m["from"]]})
+            answer = answers[m["from"]]
+        if is_placeholder(m):
+            out.append(dict(answer) if isinstance(answer, dict) else {"role": "assistant", "content": answer})
+        elif m.get("role") == "tool":
+            calls = answer.get("tool_calls") if isinstance(answer, dict) else None
+            body = {k: v for k, v in m.items() if k != "from"}
+            out.append({**body, "tool_call_id": calls[0]["id"]} if calls else {"role": "user", "content": m["content"]})
         else:
             out.append(dict(m))
     return out

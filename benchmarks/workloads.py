@@ -8,7 +8,7 @@
   to `block_tokens` deterministic token ids, so equal hash ids share real prefixes.
 - `random_workload`: fixed input/output lengths, fresh random token ids, no sharing at all (the
   floor for prefix caches).
-- `load_workload("agentic" | "random" | "trace:FILE", ...)`: what the command line names.
+- `load_workload("agentic" | "agentic-tools" | "random" | "trace:FILE", ...)`: what the command line names.
 `estimated_hit_rates` (benchmarks/hit_rates.py) replays any of them through an infinite prefix
 cache to check the skew without running a model.
 """
@@ -78,7 +78,8 @@ def load_workload(
     random_output_len: int = 32,
     **trace_opts: Any,
 ) -> Workload:
-    """The workload `spec` names: "agentic", "random" or "trace:FILE".
+    """The workload `spec` names: "agentic", "agentic-tools" (the same sessions calling tools),
+    "random" or "trace:FILE".
 
     `random_input_len` / `random_output_len` are the random workload's prompt and output tokens.
 
@@ -87,8 +88,8 @@ def load_workload(
     trace takes at most `n_requests` lines unless `max_requests` says otherwise, and keeps its own
     arrival times (`rate_rps` is for the generated workloads).
     """
-    if spec == "agentic":
-        return agentic(n_requests, seed, rate_rps, tokenizer)
+    if spec in ("agentic", "agentic-tools"):
+        return agentic(n_requests, seed, rate_rps, tokenizer, tools=spec == "agentic-tools")
     if spec == "random":
         return random_workload(
             n_requests, seed, rate_rps, input_tokens=random_input_len, output_tokens=random_output_len
@@ -96,4 +97,4 @@ def load_workload(
     if spec.startswith("trace:") and len(spec) > len("trace:"):
         opts = {"max_requests": n_requests, **{k: v for k, v in trace_opts.items() if v is not None}}
         return trace(spec[len("trace:") :], seed=seed, **opts)
-    raise ValueError(f"unknown workload {spec!r}: use 'agentic', 'random' or 'trace:FILE'")
+    raise ValueError(f"unknown workload {spec!r}: use 'agentic', 'agentic-tools', 'random' or 'trace:FILE'")

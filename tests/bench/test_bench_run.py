@@ -11,35 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_compat import VLLM_KEYS
+from tests.bench.test_summary_report import MODE_KEYS as SUMMARY_KEYS
 
 pytestmark = pytest.mark.slow
 
 LATENCY = {"mean", "p50", "p90", "p99", "max"}
-MODE_KEYS = {
-    "requests",
-    "completed",
-    "failed",
-    "ttft_ms",
-    "ttst_ms",
-    "itl_ms",
-    "tpot_ms",
-    "e2e_ms",
-    "max_gap_ms",
-    "goodput_rps",
-    "output_tok_s",
-    "wan_kv_bytes",
-    "wan_kv_bytes_attributed",
-    "line_bytes",
-    "tokens_by_role",
-    "hit_rate",
-    "cost",
-    "bcr",
-    "busy",
-    "by_pipeline",
-    "handoff_gap_ratio",
-    *VLLM_KEYS,
-}
+MODE_KEYS = {*SUMMARY_KEYS, "wan_kv_bytes_attributed"}  # with the line's counters: the pdd objects' sum too
 
 
 def _agentic(out: Path) -> tuple[list[str], dict[str, str]]:
@@ -87,3 +64,28 @@ def test_agentic_pdd_against_naive_cross_dc(background_job):
     for name in ("report.md", "ttft_cdf.png", "timeline.png", "hit_buckets.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "vs pd-wan" in (tmp_path / "report.md").read_text()
+
+
+def _agentic_tools(out: Path) -> tuple[list[str], dict[str, str]]:
+    argv = [sys.executable, "-m", "pdd.cli", "bench", "--workload", "agentic-tools", "--modes", "pdd"]
+    return [*argv, "--out", str(out), "--requests", "4", "--rate", "2"], {}
+
+
+@pytest.mark.background.with_args(_agentic_tools)
+def test_agentic_sessions_calling_tools(background_job):
+    """Each session's first turn must call a tool, later ones call or answer; the result of a call
+    goes back as a tool message answering it. Every call parses; the time to it is reported."""
+    run, tmp_path = background_job
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    calls = results["modes"]["pdd"]["tool_calls"]
+    assert results["modes"]["pdd"]["completed"] == 4 and calls["requests"] >= 1, results["modes"]["pdd"]
+    assert calls["arguments_parse"] == 1.0 and 0 < calls["complete_ms"]["p50"] <= calls["complete_ms"]["max"]
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    first = min(records, key=lambda r: r["sent_s"])
+    assert first["tool_calls"] and first["tool_calls"][0]["function"]["name"] in (
+        "read_file",
+        "run_tests",
+        "search_code",
+    )
+    assert "## Tool calls" in (tmp_path / "report.md").read_text()

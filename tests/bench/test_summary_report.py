@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks.plots import timeline_segments
-from benchmarks.report import check_targets, render_markdown, write_report
+from benchmarks.report import check_targets, render_markdown, tool_calls_section, write_report
 from benchmarks.summary import (
     HIT_BUCKETS,
     build_results,
@@ -20,6 +20,7 @@ from benchmarks.summary import (
     outputs_match,
     request_latencies,
     summarize_mode,
+    tool_call_figures,
 )
 from benchmarks.vllm_compat import VLLM_KEYS
 
@@ -41,6 +42,7 @@ MODE_KEYS = {
     "line_bytes",
     "by_pipeline",
     "handoff_gap_ratio",
+    "tool_calls",
     *VLLM_KEYS,
 }
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -345,3 +347,28 @@ def test_by_pipeline_and_the_handoff_gap_against_the_requests_own_pace() -> None
     assert target["result"] == "MISS" and target["measured"] > 1.5
     report = render_markdown(results, {})
     assert "## By pipeline" in report and "P->RLD->MD" in report
+
+
+def test_tool_calls_are_timed_to_the_complete_call_and_compared_across_modes():
+    def called(rid: str, mode: str, arguments: str, done_s: float) -> dict[str, Any]:
+        rec = make_record(rid, mode, 1.0, [1.1, 1.2, 1.3], 3, text="")
+        call = {"id": f"call_{mode}", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {**rec, "tool_calls": [call], "tool_call_done_s": done_s}
+
+    records = [
+        called("a", "pdd", '{"x": 1}', 1.4),
+        called("b", "pdd", '{"x": ', 1.6),
+        make_record("c", "pdd", 1.0, [1.1], 1),
+    ]
+    figures = tool_call_figures(records)
+    assert figures["requests"] == 2 and figures["arguments_parse"] == 0.5
+    assert figures["complete_ms"]["p50"] == pytest.approx(500.0) and figures["complete_ms"]["max"] == pytest.approx(
+        600.0
+    )
+    assert tool_call_figures([make_record("c", "pdd", 1.0, [1.1], 1)]) is None
+    same = {"pdd": [called("a", "pdd", '{"x": 1}', 1.4)], "pd-local": [called("a", "pd-local", '{"x": 1}', 1.2)]}
+    assert outputs_match(same) == 1.0  # call ids differ, the calls do not
+    other = {**same, "pd-local": [called("a", "pd-local", '{"x": 2}', 1.2)]}
+    assert outputs_match(other) == 0.0
+    section = "\n".join(tool_calls_section({"pdd": {"tool_calls": figures}, "pd-local": {"tool_calls": None}}))
+    assert "## Tool calls" in section and "| complete call P50 ms | 500" in section and "pd-local" not in section

@@ -134,6 +134,24 @@ def test_fill_answers_replaces_placeholders_and_leaves_the_input_alone(agentic20
         fill_answers(req.messages, {})
 
 
+def test_agentic_tools_sessions_call_then_feed_the_result_back():
+    w = agentic(60, 0, 2.0, None, tools=True)
+    assert w.name == "agentic-tools" and all(r.tools for r in w.requests if r.messages and r.kind != "anomalous")
+    firsts = [r for r in w.requests if r.kind == "new"]
+    assert firsts and all(r.tool_choice == "required" for r in firsts)
+    assert {r.tool_choice for r in w.requests if r.kind == "continue"} == {"required", "none"}
+    by_id = {r.request_id: r for r in w.requests}
+    later = next(r for r in w.requests if r.kind == "continue" and by_id[r.depends_on].tool_choice == "required")
+    call = {"id": "call_7", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}
+    answers = {p: {"role": "assistant", "content": None, "tool_calls": [call]} for p in later.placeholders()}
+    filled = fill_answers(later.messages, answers)
+    assert filled[-2] == answers[later.depends_on] and filled[-1]["role"] == "tool"
+    assert filled[-1]["tool_call_id"] == "call_7" and "from" not in filled[-1]
+    # a server that called no tool answered in text: the result goes back as the user's message
+    texts = fill_answers(later.messages, {p: "text" for p in later.placeholders()})
+    assert texts[-2] == {"role": "assistant", "content": "text"} and texts[-1]["role"] == "user"
+
+
 def test_every_agentic_request_fits_the_context(agentic200, smol_tokenizer):
     _assert_fits(agentic200[0], smol_tokenizer, 8192)
 
