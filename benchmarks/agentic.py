@@ -132,7 +132,7 @@ class AgenticParams:
     context_margin: int = 64  # slack for tokenizing answers differently from how they were made
     tools: bool = False  # chat requests carry TOOLS and call them (see the module docstring)
     tool_turn_share: float = 0.7  # with tools: later turns that call a tool (the rest answer)
-    tool_call_tokens: int = 96  # with tools: the answer budget of a turn that must call
+    tool_call_tokens: int = 128  # with tools: the answer budget of a turn that must call (one call)
 
     def __post_init__(self) -> None:
         for name in (

@@ -69,7 +69,8 @@ def _body(req: BenchRequest, answers: dict[str, str], extra: dict[str, Any]) -> 
     common = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     common |= extra
     if req.messages is not None:
-        tools = {"tools": req.tools, "tool_choice": req.tool_choice} if req.tools else {}
+        # one call per turn, as an agent loop runs its tools
+        tools = {"tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": False} if req.tools else {}
         return "/v1/chat/completions", {**common, **tools, "messages": fill_answers(req.messages, answers)}
     return "/v1/completions", {**common, "prompt": req.prompt_ids}
 

@@ -32,7 +32,7 @@ import llguidance
 
 from services.gateway import structured
 from services.gateway.structured import Tools
-from shared.messages import MAX_TOP_LOGPROBS, MAX_TTFT_SLO_MS, Sampling
+from shared.messages import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, MAX_TTFT_SLO_MS, Sampling
 from shared.model_info import WIRE_FORMATS
 from shared.pipelines import HANDOFFS, PIPELINES, Pipeline, hands_off
 
@@ -261,6 +261,8 @@ def _grammar(obj: Json, tools: Tools | None, vocab: llguidance.LLTokenizer | Non
                     "send either 'response_format' or 'tools' that may be called, not both", "response_format"
                 )
             grammar, param = structured.tool_grammar(tools), "tools"
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            raise invalid(f"'{param}' makes a grammar of {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS}", param)
         if grammar:
             structured.check_grammar(grammar, vocab, param)
     except structured.SpecError as e:

@@ -12,6 +12,7 @@ the next delta decides it. `end()` releases what is held when the answer stops (
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -59,9 +60,20 @@ class ToolCallStream:
         rest, self._buf = self._buf, ""
         if self._mode in ("undecided", "text"):
             return rest, []
-        if self._mode == "args" and rest:
+        if self._mode == "args" and rest and not self._frame_began(rest):
             return "", [self._arguments(rest)]
         return "", []
+
+    def _frame_began(self, held: str) -> bool:
+        """Whether text held at the end is the closing frame's start rather than arguments: a
+        newline is never in compact JSON; a lone `}` is the frame's if the arguments are whole."""
+        if "\n" in held:
+            return True
+        try:
+            json.loads(self.calls[-1]["function"]["arguments"])
+            return True
+        except ValueError:
+            return False
 
     def _step(self, deltas: list[Json]) -> str | None:
         """Consume what the buffer decides: content returned, deltas appended; None: wait."""

@@ -132,3 +132,30 @@ def test_logprobs_on_the_shipped_fleet_are_the_same_on_every_plan(keyed):
             choice["logprobs"]["top_logprobs"],
         )
     assert len(set(map(repr, seen.values()))) == 1, seen
+
+
+def test_a_tool_call_on_the_shipped_fleet_is_the_same_on_every_plan(keyed):
+    """The grammar on the heterogeneous fleet: prefill samples the call's first token in float32,
+    the decoders the rest in bfloat16, each under the same grammar state; one call, every plan."""
+    import json
+
+    import jsonschema
+
+    from tests.cluster.test_structured import ASK, FLIGHT, TOOLS
+
+    calls = set()
+    for pipeline, handoff in PLANS:
+        body = {
+            "messages": [{"role": "user", "content": ASK["book_flight"]}],
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "book_flight"}},
+            "max_tokens": 120,
+            "temperature": 0,
+            "pdd": {"pipeline": pipeline, **({"handoff": handoff} if handoff else {})},
+        }
+        r = httpx.post(keyed.url + "/v1/chat/completions", json=body, headers=ADMIN, timeout=120)
+        assert r.status_code == 200, r.text
+        [call] = r.json()["choices"][0]["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), FLIGHT)
+        calls.add((call["function"]["name"], call["function"]["arguments"]))
+    assert len(calls) == 1, calls

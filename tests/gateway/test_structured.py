@@ -18,6 +18,7 @@ from services.gateway.tool_calls import ToolCallStream
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
 CITY = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}
+HUGE = {"enum": [f"value-{i}" for i in range(20_000)]}  # a grammar past what a task may carry
 TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "adds", "parameters": ADD}},
     {"type": "function", "function": {"name": "weather", "parameters": CITY}},
@@ -96,6 +97,10 @@ def test_bad_formats_and_tools_are_400_naming_the_parameter(vocab):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": HUGE}}},
+            "response_format",
+        ),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
             "messages[0].tool_calls[0]",
@@ -177,3 +182,37 @@ def test_a_call_cut_by_max_tokens_ends_with_the_arguments_it_has():
     content, deltas = stream.delta(call_text("add", '{"a": 1, "b"')[: -len("}\n</tool_call>")], finished=True)
     assert content == "" and stream.calls[0]["function"]["arguments"] == '{"a": 1, "b"'
     assert stream.finish_reason("length") == "length"
+    head = call_text("add", "")[: -len("}\n</tool_call>")]
+    for tail, arguments in (
+        ('{"a": 1}}', '{"a": 1}'),  # the lone brace after whole arguments is the closing frame's
+        ('{"a": 1}}\n</', '{"a": 1}'),
+        ('{"a": {"b": 1}}', '{"a": {"b": 1}}'),  # this brace closes the arguments themselves
+    ):
+        stream = ToolCallStream()
+        stream.delta(head + tail, finished=True)
+        assert stream.calls[0]["function"]["arguments"] == arguments, tail
+
+
+def test_a_template_that_knows_tools_renders_them_itself(tmp_path, smol_dir):
+    import shutil
+    from types import SimpleNamespace
+
+    from services.gateway.gateway import Gateway
+    from services.gateway.tokenizer import TextTokenizer
+
+    shutil.copy(smol_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments.a }}]{% endfor %}"
+        "\n{% endfor %}"
+    )
+    native = SimpleNamespace(tokenizer=TextTokenizer(tmp_path))
+    assert native.tokenizer.knows_tools and not TextTokenizer(smol_dir).knows_tools
+    tools = structured.parse_tools({"tools": TOOLS})
+    messages = [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": '{"a": 1}'}}]},
+    ]
+    ids = Gateway.apply_chat_template(native, messages, tools)
+    assert native.tokenizer.decode(ids) == "TOOLS:add;weather;user: 1+2?assistant: [add 1]"  # arguments as an object
