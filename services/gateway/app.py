@@ -33,9 +33,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from services.gateway import dashboard, responses
 from services.gateway.auth import Key
 from services.gateway.deadlines import DeadlineStream, read_body
+from services.gateway.errors import APIError
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gateway import Gateway
-from services.gateway.openai_api import APIError, ParsedRequest, parse_chat, parse_completion
+from services.gateway.openai_api import ParsedRequest, parse_chat, parse_completion
 from services.gateway.tool_calls import ToolCallStream
 from shared.telemetry import CONTENT_TYPE
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from services.gateway.openai_api import APIError
+from services.gateway.errors import APIError
 
 WINDOW_S = 60.0
 _SHA256 = re.compile(r"[0-9a-f]{64}")

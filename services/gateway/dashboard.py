@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from services.gateway.auth import OPEN, Key
-from services.gateway.openai_api import APIError
+from services.gateway.errors import APIError
 from services.gateway.pdd_object import build_pdd
 from shared import subjects
 from shared.messages import ClusterStatus, Inspect, LineState, WanControl, WanState

@@ -14,15 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Send
 
-from services.gateway.openai_api import APIError, check_body_size
+from services.gateway.errors import APIError, invalid
 
 log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def check_body_size(content_length: str | None, received: int | None = None, limit: int = MAX_BODY_BYTES) -> None:
+    """413 when the declared Content-Length (check before reading) or the body read is too big."""
+    if content_length is not None:
+        if not re.fullmatch(r"\s*[0-9]+\s*", content_length):
+            raise invalid(f"Content-Length {content_length!r} is not a non-negative integer", code="bad_content_length")
+        received = max(int(content_length), received or 0)
+    if received is not None and received > limit:
+        raise APIError(413, f"request body is {received} bytes; the limit is {limit}", code="request_too_large")
 
 
 async def read_body(request: Request, deadline_s: float) -> bytes:

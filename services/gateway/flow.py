@@ -38,8 +38,9 @@ from typing import Any
 
 from services.gateway.auth import Key
 from services.gateway.detokenize import IncrementalDetokenizer, StopChecker
+from services.gateway.errors import APIError
 from services.gateway.gaps import GapWatch
-from services.gateway.openai_api import APIError, ParsedRequest
+from services.gateway.openai_api import ParsedRequest
 from services.gateway.pdd_object import FlowStats, build_pdd
 from services.gateway.reassembly import TokenReassembler
 from shared import subjects

@@ -12,9 +12,10 @@ from collections import deque
 import llguidance
 
 from services.gateway.auth import OPEN, Key, KeyRing
+from services.gateway.errors import APIError
 from services.gateway.flow import RequestFlow
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_api import APIError, ParsedRequest
+from services.gateway.openai_api import ParsedRequest
 from services.gateway.responses import pdd_for
 from services.gateway.structured import Tools, native_history, render_history
 from services.gateway.tokenizer import TextTokenizer

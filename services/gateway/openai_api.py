@@ -1,8 +1,9 @@
 """OpenAI request parsing: body bytes in, a validated `ParsedRequest` or an `APIError` out.
 
 No I/O here. The HTTP layer hands over the body and a callback that tokenizes (a prompt, or a
-chat rendered with the model's template), and turns an `APIError` into a response with
-`status` and `to_json()`.
+chat rendered with the model's template), and turns an `APIError` (services/gateway/errors.py)
+into a response with `status` and `to_json()`. The body's typed fields are read by
+services/gateway/fields.py, a chat's messages by services/gateway/chat_messages.py.
 
 Conventions, chosen to match the OpenAI API itself:
 - every validation error is 400 `invalid_request_error` naming the bad `param`, wrong types
@@ -21,9 +22,7 @@ Conventions, chosen to match the OpenAI API itself:
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,62 +30,21 @@ from typing import Any
 import llguidance
 
 from services.gateway import structured
+from services.gateway.chat_messages import parse_messages
+from services.gateway.errors import APIError, invalid
+from services.gateway.fields import boolean, choice, integer, is_int, json_type, load_object, number, show
 from services.gateway.structured import Tools
 from shared.messages import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, MAX_TTFT_SLO_MS, Sampling
 from shared.model_info import WIRE_FORMATS
 from shared.pipelines import HANDOFFS, PIPELINES, Pipeline, hands_off
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; a client wanting greedy output sends 0
 MAX_STOP_STRINGS = 4
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions' `logprobs`
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Json = dict[str, Any]
-
-
-class APIError(Exception):
-    """An error for the client, in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-        retry_after: int | None = None,
-        counted: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.retry_after = retry_after if retry_after is not None else (1 if status in (429, 503) else None)
-        self.counted = counted  # already in the request metrics (an admitted request's failure)
-
-    def to_json(self) -> Json:
-        message = self.message if self.status < 500 else public_message(self.message)
-        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# What a server-side failure may say about the cluster's insides: URLs, addresses and host:port
-_INTERNAL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\b[\w.-]+:\d{2,5}\b", re.I)
-
-
-def public_message(message: str) -> str:
-    """A 5xx message as a client sees it: no internal host, address or port (the log keeps the
-    full message under the request id)."""
-    return _INTERNAL.sub("<internal>", message)
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 @dataclass
@@ -109,16 +67,6 @@ class ParsedRequest:
         return any(v is not None for v in (self.pipeline, self.handoff, self.kv_wire, self.ttft_slo_ms))
 
 
-def check_body_size(content_length: str | None, received: int | None = None, limit: int = MAX_BODY_BYTES) -> None:
-    """413 when the declared Content-Length (check before reading) or the body read is too big."""
-    if content_length is not None:
-        if not re.fullmatch(r"\s*[0-9]+\s*", content_length):
-            raise invalid(f"Content-Length {content_length!r} is not a non-negative integer", code="bad_content_length")
-        received = max(int(content_length), received or 0)
-    if received is not None and received > limit:
-        raise APIError(413, f"request body is {received} bytes; the limit is {limit}", code="request_too_large")
-
-
 def parse_completion(
     body: bytes,
     *,
@@ -130,7 +78,7 @@ def parse_completion(
 ) -> ParsedRequest:
     """POST /v1/completions. `vocab_size`, when given, bounds prompts sent as token ids;
     `grammar_vocab` checks grammars against the model's vocabulary."""
-    obj = _load_object(body)
+    obj = load_object(body)
     req = _common(obj, "completion", served_model)
     if obj.get("suffix"):
         raise invalid("'suffix' is not supported", "suffix", "unsupported_parameter")
@@ -153,14 +101,14 @@ def parse_chat(
 ) -> ParsedRequest:
     """POST /v1/chat/completions. `apply_template` renders the messages (and the tools) and
     tokenizes them; `grammar_vocab` checks grammars against the model's vocabulary."""
-    obj = _load_object(body)
+    obj = load_object(body)
     req = _common(obj, "chat", served_model)
     try:
         req.tools = structured.parse_tools(obj)
     except structured.SpecError as e:
         raise invalid(str(e), e.param) from None
     req.sampling.grammar = _grammar(obj, req.tools, grammar_vocab)
-    messages = _messages(obj.get("messages"))
+    messages = parse_messages(obj.get("messages"))
     try:
         req.prompt_ids = list(apply_template(messages, req.tools))
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
@@ -175,45 +123,23 @@ def parse_chat(
 # --- the body and the fields both endpoints share ------------------------------------------
 
 
-def _load_object(body: bytes) -> Json:
-    try:
-        text = bytes(body).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise invalid(f"request body is not valid UTF-8 (bad byte at offset {e.start})", code="invalid_utf8") from None
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as e:
-        raise invalid(f"malformed JSON: {e.msg} (line {e.lineno}, column {e.colno})", code="invalid_json") from None
-    except ValueError as e:  # an integer of thousands of digits (Python's int conversion limit)
-        raise invalid(f"malformed JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise invalid("malformed JSON: nested too deeply", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise invalid(f"request body must be a JSON object, got {_json_type(obj)}", code="invalid_json")
-    return obj
-
-
-def _reject_constant(name: str) -> None:
-    raise invalid(f"malformed JSON: {name} is not a JSON number", code="invalid_json")
-
-
 def _common(obj: Json, kind: str, served_model: str) -> ParsedRequest:
     """Everything but the prompt and max_tokens, checked before the (costlier) tokenization."""
     model = _model(obj.get("model"), served_model)
     _reject_unsupported(obj)
-    stream = _bool(obj, "stream")
+    stream = boolean(obj, "stream")
     overrides = _pdd(obj.get("pdd"))
     sampling = Sampling(
-        temperature=_number(obj, "temperature", DEFAULT_TEMPERATURE, lambda v: 0 <= v <= 2, "in [0, 2]"),
-        top_p=_number(obj, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        top_k=max(_int(obj, "top_k", 0, lambda v: v >= -1, ">= 0 (or -1 for off)"), 0),  # Sampling: 0 = off
-        seed=_int(obj, "seed", None, lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),
+        temperature=number(obj, "temperature", DEFAULT_TEMPERATURE, lambda v: 0 <= v <= 2, "in [0, 2]"),
+        top_p=number(obj, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=max(integer(obj, "top_k", 0, lambda v: v >= -1, ">= 0 (or -1 for off)"), 0),  # Sampling: 0 = off
+        seed=integer(obj, "seed", None, lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),
         stop=_stops(obj.get("stop")),
-        ignore_eos=_bool(obj, "ignore_eos"),
-        presence_penalty=_number(obj, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
-        frequency_penalty=_number(obj, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
-        repetition_penalty=_number(obj, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
-        min_tokens=_int(obj, "min_tokens", 0, lambda v: v >= 0, ">= 0"),
+        ignore_eos=boolean(obj, "ignore_eos"),
+        presence_penalty=number(obj, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        frequency_penalty=number(obj, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        repetition_penalty=number(obj, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
+        min_tokens=integer(obj, "min_tokens", 0, lambda v: v >= 0, ">= 0"),
         stop_token_ids=_stop_token_ids(obj.get("stop_token_ids")),
         logprobs=_logprobs(obj, kind),
     )
@@ -232,7 +158,7 @@ def _model(value: Any, served_model: str) -> str:
     if value is None:
         return served_model
     if not isinstance(value, str):
-        raise invalid(f"'model' must be a string, got {_json_type(value)}", "model")
+        raise invalid(f"'model' must be a string, got {json_type(value)}", "model")
     if value != served_model:
         msg = f"the model {value!r} does not exist; this server serves {served_model!r}"
         raise APIError(404, msg, type="not_found_error", param="model", code="model_not_found")
@@ -241,7 +167,7 @@ def _model(value: Any, served_model: str) -> str:
 
 def _reject_unsupported(obj: Json) -> None:
     for key in ("n", "best_of"):
-        value = _int(obj, key, 1)
+        value = integer(obj, key, 1)
         if value != 1:
             raise invalid(f"'{key}' = {value} is not supported; only 1", key, "unsupported_parameter")
     for key in ("echo", "logit_bias", "functions"):
@@ -278,9 +204,9 @@ def _logprobs(obj: Json, kind: str) -> int | None:
         if "top_logprobs" in obj and obj["top_logprobs"] is not None:
             raise invalid("'top_logprobs' is a chat parameter; completions take 'logprobs': N", "top_logprobs")
         rule = f"in [0, {MAX_COMPLETION_LOGPROBS}]"
-        return _int(obj, "logprobs", None, lambda v: 0 <= v <= MAX_COMPLETION_LOGPROBS, rule)
-    top = _int(obj, "top_logprobs", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
-    if not _bool(obj, "logprobs"):
+        return integer(obj, "logprobs", None, lambda v: 0 <= v <= MAX_COMPLETION_LOGPROBS, rule)
+    top = integer(obj, "top_logprobs", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+    if not boolean(obj, "logprobs"):
         if top is not None:
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return None
@@ -291,8 +217,8 @@ def _include_usage(options: Any) -> bool:
     if options is None:
         return False
     if not isinstance(options, dict):
-        raise invalid(f"'stream_options' must be an object, got {_json_type(options)}", "stream_options")
-    return _bool(options, "include_usage", param="stream_options.include_usage")
+        raise invalid(f"'stream_options' must be an object, got {json_type(options)}", "stream_options")
+    return boolean(options, "include_usage", param="stream_options.include_usage")
 
 
 PDD_OVERRIDES = ("pipeline", "handoff", "kv_wire", "ttft_slo_ms")
@@ -303,30 +229,24 @@ def _pdd(ext: Any) -> dict[str, Any]:
     if ext is None:
         return {}
     if not isinstance(ext, dict):
-        raise invalid(f"'pdd' must be an object, got {_json_type(ext)}", "pdd")
+        raise invalid(f"'pdd' must be an object, got {json_type(ext)}", "pdd")
     for key in ext:
         if key not in PDD_OVERRIDES:
             raise invalid(f"unknown field 'pdd.{key}'; known: {', '.join(PDD_OVERRIDES)}", f"pdd.{key}")
-    pipeline = _choice(ext.get("pipeline"), PIPELINES, "pdd.pipeline")
-    handoff = _choice(ext.get("handoff"), HANDOFFS, "pdd.handoff")
+    pipeline = choice(ext.get("pipeline"), PIPELINES, "pdd.pipeline")
+    handoff = choice(ext.get("handoff"), HANDOFFS, "pdd.handoff")
     if handoff is not None and pipeline is not None and not hands_off(pipeline):
         raise invalid(
             f"'pdd.handoff' applies only to pipeline {Pipeline.P_RLD_MD.value}, not {pipeline!r}", "pdd.handoff"
         )
     slo_rule = f"in (0, {MAX_TTFT_SLO_MS:.0f}] ms"
-    slo = _number(ext, "ttft_slo_ms", None, lambda v: 0 < v <= MAX_TTFT_SLO_MS, slo_rule, "pdd.ttft_slo_ms")
+    slo = number(ext, "ttft_slo_ms", None, lambda v: 0 < v <= MAX_TTFT_SLO_MS, slo_rule, "pdd.ttft_slo_ms")
     return {
         "pipeline": pipeline,
         "handoff": handoff,
-        "kv_wire": _choice(ext.get("kv_wire"), WIRE_FORMATS, "pdd.kv_wire"),
+        "kv_wire": choice(ext.get("kv_wire"), WIRE_FORMATS, "pdd.kv_wire"),
         "ttft_slo_ms": slo,
     }
-
-
-def _choice(value: Any, allowed: tuple[str, ...], param: str) -> str | None:
-    if value is not None and value not in allowed:
-        raise invalid(f"'{param}' must be one of {', '.join(allowed)}; got {_show(value)}", param)
-    return value
 
 
 # --- the prompt ------------------------------------------------------------------------------
@@ -341,7 +261,7 @@ def _prompt_ids(value: Any, count_tokens: Callable[[str], list[int]], vocab_size
         raise invalid("a batch of prompts is not supported; send one prompt per request", "prompt")
     if isinstance(value, str):
         ids = list(count_tokens(value)) if value else []
-    elif isinstance(value, list) and all(_is_int(t) for t in value):
+    elif isinstance(value, list) and all(is_int(t) for t in value):
         ids = _token_ids(value, vocab_size)
     else:
         raise invalid("'prompt' must be a string, an array of one string, or an array of token ids", "prompt")
@@ -358,47 +278,6 @@ def _token_ids(ids: list[int], vocab_size: int | None) -> list[int]:
     return list(ids)
 
 
-def _messages(value: Any) -> list[Json]:
-    if value is None:
-        raise invalid("'messages' is required", "messages")
-    if not isinstance(value, list):
-        raise invalid(f"'messages' must be an array, got {_json_type(value)}", "messages")
-    if not value:
-        raise invalid("'messages' must not be empty", "messages")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
-
-
-def _message(msg: Any, param: str) -> Json:
-    if not isinstance(msg, dict):
-        raise invalid(f"'{param}' must be an object, got {_json_type(msg)}", param)
-    role = msg.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise invalid(f"'{param}.role' must be one of {', '.join(CHAT_ROLES)}; got {_show(role)}", f"{param}.role")
-    out: Json = {"role": role, "content": _content(msg.get("content"), role, f"{param}.content")}
-    if role == "assistant" and msg.get("tool_calls"):
-        try:
-            out["tool_calls"] = structured.parse_history_calls(msg["tool_calls"], f"{param}.tool_calls")
-        except structured.SpecError as e:
-            raise invalid(str(e), e.param) from None
-    if role == "tool" and isinstance(msg.get("tool_call_id"), str):
-        out["tool_call_id"] = msg["tool_call_id"]
-    return out
-
-
-def _content(value: Any, role: str, param: str) -> str:
-    """A string, or a list of text parts (joined); an assistant turn may have none."""
-    if isinstance(value, str):
-        return value
-    if value is None and role == "assistant":
-        return ""
-    if isinstance(value, list):
-        texts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-        raise invalid(f"'{param}': only text content parts are supported", param, "unsupported_parameter")
-    raise invalid(f"'{param}' must be a string, got {_json_type(value)}", param)
-
-
 def _max_tokens(obj: Json, keys: tuple[str, ...], default: int, req: ParsedRequest, context_len: int) -> int:
     prompt_len, where = len(req.prompt_ids), ("prompt" if req.kind == "completion" else "messages")
     room = context_len - prompt_len
@@ -408,7 +287,7 @@ def _max_tokens(obj: Json, keys: tuple[str, ...], default: int, req: ParsedReque
     key = next((k for k in keys if obj.get(k) is not None), None)
     if key is None:
         return min(default, room)
-    value = _int(obj, key, None, lambda v: v >= 1, ">= 1")
+    value = integer(obj, key, None, lambda v: v >= 1, ">= 1")
     if value > context_len:
         msg = f"'{key}' = {value} is more than the model's context length of {context_len} tokens"
         raise invalid(msg, key, "context_length_exceeded")
@@ -421,52 +300,10 @@ def _max_tokens(obj: Json, keys: tuple[str, ...], default: int, req: ParsedReque
     return value
 
 
-# --- typed fields ----------------------------------------------------------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(obj: Json, key: str, default: int | None, ok: Callable[[int], bool] | None = None, rule: str = "") -> Any:
-    """An integer passing `ok` (described by `rule`), or `default` when absent or null."""
-    value = obj.get(key)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise invalid(f"'{key}' must be an integer, got {_json_type(value)} {_show(value)}", key)
-    if ok is not None and not ok(value):
-        raise invalid(f"'{key}' must be {rule}, got {value}", key)
-    return value
-
-
-def _number(
-    obj: Json, key: str, default: float | None, ok: Callable[[float], bool], rule: str, param: str | None = None
-) -> float | None:
-    """A finite number passing `ok` (described by `rule`), or `default` when absent or null."""
-    value, param = obj.get(key), param or key
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"'{param}' must be a number, got {_json_type(value)} {_show(value)}", param)
-    if not ok(value):
-        raise invalid(f"'{param}' must be {rule}, got {value}", param)
-    return float(value)
-
-
-def _bool(obj: Json, key: str, param: str | None = None) -> bool:
-    value = obj.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid(f"'{param or key}' must be a boolean, got {_json_type(value)} {_show(value)}", param or key)
-    return value
-
-
 def _stop_token_ids(value: Any) -> list[int]:
     if value is None:
         return []
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value) or len(value) > 64:
+    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value) or len(value) > 64:
         raise invalid("'stop_token_ids' must be an array of at most 64 token ids", "stop_token_ids")
     return list(value)
 
@@ -476,24 +313,10 @@ def _stops(value: Any) -> list[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list):
-        raise invalid(f"'stop' must be a string or an array of strings, got {_json_type(value)}", "stop")
+        raise invalid(f"'stop' must be a string or an array of strings, got {json_type(value)}", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise invalid(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
     for s in stops:
         if not isinstance(s, str) or not s:
-            raise invalid(f"'stop' strings must be non-empty strings, got {_show(s)}", "stop")
+            raise invalid(f"'stop' strings must be non-empty strings, got {show(s)}", "stop")
     return list(dict.fromkeys(stops))
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    names = {str: "string", int: "integer", float: "number", list: "array", dict: "object"}
-    return next((n for t, n in names.items() if isinstance(v, t)), type(v).__name__)
-
-
-def _show(v: Any) -> str:
-    text = json.dumps(v)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from services.gateway.app import create_app
 from services.gateway.auth import OPEN, WINDOW_S, KeyRing, digest
+from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_api import APIError
 from shared.config import load_config
 
 USER, USER2, ADMIN = "sk-user-4c1f0e9b7a2d", "sk-user-second-93ab", "sk-admin-d08e51c6"

@@ -17,8 +17,9 @@ from fastapi.testclient import TestClient
 
 from services.gateway import dashboard
 from services.gateway.auth import OPEN, KeyRing
+from services.gateway.errors import APIError
 from services.gateway.flow import RequestFlow
-from services.gateway.openai_api import APIError, ParsedRequest
+from services.gateway.openai_api import ParsedRequest
 from services.gateway.pdd_object import build_pdd
 from shared import subjects
 from shared.bus import BusTimeout

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from services.gateway.__main__ import listening_socket
 from services.gateway.deadlines import DeadlineStream, read_body
-from services.gateway.openai_api import APIError
+from services.gateway.errors import APIError
 from shared.config import ConfigError, GatewayConfig, load_config
 from tests.cluster.test_migration import until
 

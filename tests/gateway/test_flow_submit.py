@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from services.gateway.auth import OPEN
+from services.gateway.errors import APIError
 from services.gateway.flow import RequestFlow
 from services.gateway.gateway import Gateway
-from services.gateway.openai_api import APIError, ParsedRequest
+from services.gateway.openai_api import ParsedRequest
 from shared import subjects
 from shared.config import load_config
 from shared.messages import Plan, Sampling, Submit

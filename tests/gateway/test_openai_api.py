@@ -5,14 +5,9 @@ from typing import Any
 
 import pytest
 
-from services.gateway.openai_api import (
-    MAX_BODY_BYTES,
-    APIError,
-    ParsedRequest,
-    check_body_size,
-    parse_chat,
-    parse_completion,
-)
+from services.gateway.deadlines import MAX_BODY_BYTES, check_body_size
+from services.gateway.errors import APIError
+from services.gateway.openai_api import ParsedRequest, parse_chat, parse_completion
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 64

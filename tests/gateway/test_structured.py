@@ -12,7 +12,8 @@ import llguidance
 import pytest
 
 from services.gateway import structured
-from services.gateway.openai_api import APIError, parse_chat, parse_completion
+from services.gateway.errors import APIError
+from services.gateway.openai_api import parse_chat, parse_completion
 from services.gateway.structured import Tools, call_text, render_history, tool_grammar
 from services.gateway.tool_calls import ToolCallStream
 
