@@ -114,11 +114,12 @@ def test_named_and_required_calls_parse_and_validate_on_every_pipeline(client, m
             **kwargs, tool_choice=named, stream=True, extra_body=_plan(pipeline, handoff)
         )
         assert _streamed_calls(stream) == ([(name, args)], "tool_calls"), (pipeline, handoff)
-        required = client.chat.completions.create(
-            **kwargs, tool_choice="required", parallel_tool_calls=False, extra_body=_plan(pipeline, handoff)
-        )
-        assert required.choices[0].finish_reason == "tool_calls"
-        assert len(_valid_calls(required.choices[0].message.tool_calls, set(names))) == 1
+        if (pipeline, handoff) == ("p-rld-md", "catchup"):  # required: any of the three, on the longest route
+            required = client.chat.completions.create(
+                **kwargs, tool_choice="required", parallel_tool_calls=False, extra_body=_plan(pipeline, handoff)
+            )
+            assert required.choices[0].finish_reason == "tool_calls"
+            assert len(_valid_calls(required.choices[0].message.tool_calls, set(names))) == 1
 
 
 class Forecast(pydantic.BaseModel):
