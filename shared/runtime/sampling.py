@@ -90,15 +90,14 @@ def sample_batch(
         apply_penalties(logits, params, histories)
     out = torch.argmax(logits, dim=-1).tolist()
     masked = [i for i, m in enumerate(masks or ()) if m is not None and not (params[i].greedy and m.allows(out[i]))]
-    vocab = logits.shape[-1]
     for i in (i for i in masked if params[i].greedy):  # the best allowed token: argmax over those alone
-        ids = masks[i].ids(vocab)
+        ids = masks[i].ids()
         out[i] = int(ids[torch.argmax(logits[i, ids])]) if len(ids) else out[i]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if any(not params[i].greedy for i in masked):
         logits = logits if cloned else logits.clone()
         for i in (i for i in masked if not params[i].greedy):
-            logits[i].masked_fill_(~masks[i].allowed(vocab), float("-inf"))
+            logits[i].masked_fill_(~masks[i].allowed(), float("-inf"))
     if rows:
         probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
         for j, i in enumerate(rows):
@@ -106,29 +105,28 @@ def sample_batch(
     return out
 
 
-@dataclass(frozen=True)
 class TokenMask:
-    """The tokens a grammar allows next: one bit per token id, packed little-endian in 32-bit
-    words (llguidance's layout)."""
+    """The tokens a grammar allows next, for a `vocab`-wide logits row: built from llguidance's
+    packed bits (little-endian, 32 to a word) where the mask is computed, on the grammar thread,
+    so the engine thread only looks up (ids past the packed vocabulary are not allowed)."""
 
-    words: torch.Tensor  # int32 [ceil(vocab / 32)]
-
-    def allows(self, token: int) -> bool:
-        return bool((int(self.words[token >> 5]) >> (token & 31)) & 1)
-
-    def allowed(self, vocab: int) -> torch.Tensor:
-        """One flag per token id of a `vocab`-wide logits row (ids past the mask's: not allowed)."""
-        return torch.from_numpy(self._bits(vocab))
-
-    def ids(self, vocab: int) -> torch.Tensor:
-        """The allowed token ids below `vocab`, ascending."""
-        return torch.from_numpy(np.flatnonzero(self._bits(vocab)))
-
-    def _bits(self, vocab: int) -> np.ndarray:
-        bits = np.unpackbits(self.words.numpy().view(np.uint8), bitorder="little").view(np.bool_)
+    def __init__(self, words: torch.Tensor, vocab: int) -> None:
+        bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little").view(np.bool_)
         if len(bits) < vocab:
             bits = np.concatenate([bits, np.zeros(vocab - len(bits), dtype=np.bool_)])
-        return bits[:vocab]
+        self._bits = bits[:vocab]
+        self._ids = torch.from_numpy(np.flatnonzero(self._bits))
+
+    def allows(self, token: int) -> bool:
+        return bool(self._bits[token])
+
+    def allowed(self) -> torch.Tensor:
+        """One flag per token id."""
+        return torch.from_numpy(self._bits)
+
+    def ids(self) -> torch.Tensor:
+        """The allowed token ids, ascending."""
+        return self._ids
 
 
 def token_logprobs(logits: torch.Tensor, params: list[Sampling], tokens: list[int]) -> list[Logprob | None]:

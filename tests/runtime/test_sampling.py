@@ -94,7 +94,7 @@ def _mask(allowed: list[int], vocab: int) -> TokenMask:
     bits = [0] * ((vocab + 31) // 32)
     for t in allowed:
         bits[t >> 5] |= 1 << (t & 31)
-    return TokenMask(torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32))
+    return TokenMask(torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32), vocab)
 
 
 def test_a_grammar_mask_picks_the_best_allowed_token_and_leaves_other_rows_alone():
@@ -103,7 +103,7 @@ def test_a_grammar_mask_picks_the_best_allowed_token_and_leaves_other_rows_alone
     logits[0, 5] = logits[0, 40] = 9.0  # a tie among allowed tokens: the lower id, as argmax takes it
     allowed = [5, 31, 40, 63]
     mask = _mask(allowed, vocab)
-    assert [t for t in range(vocab) if mask.allows(t)] == allowed and mask.ids(vocab).tolist() == allowed
+    assert [t for t in range(vocab) if mask.allows(t)] == allowed and mask.ids().tolist() == allowed
     params = [Sampling(), Sampling(), Sampling(temperature=1.0, seed=1), Sampling()]
     picks = sample_batch(logits, params, [0] * 4, masks=[mask, None, mask, mask])
     free = logits.argmax(-1).tolist()
