@@ -73,7 +73,7 @@ class _EngineThread:
 
     def __init__(self) -> None:
         self.seconds, self.steps = 0.0, 0
-        self._sample = engine_module.sample_batch
+        self._sample = engine_module.sample_batch  # the engine's, timed by `sample_batch`
 
     def watch(self, engine: Engine) -> Engine:
         masks = engine._masks
@@ -136,18 +136,21 @@ def main(args: argparse.Namespace) -> int:
     engine_module.sample_batch = thread.sample_batch
     plain_path, mixed_path = [], []
     print(f"batch {args.batch} ({len(half)} under a JSON schema), {args.tokens} tokens, {args.threads} thread(s)")
-    for rep in range(args.reps):  # side by side in each rep: the host's pace drifts between reps
-        engine = Engine.for_model(model, 2048, eos_token_ids=(2,), grammars=grammars, invariant=True)
-        steps, plain = _run(thread.watch(engine), prompts, args.tokens, set(), grammar)
-        plain_ms.append(statistics.mean(steps) * 1e3)
-        plain_path.append(thread.per_step_ms())
-        engine = Engine.for_model(model, 2048, eos_token_ids=(2,), grammars=grammars, invariant=True)
-        steps, mixed = _run(thread.watch(engine), prompts, args.tokens, half, grammar)
-        mixed_ms.append(statistics.mean(steps) * 1e3)
-        mixed_path.append(thread.per_step_ms())
-        ratios.append(mixed_ms[-1] / plain_ms[-1])
-        same &= all(mixed[f"r{i}"] == plain[f"r{i}"] for i in range(args.batch) if i not in half)
-        print(f"  rep {rep + 1}: plain step {plain_ms[-1]:.1f} ms, mixed {mixed_ms[-1]:.1f} ms ({ratios[-1]:.3f}x)")
+    try:
+        for rep in range(args.reps):  # side by side in each rep: the host's pace drifts between reps
+            engine = Engine.for_model(model, 2048, eos_token_ids=(2,), grammars=grammars, invariant=True)
+            steps, plain = _run(thread.watch(engine), prompts, args.tokens, set(), grammar)
+            plain_ms.append(statistics.mean(steps) * 1e3)
+            plain_path.append(thread.per_step_ms())
+            engine = Engine.for_model(model, 2048, eos_token_ids=(2,), grammars=grammars, invariant=True)
+            steps, mixed = _run(thread.watch(engine), prompts, args.tokens, half, grammar)
+            mixed_ms.append(statistics.mean(steps) * 1e3)
+            mixed_path.append(thread.per_step_ms())
+            ratios.append(mixed_ms[-1] / plain_ms[-1])
+            same &= all(mixed[f"r{i}"] == plain[f"r{i}"] for i in range(args.batch) if i not in half)
+            print(f"  rep {rep + 1}: plain step {plain_ms[-1]:.1f} ms, mixed {mixed_ms[-1]:.1f} ms ({ratios[-1]:.3f}x)")
+    finally:
+        engine_module.sample_batch = thread._sample  # the engine's own again
     print(f"decode step (= TPOT of every row), plain batch: median {statistics.median(plain_ms):.2f} ms")
     print(f"decode step, half the rows constrained: median {statistics.median(mixed_ms):.2f} ms")
     print(f"mixed / plain, median of the reps: {statistics.median(ratios):.3f}x (the host's noise included)")
