@@ -26,6 +26,7 @@ import pytest
 
 from shared.bus import Bus
 from tests.cluster.conftest import completion, fresh_prompt, stream_completion
+from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
 
@@ -215,6 +216,34 @@ def test_with_the_line_down_site_a_serves_alone_and_main_decode_returns(cluster,
     )
     assert back - up_at <= 2 * ttl + 2  # within two heartbeat TTLs (and a heartbeat's reach)
     assert all(s.requests == [] for s in operator.idle(timeout=10).values())
+
+
+@pytest.mark.parametrize("direction", ["a-b", "b-a"])
+def test_a_line_down_one_way_is_seen_from_both_sides(cluster, operator, direction):
+    """Down towards B: main-decode's heartbeats still reach the registrar, its replies do not; it
+    says so (replies missed) and is not refreshed. Down towards A: its heartbeats stop coming.
+    Either way it drops out within two heartbeat TTLs, a request is served in A alone, and
+    main-decode registers again once the line is back."""
+    ttl = cluster.cfg.heartbeat_ttl_s
+    r = operator.redis()
+    try:
+        until(lambda: r.exists("pdd:instance:md-0"), 2 * ttl + 10, "md-0 to be registered")
+        operator.wan(down=True, direction=direction)
+        cut = time.monotonic()
+        until(lambda: not r.exists("pdd:instance:md-0"), 2 * ttl + 5, f"md-0 to drop out ({direction} down)")
+        gone = time.monotonic() - cut
+        out = completion(cluster.url, {"prompt": fresh_prompt(8, "one-way"), "max_tokens": 4, "temperature": 0})
+        assert out["pdd"]["instances"]["md"] == "" and out["pdd"]["instances"]["rld"], out["pdd"]["instances"]
+    finally:
+        operator.wan(down=False, direction=direction)
+    try:
+        back = time.monotonic()
+        until(lambda: r.exists("pdd:instance:md-0"), 60, "md-0 to register again")
+        back = time.monotonic() - back
+    finally:
+        r.close()
+    print(f"\n{direction} down: md-0 out after {gone:.1f} s (TTL {ttl:g} s), back {back:.1f} s after the line")
+    assert gone <= 2 * ttl + 1
 
 
 def _until_md_serves(cluster, deadline: float) -> float | None:
