@@ -242,7 +242,8 @@ def _function(tool: Any, param: str) -> Json:
 
 
 def _styled(schema: Json) -> Json:
-    return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
+    """The schema in PDD's one JSON spelling (llguidance's `x-guidance` options are PDD's to set)."""
+    return {**schema, "x-guidance": JSON_STYLE}
 
 
 def _lark_str(text: str) -> str:

@@ -217,3 +217,13 @@ def test_a_template_that_knows_tools_renders_them_itself(tmp_path, smol_dir):
     ]
     ids = Gateway.apply_chat_template(native, messages, tools)
     assert native.tokenizer.decode(ids) == "TOOLS:add;weather;user: 1+2?assistant: [add 1]"  # arguments as an object
+
+
+def test_a_schema_cannot_change_the_json_spelling(vocab):
+    loose = {"type": "object", "x-guidance": {"whitespace_flexible": True, "lenient": True}}
+    for x_guidance in (loose["x-guidance"], "not an object"):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {**loose, "x-guidance": x_guidance}}}
+        req, _ = chat({"response_format": fmt}, vocab)
+        assert accepts(req.sampling.grammar, vocab, '{"a": 1}') and not accepts(
+            req.sampling.grammar, vocab, '{ "a" :1}'
+        )
