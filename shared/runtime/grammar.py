@@ -43,7 +43,8 @@ class _State:
 
 
 class Grammars:
-    """The grammar state of every constrained sequence of one engine (engine thread only)."""
+    """The grammar state of every constrained sequence of one engine: used by the engine thread,
+    and by its grammar thread while a forward runs (the engine waits for it before going on)."""
 
     def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         eos = list(eos_token_ids) or None

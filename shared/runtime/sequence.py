@@ -67,7 +67,7 @@ class Sequence:
     @property
     def output_start(self) -> int:
         """Where the request's own output begins: a migrated attempt's prompt ends with some of it."""
-        return self.prompt_len - self.params.resumed
+        return max(self.prompt_len - self.params.resumed, 0)
 
     @property
     def num_output(self) -> int:
