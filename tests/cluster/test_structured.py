@@ -114,12 +114,17 @@ def test_named_and_required_calls_parse_and_validate_on_every_pipeline(client, m
             **kwargs, tool_choice=named, stream=True, extra_body=_plan(pipeline, handoff)
         )
         assert _streamed_calls(stream) == ([(name, args)], "tool_calls"), (pipeline, handoff)
-        if (pipeline, handoff) == ("p-rld-md", "catchup"):  # required: any of the three, on the longest route
-            required = client.chat.completions.create(
-                **kwargs, tool_choice="required", parallel_tool_calls=False, extra_body=_plan(pipeline, handoff)
+        if (pipeline, handoff) == ("p-rld-md", "catchup"):  # required: any of the three, whole and streamed
+            required = dict(
+                kwargs, tool_choice="required", parallel_tool_calls=False, extra_body=_plan(pipeline, handoff)
             )
-            assert required.choices[0].finish_reason == "tool_calls"
-            assert len(_valid_calls(required.choices[0].message.tool_calls, set(names))) == 1
+            whole = client.chat.completions.create(**required)
+            assert whole.choices[0].finish_reason == "tool_calls"
+            [(called, args)] = _valid_calls(whole.choices[0].message.tool_calls, set(names))
+            assert _streamed_calls(client.chat.completions.create(**required, stream=True)) == (
+                [(called, args)],
+                "tool_calls",
+            )
 
 
 class Forecast(pydantic.BaseModel):
