@@ -152,6 +152,10 @@ class RequestFlow:
                 continue  # a liveness tick, or a late chunk of an abandoned attempt
             if chunk.role == "prefill" and chunk.dispatch_id != self.plan.dispatch_id:
                 continue  # from a copy the scheduler dropped and planned again (elsewhere, or here anew)
+            if problem := self._not_ours(chunk):
+                self.stats.refused_chunks += 1
+                log.warning("%s: chunk refused: %s", self.request_id, problem)
+                continue
             if chunk.error:
                 if chunk.blame and self.stats.migrations < self.gw.cfg.max_migrations:
                     await self._migrate({chunk.blame})  # e.g. its KV could not reach that decoder (died?)
@@ -183,6 +187,21 @@ class RequestFlow:
         self.finished = True
         self.finish_reason = "stop" if hit else final_reason
         yield Delta(text + stops.flush(), self.finish_reason, self._pdd(), told)
+
+    def _not_ours(self, chunk: TokenChunk) -> str:
+        """Why a chunk cannot be part of this stream ("" when it can): from an instance the plan
+        does not name, past the request's token budget (the reorder buffer stays bounded), or with
+        ids outside the vocabulary. It is dropped; the stream goes on."""
+        plan = self.plan
+        if chunk.instance_id not in {plan.prefill, plan.rld, plan.md} - {""}:
+            return f"from {chunk.instance_id!r}, which the plan does not name"
+        if not 0 <= chunk.index or self.offset + chunk.index + len(chunk.token_ids) > self.parsed.sampling.max_tokens:
+            return (
+                f"tokens [{chunk.index}, +{len(chunk.token_ids)}) past the budget of {self.parsed.sampling.max_tokens}"
+            )
+        if chunk.token_ids and not 0 <= min(chunk.token_ids) <= max(chunk.token_ids) < self.gw.vocab_size:
+            return f"a token id outside the vocabulary of {self.gw.vocab_size}"
+        return ""
 
     def _keep_logprobs(self, chunk: TokenChunk) -> None:
         """A chunk's logprobs, by client index, for the positions not returned yet (the first copy
@@ -247,7 +266,9 @@ class RequestFlow:
             self._queue.put_nowait(chunk)
         elif not reply.held and instance_id in self.holders and attempt_id == self.attempt_id:
             error = f"{instance_id} no longer holds the request"  # e.g. it was told to forget it
-            self._queue.put_nowait(TokenChunk(attempt_id, 0, [], error=error, blame=instance_id))
+            self._queue.put_nowait(
+                TokenChunk(attempt_id, 0, [], instance_id=instance_id, error=error, blame=instance_id)
+            )
 
     # -- 5. an instance died: recompute elsewhere -------------------------------------------
     async def _migrate(self, dead: set[str]) -> None:

@@ -28,6 +28,7 @@ class FlowStats:
     last_progress: float = field(default_factory=time.perf_counter)
     migrations: int = 0  # times the request moved to another decoder after an instance died
     resends: int = 0  # chunks asked again from a decoder after a gap did not fill (lost on the bus)
+    refused_chunks: int = 0  # chunks that could not be this stream's (RequestFlow._not_ours): dropped
 
 
 def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str, Any]:

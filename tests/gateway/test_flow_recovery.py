@@ -28,7 +28,7 @@ def flow(bus, max_migrations: int = 2) -> RequestFlow:
         return {"md-0", "rld-0"}  # nobody died: only a resend can fill the gap
 
     cfg = dataclasses.replace(load_config(None), max_migrations=max_migrations)
-    gw = SimpleNamespace(cfg=cfg, tokenizer=Vocab(), alive_ids=alive_ids, bus=bus)
+    gw = SimpleNamespace(cfg=cfg, tokenizer=Vocab(), vocab_size=1000, alive_ids=alive_ids, bus=bus)
     parsed = ParsedRequest(
         kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=len(TOKENS)), stream=True
     )
@@ -43,7 +43,9 @@ async def serve_resends(nats: InMemoryNats, instance: str, held: bool, asked: li
         asked.append((instance, msg.index))
         if not held:
             return Resent(held=False)
-        chunk = TokenChunk(msg.request_id, msg.index, TOKENS[msg.index :], role="md", finish_reason="length")
+        chunk = TokenChunk(
+            msg.request_id, msg.index, TOKENS[msg.index :], role="md", instance_id=instance, finish_reason="length"
+        )
         return Resent(held=True, chunk=chunk)
 
     await nats.client(instance).serve(subjects.decode_resend(instance), Resend, on_resend)
@@ -55,7 +57,7 @@ async def test_a_gap_and_a_lost_end_are_asked_about_once_and_filled():
     await serve_resends(nats, "rld-0", False, asked)  # the relay let go: md alone answers
     f = flow(nats.client("gateway"))
     for i in (0, 1, 3, 4):  # index 2 and everything after 4 (the final chunk) were lost
-        f._queue.put_nowait(TokenChunk(f.attempt_id, i, [TOKENS[i]], role="md"))
+        f._queue.put_nowait(TokenChunk(f.attempt_id, i, [TOKENS[i]], role="md", instance_id="md-0"))
     # without the resend it would wait for timeouts.request_s (600 s here): the wait_for fails first
     text = await asyncio.wait_for(_text(f), 60)
     assert text == Vocab().decode(TOKENS) and f.finish_reason == "length"
@@ -68,7 +70,7 @@ async def test_a_holder_that_holds_nothing_moves_the_request():
     nats, asked = InMemoryNats(), []
     await serve_resends(nats, "md-0", False, asked)  # e.g. it was told to forget it
     f = flow(nats.client("gateway"), max_migrations=0)
-    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="md"))
+    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="md", instance_id="md-0"))
     with pytest.raises(StreamError, match="md-0 no longer holds the request"):
         await asyncio.wait_for(_drain(f), 10)
     assert ("md-0", 1) in asked
@@ -110,3 +112,25 @@ async def test_the_first_token_comes_from_prefill_and_the_decoders_copy_only_end
     assert text == Vocab().decode(TOKENS[:1]) and f.finish_reason == "length"
     assert f.stats.tokens_by_role == {"prefill": 1, "rld": 0, "md": 0}
     assert f.stats.first_token_at and f._reassembler.duplicates == 1
+
+
+async def test_chunks_that_cannot_be_this_streams_are_dropped_and_hold_nothing():
+    """A chunk from an instance the plan does not name, past the request's budget (index 10^9),
+    too long (200k ids) or with ids outside the vocabulary changes nothing: the stream is the
+    planned decoders' tokens, and nothing is held for the forged positions."""
+    nats = InMemoryNats()
+    f = flow(nats.client("gateway"))
+    forged = [
+        TokenChunk(f.attempt_id, 0, [7] * 3, role="md", instance_id="md-9"),
+        TokenChunk(f.attempt_id, 10**9, [7], role="md", instance_id="md-0"),
+        TokenChunk(f.attempt_id, 1, [7] * 200_000, role="md", instance_id="md-0"),
+        TokenChunk(f.attempt_id, 1, [10**6], role="md", instance_id="md-0"),
+        TokenChunk(f.attempt_id, 0, [7], role="md"),  # no sender at all
+    ]
+    for chunk in forged:
+        f._queue.put_nowait(chunk)
+    real = TokenChunk(f.attempt_id, 0, TOKENS, role="md", instance_id="md-0", finish_reason="length")
+    f._queue.put_nowait(real)
+    text = await asyncio.wait_for(_text(f), 30)
+    assert text == Vocab().decode(TOKENS) and f.stats.refused_chunks == len(forged)
+    assert f._reassembler.buffered == 0 and f._reassembler.conflicts == 0

@@ -34,7 +34,7 @@ def flow() -> RequestFlow:
     async def alive_ids() -> set[str]:
         return {"md-0"}  # its holder is alive: only the timeout can end it
 
-    gw = SimpleNamespace(cfg=cfg, tokenizer=Vocab(), alive_ids=alive_ids)
+    gw = SimpleNamespace(cfg=cfg, tokenizer=Vocab(), vocab_size=1000, alive_ids=alive_ids)
     parsed = ParsedRequest(
         kind="completion", model="m", prompt_ids=[1, 2], sampling=Sampling(max_tokens=50), stream=True
     )
@@ -63,7 +63,9 @@ async def test_tokens_that_keep_coming_run_past_request_s():
         for i in range(8):  # 8 tokens over ~2.4 s, each within the limit of the one before
             await asyncio.sleep(0.3)  # the pace of a slow stream is the scenario, not a wait for state
             finish = "length" if i == 7 else None
-            f._queue.put_nowait(TokenChunk(f.attempt_id, i, [100 + i], role="md", finish_reason=finish))
+            f._queue.put_nowait(
+                TokenChunk(f.attempt_id, i, [100 + i], role="md", instance_id="md-0", finish_reason=finish)
+            )
 
     feeder, t0 = asyncio.create_task(feed()), time.perf_counter()
     text = "".join([d.text async for d in f.deltas()])

@@ -36,13 +36,31 @@ async def test_logprobs_from_every_role_join_in_stream_order():
     f = asking()
     t = TOKENS
     f._queue.put_nowait(
-        TokenChunk(f.attempt_id, 0, [t[0]], role="prefill", dispatch_id="d2", logprobs=[lp(t[0], -0.5)])
+        TokenChunk(
+            f.attempt_id,
+            0,
+            [t[0]],
+            role="prefill",
+            instance_id="prefill-0",
+            dispatch_id="d2",
+            logprobs=[lp(t[0], -0.5)],
+        )
     )
     # the relay, then main-decode after a catch-up handoff, resending position 2 (its copy is not taken)
-    f._queue.put_nowait(TokenChunk(f.attempt_id, 1, t[1:3], role="rld", logprobs=[lp(t[1], -1.0), lp(t[2], -1.5)]))
-    f._queue.put_nowait(TokenChunk(f.attempt_id, 10**9, [t[5]], role="md", logprobs=[lp(t[5], -9.0)]))  # no room kept
+    f._queue.put_nowait(
+        TokenChunk(f.attempt_id, 1, t[1:3], role="rld", instance_id="rld-0", logprobs=[lp(t[1], -1.0), lp(t[2], -1.5)])
+    )
+    f._queue.put_nowait(
+        TokenChunk(f.attempt_id, 10**9, [t[5]], role="md", instance_id="md-0", logprobs=[lp(t[5], -9.0)])
+    )  # no room kept
     last = TokenChunk(
-        f.attempt_id, 2, t[2:4], role="md", finish_reason="length", logprobs=[lp(t[2], -7.0), lp(t[3], -2.0)]
+        f.attempt_id,
+        2,
+        t[2:4],
+        role="md",
+        instance_id="md-0",
+        finish_reason="length",
+        logprobs=[lp(t[2], -7.0), lp(t[3], -2.0)],
     )
     f._queue.put_nowait(last)
     out = await deltas(f)
@@ -53,7 +71,7 @@ async def test_logprobs_from_every_role_join_in_stream_order():
 
 async def test_a_request_that_did_not_ask_gets_none():
     f = asking(logprobs=None, max_tokens=1)
-    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="md", finish_reason="length"))
+    f._queue.put_nowait(TokenChunk(f.attempt_id, 0, [TOKENS[0]], role="md", instance_id="md-0", finish_reason="length"))
     out = await deltas(f)
     assert all(not d.logprobs for d in out)
     assert LogprobsView(f, Vocab()).render([]) is None

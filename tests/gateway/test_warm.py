@@ -40,7 +40,9 @@ async def test_a_finished_request_warms_its_prefill_and_an_unfinished_one_does_n
     await listener.subscribe(subjects.prefill_warm("prefill-0"), Warm, warmed.append)
     await listener.subscribe(subjects.ABORT, Abort, aborted.append)
     done = closing_flow(nats)
-    done._queue.put_nowait(TokenChunk(done.attempt_id, 0, TOKENS[:3], role="md", finish_reason="length"))
+    done._queue.put_nowait(
+        TokenChunk(done.attempt_id, 0, TOKENS[:3], role="md", instance_id="md-0", finish_reason="length")
+    )
     await drain(done)
     await done.close()
     assert warmed == [Warm(done.attempt_id, [1, 2, *TOKENS[:3]], "tenant-salt")] and not aborted
@@ -48,7 +50,9 @@ async def test_a_finished_request_warms_its_prefill_and_an_unfinished_one_does_n
     await gone.close()
     assert len(warmed) == 1 and [a.request_id for a in aborted] == [gone.attempt_id]
     off = closing_flow(nats, warm=False)
-    off._queue.put_nowait(TokenChunk(off.attempt_id, 0, TOKENS[:3], role="md", finish_reason="length"))
+    off._queue.put_nowait(
+        TokenChunk(off.attempt_id, 0, TOKENS[:3], role="md", instance_id="md-0", finish_reason="length")
+    )
     await drain(off)
     await off.close()
     assert len(warmed) == 1
