@@ -182,6 +182,24 @@ def _tasks(operator) -> dict[str, list[str]]:
     return {i.id: operator.inspect(i.id).extra["task_names"] for i in operator.cluster.cfg.instances}
 
 
+def _held_maps(operator) -> dict[str, dict]:
+    """Each instance's per-request maps that are not empty (the Inspect answering is not counted)."""
+    states = {i.id: operator.inspect(i.id) for i in operator.cluster.cfg.instances}
+    return {i: {k: v for k, v in s.extra["state"].items() if k in REQUEST_MAPS and v} for i, s in states.items()}
+
+
+def _maps_settle(operator, timeout: float) -> dict[str, dict]:
+    """Every per-request map empties once the last messages are handled: a handler may still be
+    running when the fleet first looks idle (a late drop or warm offer), and ends within a
+    control-plane timeout; one that never does is a leak."""
+    deadline = time.monotonic() + timeout
+    held = _held_maps(operator)
+    while any(held.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        held = _held_maps(operator)
+    return held
+
+
 def _tasks_settle(operator, baseline: dict[str, list[str]], timeout: float) -> dict[str, list[str]]:
     """Per-request tasks end, at the latest, when a control-plane timeout fires."""
     t0 = time.monotonic()
@@ -237,7 +255,7 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
     assert fleet_operator.request_keys() == []
     assert _tasks_settle(fleet_operator, tasks_before, fleet.cfg.timeouts.control_s * 2) == tasks_before
     # every per-request map is empty when idle (the Inspect answering this is not counted)
-    held = {i: {k: v for k, v in s.extra["state"].items() if k in REQUEST_MAPS and v} for i, s in states.items()}
+    held = _maps_settle(fleet_operator, fleet.cfg.timeouts.control_s * 2)
     assert held == dict.fromkeys(held, {}), held
     metrics = httpx.get(fleet.url + "/metrics").text
     assert re.search(r"^pdd:num_requests_running\{[^}]*\} 0(\.0)?$", metrics, re.M)  # the gateway holds none
