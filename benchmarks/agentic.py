@@ -25,7 +25,7 @@ outputs of hundreds; scaled to a 2-core CPU's 1-2K-token prompts, tool outputs s
 (With 40-120-token tool outputs the skew needs ~2.2K-token prompts and still tops out near 0.65.)
 
 With `tools` (`pdd bench --workload agentic-tools`), every chat request carries three coding
-tools (read_file, run_tests, search_code; nested objects, enums, arrays): a session's first turn
+tools (benchmarks/agent_tools.py: read_file, run_tests, search_code): a session's first turn
 must call one (`tool_choice: "required"`), each later turn calls one with probability
 `tool_turn_share` or answers in text (`"none"`); the tool result that follows a call goes back as
 a `tool` message answering that call, after an answer as the user's next message. The report
@@ -45,6 +45,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from benchmarks.agent_tools import TOOLS, TOOLS_PROMPT_TOKENS
 from benchmarks.pseudo_text import TokenCounter, text_of_tokens
 from benchmarks.workload_model import BenchRequest, Workload, poisson_arrivals
 
@@ -52,69 +53,6 @@ MESSAGE_OVERHEAD = 5  # <|im_start|> role \n ... <|im_end|> \n
 GENERATION_PROMPT = 3  # <|im_start|> assistant \n
 SYSTEM_PREAMBLE = "You are a coding agent. Use the tools, keep answers short. Instructions follow.\n"
 ANOMALOUS_ASK = "Read the document below and answer in one word: does it describe a bug?\n\n"
-TOOLS_PROMPT_TOKENS = 120  # the fallback tools prompt's own words (services/gateway/structured.py)
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Read part of a file of the repository.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "path": {"type": "string", "maxLength": 48},
-                    "lines": {
-                        "type": "object",
-                        "properties": {
-                            "start": {"type": "integer", "minimum": 1, "maximum": 9999},
-                            "end": {"type": "integer", "minimum": 1, "maximum": 9999},
-                        },
-                        "required": ["start", "end"],
-                        "additionalProperties": False,
-                    },
-                },
-                "required": ["path", "lines"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "run_tests",
-            "description": "Run some of the test suite.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "suite": {"enum": ["unit", "integration", "all"]},
-                    "filter": {"type": "string", "maxLength": 32},
-                },
-                "required": ["suite", "filter"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search_code",
-            "description": "Search the repository for words.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "words": {
-                        "type": "array",
-                        "items": {"type": "string", "maxLength": 24},
-                        "minItems": 1,
-                        "maxItems": 3,
-                    }
-                },
-                "required": ["words"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
 
 
 @dataclass(frozen=True)
