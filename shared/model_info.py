@@ -20,7 +20,7 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 class WireFormat(StrEnum):
     """How KV may travel (shared/runtime/kv_wire.py): the one home of these names."""
 
-    NATIVE = "native"  # the sender's pool dtype, bit for bit
+    NATIVE = "native"  # what the receiver stores, bit for bit (link_wire)
     BF16 = "bf16"
     FP8 = "fp8"  # with a float32 scale per token and head
     INT8 = "int8"  # with a float32 scale per token and head
@@ -40,6 +40,15 @@ def parse_wire(name: str, allow_auto: bool = False) -> str:
     if name not in choices:
         raise ValueError(f"unknown KV wire format {name!r}; one of {', '.join(choices)}")
     return name
+
+
+def link_wire(wire: str, sender_dtype: str, receiver_dtype: str) -> str:
+    """The format a push travels in: `native` from a float32 pool into a bfloat16 one goes as
+    `bf16`, the very bits the receiver's pool would round it to on import (the same rounding,
+    to nearest even), in half the bytes. Every other choice travels as chosen."""
+    if wire == WireFormat.NATIVE and sender_dtype == "float32" and receiver_dtype == "bfloat16":
+        return WireFormat.BF16
+    return wire
 
 
 def wire_bytes(tokens: int, kv_heads: int, head_dim: int, dtype: str, wire: str) -> int:

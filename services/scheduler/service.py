@@ -59,7 +59,7 @@ from shared.messages import (
     Submit,
     WanSample,
 )
-from shared.model_info import model_name
+from shared.model_info import link_wire, model_name
 from shared.pipelines import Handoff, Pipeline, hands_off
 from shared.prefix_hash import block_hashes, namespace_of
 from shared.registry import Registry, connect
@@ -422,7 +422,7 @@ class Scheduler:
 def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: str, local_wire: str) -> KVTarget:
     """Where prefill pushes a decoder's KV (its advertised endpoint: across the line when it is
     in the other site), with a fresh secret only that decoder expects for this request, and the
-    wire format of that link."""
+    wire format of that link (native KV into a narrower pool travels narrowed: `link_wire`)."""
     wan = decoder.dc != prefill.dc
     return KVTarget(
         decoder.id,
@@ -432,5 +432,5 @@ def _target(prefill: InstanceInfo, decoder: InstanceInfo, start: int, wan_wire: 
         start=start,
         transfer_secret=secrets.token_hex(16),
         wan=wan,
-        wire=wan_wire if wan else local_wire,
+        wire=link_wire(wan_wire if wan else local_wire, prefill.dtype, decoder.dtype),
     )

@@ -3,7 +3,7 @@
 After the prefix caches, the width of each KV element is the next lever on the WAN (the
 network-KV literature, e.g. CacheGen, cuts KV bytes 3.5-4.3x with little quality loss):
 
-    native   the sender's pool dtype, bit for bit
+    native   what the receiver stores, bit for bit (float32 into a bfloat16 pool: bf16, link_wire)
     bf16     bfloat16: exact from a bf16 pool, 2x narrower than fp32
     fp8      float8 e4m3, one float32 scale per token and head (amax / 448)
     int8     int8, one float32 scale per token and head (amax / 127), rounded to nearest

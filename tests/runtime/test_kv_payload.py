@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from shared.model_info import link_wire
 from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, layer_from_bytes, layer_to_bytes
 from shared.runtime.kv_pool import KVLayout, KVPool
 from shared.runtime.sequence import Sequence
@@ -135,12 +137,15 @@ def _pool_holding(values: list[torch.Tensor], dtype: torch.dtype, block_size: in
     return pool, table
 
 
-def _convert(values: list[torch.Tensor], src: torch.dtype, dst: torch.dtype) -> tuple[KVPayload, KVPayload]:
-    """Export from a `src` pool (block size 16), over the wire's bytes, into a `dst` pool (block
-    size 8) at positions [0, n). Returns the payload sent and what the receiver's pool then holds."""
+def _convert(
+    values: list[torch.Tensor], src: torch.dtype, dst: torch.dtype, wire: str = "native"
+) -> tuple[KVPayload, KVPayload]:
+    """Export from a `src` pool (block size 16), over the wire's bytes in `wire`, into a `dst` pool
+    (block size 8) at positions [0, n). Returns the payload sent and what the receiver's pool then holds."""
     pool, table = _pool_holding(values, src, 16)
     sent = export_kv(pool, table, 0, len(values[0]))
-    received = KVPayload(sent.header, [layer_from_bytes(sent.header, layer_to_bytes(k, v)) for k, v in sent.layers])
+    header = dataclasses.replace(sent.header, wire=wire)
+    received = KVPayload(header, [layer_from_bytes(header, layer_to_bytes(k, v, wire)) for k, v in sent.layers])
     receiver, rtable = _pool_holding([torch.zeros_like(v) for v in values], dst, 8)
     import_kv(receiver, rtable, received)
     return sent, export_kv(receiver, rtable, 0, len(values[0]))
@@ -162,6 +167,23 @@ def test_bf16_export_imports_into_fp32_exactly():
         assert k32.dtype == torch.float32
         assert torch.equal(k32, k.float()) and torch.equal(v32, v.float())
         assert torch.isfinite(k32).all() and k32.abs().max() > 65504 and (k32 != 0).all()
+
+
+def test_native_kv_into_a_bf16_pool_travels_as_bf16_and_lands_bit_for_bit():
+    """`link_wire`: float32 KV bound for a bfloat16 pool goes as bf16, half the bytes, and the
+    receiver holds exactly what it holds when the float32 bytes travel (ties round to even once,
+    on either side)."""
+    wire = link_wire("native", "float32", "bfloat16")
+    assert wire == "bf16" and link_wire("native", "float32", "float32") == "native"
+    assert link_wire("native", "bfloat16", "float32") == "native" and link_wire("int8", "float32", "bfloat16") == "int8"
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130 * 3]).repeat(37, 2, 2)  # halfway cases
+    values = [_kv_values()[0], ties]
+    _, narrowed = _convert(values, torch.float32, torch.bfloat16, wire)
+    sent, native = _convert(values, torch.float32, torch.bfloat16)
+    assert dataclasses.replace(sent.header, wire=wire).layer_bytes * 2 == sent.header.layer_bytes
+    for (k, v), (kn, vn) in zip(narrowed.layers, native.layers):
+        assert k.dtype == torch.bfloat16 and torch.equal(k.view(torch.int16), kn.view(torch.int16))
+        assert torch.equal(v.view(torch.int16), vn.view(torch.int16))
 
 
 def test_fp32_to_fp16_rounds_once_and_fp16_to_fp32_is_exact():

@@ -9,6 +9,8 @@ or when the dispatch failed; the next plan counts what is still on the line.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import sys
 
 import msgpack
 
@@ -97,6 +99,7 @@ class Cluster:
         self.scheduler.bus, self.scheduler.registry = self.nats.client("scheduler"), Registry()
         self.bus = self.nats.client("gateway and decoders")
         self.refuse: set[str] = set()
+        self.tasks: dict[str, PrefillTask | DecodeTask] = {}  # the last task each instance got
 
     async def start(self) -> Cluster:
         await self.scheduler.serve()
@@ -111,6 +114,7 @@ class Cluster:
 
     def _acker(self, instance_id: str):
         async def ack(task) -> Ack:
+            self.tasks[instance_id] = task
             return Ack(task.request_id, ok=instance_id not in self.refuse, error="full", busy=True)
 
         return ack
@@ -146,6 +150,20 @@ async def test_the_backlog_counts_the_chosen_wires_bytes():
     c = await Cluster(ttft_slo_ms=1e9).start()
     plan = await c.submit("r1", 100, kv_wire="int8")
     assert (plan.kv_wire, c.backlog) == ("int8", 100 * 12_240)
+
+
+async def test_native_kv_into_a_bfloat16_decoder_travels_as_bf16_and_is_counted_so(monkeypatch):
+    """What main-decode's bf16 pool would round float32 KV to, sent as such: half the bytes on the
+    line, the same bits in its pool (tests/runtime/test_kv_payload.py); the relay's fp32 pool
+    still gets float32."""
+    prefill, rld, md = INSTANCES
+    monkeypatch.setattr(sys.modules[__name__], "INSTANCES", [prefill, rld, dataclasses.replace(md, dtype="bfloat16")])
+    c = await Cluster(ttft_slo_ms=1, relay_finishes=False).start()  # the SLO is missed: p-rld-md
+    plan = await c.submit("r1", 100)
+    wires = {t.instance_id: t.wire for t in c.tasks["prefill-0"].targets}
+    assert (plan.pipeline, plan.kv_wire) == ("p-rld-md", "native")
+    assert wires == {"rld-0": "native", "md-0": "bf16"}
+    assert c.backlog == 100 * 23_040
 
 
 async def test_nothing_is_counted_for_kv_that_stays_in_datacenter_a():
