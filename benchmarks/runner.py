@@ -65,6 +65,9 @@ class Progress:
         sys.stderr.flush()
 
 
+NO_OUTPUT = "the stream carried no output token"
+
+
 def _body(req: BenchRequest, answers: dict[str, str], extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     common = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     common |= extra
@@ -148,6 +151,8 @@ async def _sent(client, target: Target, req: BenchRequest, mode: str, t0: float,
         await _send(client, target.base_url + path, body, t0, rec)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
+    if rec["ok"] and not rec["token_times_s"]:  # a server whose streams end empty is broken, not fast
+        rec["error"] = NO_OUTPUT
     rec["ok"] = rec["ok"] and not rec["error"]
     usage = rec.pop("usage", {})
     rec["output_tokens"] = usage.get("completion_tokens", len(rec["token_times_s"]))
@@ -183,13 +188,29 @@ async def replay(target: Target | str, workload: Workload, mode: str) -> tuple[l
     return list(records), duration
 
 
-async def warm_up(target: Target | str, n: int = 2) -> None:
-    """A couple of short requests so the first measured one does not pay one-time costs."""
+async def warm_up(target: Target | str, n: int = 2, ready_s: float = 120.0) -> None:
+    """A couple of short requests so the first measured one does not pay one-time costs. A 503
+    (a server still starting: `pdd up` answers before its instances register) is asked again
+    until `ready_s`; an answer with no text is reported, since every measured request would fail."""
     target = as_target(target)
+    deadline = time.monotonic() + ready_s
     async with httpx.AsyncClient(timeout=120.0, headers=target.headers()) as client:
         for i in range(n):
             body = {"prompt": f"Warm-up {i}: hello", "max_tokens": 4, "temperature": 0, **target.extra()}
-            await client.post(target.base_url + "/v1/completions", json=body)
+            r = await client.post(target.base_url + "/v1/completions", json=body)
+            while r.status_code == 503 and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                r = await client.post(target.base_url + "/v1/completions", json=body)
+            if r.status_code != 200 or not _warm_text(r):
+                answer = f"HTTP {r.status_code} {r.text[:200]!r}"
+                sys.stderr.write(f"pdd bench: warm-up got {answer}: is the server whole?\n")
+
+
+def _warm_text(r: httpx.Response) -> str:
+    try:
+        return r.json()["choices"][0]["text"] or ""
+    except (ValueError, KeyError, IndexError, TypeError):
+        return ""
 
 
 async def served_model(target: Target) -> str | None:

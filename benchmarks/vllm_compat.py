@@ -75,9 +75,13 @@ def meets_goodput(ttft_ms: float, tpot_ms: float | None, e2el_ms: float, slo: di
     return tpot_ms is None or tpot_ms <= slo.get("tpot_ms", float("inf"))
 
 
-def _figures(name: str, values: list[float]) -> dict[str, float]:
+def _figures(name: str, values: list[float]) -> dict[str, float | None]:
+    """The five statistics of `values`; None for each when there are none (vLLM writes 0 there,
+    which reads as an infinitely fast server when every request failed or streamed nothing)."""
     xs = sorted(values)
-    mean = sum(xs) / len(xs) if xs else 0.0
+    if not xs:
+        return dict.fromkeys(f"{stat}_{name}_ms" for stat in STATS)
+    mean = sum(xs) / len(xs)
     return {
         f"mean_{name}_ms": mean,
         f"median_{name}_ms": percentile(xs, 50),

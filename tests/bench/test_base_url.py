@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from benchmarks import bench
 from benchmarks.args import add_bench_arguments, add_handoff_arguments
 from benchmarks.environment import environment
-from benchmarks.runner import Target, replay
+from benchmarks.runner import NO_OUTPUT, Target, replay, warm_up
+from benchmarks.summary import build_results
 from benchmarks.workloads import random_workload
 
 TOKEN_GAP_S = 0.02
@@ -34,8 +35,11 @@ def stub_app(seen: dict[str, Any]) -> FastAPI:
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> StreamingResponse:
+    async def completions(request: Request) -> Response:
         body = await request.json()
+        if seen.get("starting", 0) > 0:  # like `pdd up` before its instances registered
+            seen["starting"] -= 1
+            return JSONResponse({"error": {"message": "no alive prefill instance"}}, status_code=503)
         if isinstance(body["prompt"], list):  # not a warm-up
             seen["bodies"].append(body)
             seen["auth"].append(request.headers.get("authorization"))
@@ -49,7 +53,8 @@ def stub_app(seen: dict[str, Any]) -> FastAPI:
                 n = body["max_tokens"]
                 for i in range(n):
                     await asyncio.sleep(TOKEN_GAP_S)
-                    choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}
+                    text = "" if seen.get("empty") else f" t{i}"  # empty: vLLM on a folder without its embedding
+                    choice = {"index": 0, "text": text, "finish_reason": "length" if i == n - 1 else None}
                     yield f"data: {json.dumps({'object': 'text_completion', 'choices': [choice]})}\n\n"
                 usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -141,6 +146,20 @@ def test_replay_without_a_cap_sends_open_loop(stub_server) -> None:
     assert seen["max_in_flight"] == 4 and seen["auth"] == [None] * 4
     assert all("model" not in b and "ignore_eos" not in b for b in seen["bodies"])  # PDD serves one model
     assert all(r["ok"] and r["pdd"] == {} and len(r["token_times_s"]) == 3 for r in records)
+
+
+def test_streams_that_carry_no_token_fail_and_a_starting_server_is_waited_for(stub_server, capsys) -> None:
+    """A server that answers 200 and streams only empty pieces (finish reason, usage, [DONE]) is
+    broken: every request fails, none counts as a 0 ms TTFT or a matching output; the warm-up says
+    so. Its first 503s (still starting) are asked again."""
+    url, seen = stub_server
+    seen |= {"together": 1, "requests": 3, "empty": True, "starting": 3}
+    asyncio.run(warm_up(Target(url)))
+    assert seen["starting"] == 0 and "is the server whole?" in capsys.readouterr().err
+    records, _ = asyncio.run(replay(Target(url), random_workload(3, seed=1, rate_rps=0, output_tokens=4), "broken"))
+    assert [(r["ok"], r["error"], r["output_tokens"]) for r in records] == [(False, NO_OUTPUT, 4)] * 3
+    summary = build_results({"name": "random"}, {"duration_s": {"broken": 1.0}}, records)["modes"]["broken"]
+    assert (summary["completed"], summary["failed"], summary["median_ttft_ms"]) == (0, 3, None)
 
 
 def test_bad_flags_are_refused(tmp_path) -> None:
