@@ -93,6 +93,7 @@ def run_mode(name: str, base: dict[str, Any] | None, workload, args: argparse.Na
         records, duration, busy = asyncio.run(measure(target, workload, name, probe))
     if probe.line_bytes is not None:
         cfg["line_bytes"] = probe.line_bytes  # what the line carried during the replay (benchmarks/busy.py)
+    cfg["instance_threads"] = {i.id: i.threads for i in cluster.cfg.instances}  # "auto" resolved for this host
     return records, duration, cfg, busy
 
 
@@ -176,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
         settings["md_in_other_dc"][name] = mode(name).wan
         if "line_bytes" in cfg:
             settings.setdefault("line_bytes", {})[name] = cfg.pop("line_bytes")
-        threads |= {i["id"]: i.get("threads", 1) for i in cfg["instances"]}
+        threads |= cfg["instance_threads"]
         if measured is not None:
             busy[name] = measured
     results = build_results(workload.describe(), settings, records, busy)

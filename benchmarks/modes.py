@@ -94,7 +94,7 @@ def parse_modes(spec: str) -> list[str]:
 
 
 def _instance(iid: str, role: str, dc: str, **extra: Any) -> dict[str, Any]:
-    return {"id": iid, "role": role, "dc": dc, "dtype": "float32", "threads": 1, "kv_tokens": 32768, **extra}
+    return {"id": iid, "role": role, "dc": dc, "dtype": "float32", "threads": "auto", "kv_tokens": 32768, **extra}
 
 
 def mode_config(

@@ -43,7 +43,16 @@ from pdd.forkserver import ForkedProcess, ForkServer
 from pdd.natsconf import server_conf
 from pdd.servers import EmbeddedServer, die_with_parent
 from pdd.topology import plan_processes, resolve
-from shared.config import ClusterConfig, ConfigError, config_from_dict, load_config, serving_problems, to_dict
+from shared.config import (
+    ROLES,
+    ClusterConfig,
+    ConfigError,
+    InstanceConfig,
+    config_from_dict,
+    load_config,
+    serving_problems,
+    to_dict,
+)
 from shared.security import Secrets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -245,7 +254,8 @@ def serve_one(role: str, config_path: str | None, instance: str | None) -> int:
     """`pdd serve ROLE`: check the config can run it, then become that service."""
     path = str(Path(config_path).resolve()) if config_path else None  # relative to where the user stands
     try:
-        problems = serving_problems(load_config(path), role, instance)
+        cfg = load_config(path)
+        problems = serving_problems(cfg, role, instance)
     except ConfigError as e:
         problems = [str(e)]
     if problems:
@@ -253,8 +263,15 @@ def serve_one(role: str, config_path: str | None, instance: str | None) -> int:
             print(f"pdd serve {role}: {p}", file=sys.stderr)
         return 2
     argv = serve_argv(role, path, instance)
+    if role in ROLES and shares_host(cfg, cfg.instance(instance, role)):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as child_env() says, unless the caller chose
     os.chdir(ROOT)
     os.execv(argv[0], argv)
+
+
+def shares_host(cfg: ClusterConfig, me: InstanceConfig) -> bool:
+    """Whether another model instance of the config runs on this instance's host."""
+    return any(i.id != me.id and (i.host or cfg.host) == (me.host or cfg.host) for i in cfg.instances)
 
 
 def run_cluster(config_path: str | None, **overrides: Any) -> int:
@@ -276,6 +293,8 @@ def run_cluster(config_path: str | None, **overrides: Any) -> int:
             f"one way (`pdd wan show`)",
             flush=True,
         )
+    threads = ", ".join(f"{i.id} {i.threads}" for i in cluster.cfg.instances)
+    print(f"pdd: torch threads on {len(os.sched_getaffinity(0))} cores: {threads}", flush=True)
     metrics = [f"gateway {cluster.url}/metrics", f"scheduler :{cluster.cfg.scheduler.metrics_port}/metrics"]
     metrics += [f"{i.id} :{i.metrics_port}/metrics" for i in cluster.cfg.instances]
     print(f"pdd: Prometheus metrics: {', '.join(metrics)}", flush=True)

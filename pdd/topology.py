@@ -1,6 +1,7 @@
 """The two-site cluster on one host: which processes run in which site, on which ports.
 
-`resolve()` turns a config into a runnable one for this host: every port left at 0 gets a free
+`resolve()` turns a config into a runnable one for this host: every instance's `threads: auto`
+becomes its share of this host's cores (`ClusterConfig.threads_of`), every port left at 0 gets a free
 one (so a firewall-style test can name each), each site gets its NATS server's URL, the
 decoders in the other site are reached through the emulated line's forward ports, that site's
 NATS server joins the scheduler's through the line, and a throwaway CA and credentials are made
@@ -47,7 +48,10 @@ def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
     """A config for this host: free ports where 0, site URLs, forwards through the line, secrets."""
     instances = tuple(
         dataclasses.replace(
-            i, kv_port=_port(i.kv_port) if i.role != "prefill" else 0, metrics_port=_port(i.metrics_port)
+            i,
+            kv_port=_port(i.kv_port) if i.role != "prefill" else 0,
+            metrics_port=_port(i.metrics_port),
+            threads=cfg.threads_of(i),
         )
         for i in cfg.instances
     )

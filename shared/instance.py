@@ -205,7 +205,7 @@ class InstanceService:
         failpoints.configure(self.inst.id, self.role)
         bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.role, Secrets.of(self.cfg))
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
-        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.inst.threads))
+        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.cfg.threads_of(self.inst)))
         self.metrics.serve(self.cfg.host, self.inst.metrics_port)
         log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)
         await self._stop.wait()

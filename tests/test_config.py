@@ -90,3 +90,77 @@ def test_an_engine_chooses_its_kernels_at_its_own_thread_count(monkeypatch):
     assert build_engine(demo, inst).runner.invariant and seen == []
     assert not build_engine(demo, dataclasses.replace(inst, batch_invariant=False)).runner.invariant
     assert seen == [1, 1] and torch.get_num_threads() == before
+
+
+def test_auto_threads_share_a_hosts_cores():
+    """`threads: auto`: the decoders of a host split its cores (each steps all the time), the
+    prefill instances split all of them (prefill runs in bursts while the decoders' threads
+    sleep); explicit counts are kept and leave the rest; other hosts and CUDA instances are apart."""
+    shipped = load_config(None)
+    assert [i.threads for i in shipped.instances] == ["auto"] * 3  # configs/single-host.yaml
+    assert [shipped.threads_of(i, cores=2) for i in shipped.instances] == [2, 1, 1]
+    assert [shipped.threads_of(i, cores=16) for i in shipped.instances] == [16, 8, 8]
+    assert [shipped.threads_of(i, cores=1) for i in shipped.instances] == [1, 1, 1]  # never 0
+
+    def fleet(*instances, **extra):
+        c = config_from_dict(
+            {
+                "instances": [
+                    {"id": f"{r}-{n}", "role": r, "threads": "auto", **kw} for n, (r, kw) in enumerate(instances)
+                ],
+                **extra,
+            }
+        )
+        return [c.threads_of(i, cores=8) for i in c.instances]
+
+    assert fleet(("prefill", {}), ("prefill", {}), ("md", {}), ("md", {}), ("rld", {})) == [4, 4, 2, 2, 2]
+    assert fleet(("prefill", {}), ("md", {"threads": 6}), ("md", {})) == [8, 6, 2]
+    assert fleet(("prefill", {"threads": 3}), ("prefill", {}), ("md", {})) == [3, 5, 8]
+    assert fleet(("prefill", {}), ("md", {"host": "10.0.0.2"}), ("md", {})) == [8, 8, 8]
+    assert fleet(("prefill", {}), ("md", {"device": "cuda"}), ("md", {})) == [8, 1, 8]
+    assert fleet(("prefill", {}), ("md", {}), device="cuda") == [1, 1]
+
+
+@pytest.mark.parametrize("bad", [0, -2, "four", 1.5, None])
+def test_threads_is_a_count_or_auto(bad):
+    with pytest.raises(ConfigError, match="threads must be an integer >= 1 or 'auto'"):
+        cfg(instances=[{**INSTANCES[0], "threads": bad}, INSTANCES[1]])
+
+
+def test_the_run_config_holds_each_instances_resolved_threads(tmp_path):
+    """`pdd up` writes the config its services read: every `auto` is this host's count there."""
+    import os
+
+    from pdd.topology import resolve
+
+    cores = len(os.sched_getaffinity(0))
+    run = resolve(load_config(None), tmp_path)
+    assert {i.id: i.threads for i in run.instances} == {
+        "prefill-0": cores,
+        "rld-0": max(1, cores // 2),
+        "md-0": max(1, cores // 2),
+    }
+
+
+def test_pdd_serve_gives_sleeping_openmp_threads_where_instances_share_a_host(monkeypatch, tmp_path):
+    """`pdd serve md` from the shipped config (three instances on one host) becomes the service
+    with OMP_WAIT_POLICY=PASSIVE; on a host of its own it is left alone."""
+    import os
+
+    from pdd import launcher
+
+    for name, value in {"PDD_NATS_URL": "nats://127.0.0.1:1", "PDD_SECRETS_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    became = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: became.append((argv, os.environ.get("OMP_WAIT_POLICY"))))
+    monkeypatch.setattr(os, "chdir", lambda path: None)
+    launcher.serve_one("md", None, "md-0")
+    assert became and became[0][0][-2:] == ["--instance", "md-0"] and became[0][1] == "PASSIVE"
+
+    from pdd.launcher import shares_host
+
+    shipped = load_config(None)
+    assert shares_host(shipped, shipped.instance("md-0"))
+    apart = config_from_dict({"instances": [{**INSTANCES[0], "host": "a"}, {**INSTANCES[1], "host": "b"}]})
+    assert not shares_host(apart, apart.instance("md-0"))

@@ -21,7 +21,7 @@ def build_engine(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
     thread count (the caller's is restored): the runner times its small-step kernels on the
     weights as the engine thread will run them (shared/runtime/fused.py)."""
     caller_threads = torch.get_num_threads()
-    torch.set_num_threads(inst.threads)
+    torch.set_num_threads(cfg.threads_of(inst))
     try:
         return _build(cfg, inst)
     finally:
