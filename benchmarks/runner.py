@@ -32,13 +32,18 @@ class Target:
     model: str | None = None  # None: the server's default (PDD serves one model)
     ignore_eos: bool = False
     max_concurrency: int | None = None  # None: open loop, no cap
+    logprobs: int = 0  # alternatives per token to ask for and record (0: none asked)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def extra(self) -> dict[str, Any]:
         """Body fields every request gets."""
-        return {**({"model": self.model} if self.model else {}), **({"ignore_eos": True} if self.ignore_eos else {})}
+        return {
+            **({"model": self.model} if self.model else {}),
+            **({"ignore_eos": True} if self.ignore_eos else {}),
+            **({"logprobs": self.logprobs} if self.logprobs else {}),  # each endpoint's spelling: _body
+        }
 
 
 def as_target(target: Target | str) -> Target:
@@ -71,11 +76,13 @@ NO_OUTPUT = "the stream carried no output token"
 def _body(req: BenchRequest, answers: dict[str, str], extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     common = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     common |= extra
+    top = common.pop("logprobs", 0)
     if req.messages is not None:
         # one call per turn, as an agent loop runs its tools
         tools = {"tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": False} if req.tools else {}
+        common |= {"logprobs": True, "top_logprobs": top} if top else {}
         return "/v1/chat/completions", {**common, **tools, "messages": fill_answers(req.messages, answers)}
-    return "/v1/completions", {**common, "prompt": req.prompt_ids}
+    return "/v1/completions", {**common, **({"logprobs": top} if top else {}), "prompt": req.prompt_ids}
 
 
 async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec: dict[str, Any]) -> None:
@@ -99,6 +106,8 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
             if piece or calls:
                 rec["token_times_s"].append(time.perf_counter() - t0)
                 rec["text"] += piece
+            if choices and choices[0].get("logprobs"):
+                rec.setdefault("logprobs", []).extend(token_logprobs(choices[0]["logprobs"]))
             if choices and choices[0].get("finish_reason") == "tool_calls":
                 rec["tool_call_done_s"] = time.perf_counter() - t0
             if event.get("usage"):
@@ -108,6 +117,22 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
             if "pdd" in event:
                 rec["pdd"] = event["pdd"]
                 rec["ok"] = True
+
+
+def token_logprobs(logprobs: dict[str, Any]) -> list[list[list]]:
+    """A chunk's logprobs in one shape for both endpoints: per token, [[token, logprob], ...]
+    with the chosen token first, then the alternatives best first (chat: `content`; completions:
+    `tokens`, `token_logprobs`, `top_logprobs`)."""
+    if "content" in logprobs:
+        return [
+            [[t["token"], t["logprob"]]] + [[a["token"], a["logprob"]] for a in t.get("top_logprobs") or []]
+            for t in logprobs["content"] or []
+        ]
+    tops = logprobs.get("top_logprobs") or [{}] * len(logprobs.get("tokens") or [])
+    return [
+        [[tok, lp]] + sorted(([a, b] for a, b in (top or {}).items()), key=lambda x: -x[1])
+        for tok, lp, top in zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [], tops, strict=False)
+    ]
 
 
 def _tool_calls(rec: dict[str, Any], delta: dict[str, Any]) -> bool:

