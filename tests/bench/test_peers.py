@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import peers
+from benchmarks import peer_plan, peers
 from benchmarks.runner import Target, _body, token_logprobs
 from benchmarks.workloads import BenchRequest
 
@@ -75,7 +75,7 @@ def test_vllm_gets_this_processes_cores_and_the_project_venv_is_never_its_own():
     assert argv[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--dtype") + 1] == "float32" and argv[argv.index("--served-model-name") + 1] == "smol"
     assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("4", "0-2,5")
-    assert not str(peers.DEFAULT_VENV).startswith(str(Path(__file__).resolve().parents[2]))
+    assert not str(peer_plan.DEFAULT_VENV).startswith(str(Path(__file__).resolve().parents[2]))
 
 
 def test_the_command_refuses_without_vllm_unless_asked_to_install(tmp_path, capsys):
