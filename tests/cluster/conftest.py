@@ -36,12 +36,13 @@ FLEET = [
     {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
 ]
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "single-host.yaml"
-KEYS = {"calm": "calm-key", "flooder": "flood-key", "tenant-a": "admin-a", "tenant-b": "admin-b"}
+KEYS = {"calm": "calm-key", "flooder": "flood-key", "deaf": "deaf-key", "tenant-a": "admin-a", "tenant-b": "admin-b"}
+LIMITS = {"flooder": 2, "deaf": 64}  # max_concurrent per user key (none: no limit)
 
 
 def _keys_file() -> str:
-    """The keyed cluster's keys (hashed, as an operator writes them): two user keys, one of them
-    limited to 2 requests at once, and two admin keys, each its own tenant."""
+    """The keyed cluster's keys (hashed, as an operator writes them): three user keys, two of them
+    limited in requests at once (`LIMITS`), and two admin keys, each its own tenant."""
     import hashlib
     import tempfile
 
@@ -52,7 +53,7 @@ def _keys_file() -> str:
             "name": n,
             "sha256": hashlib.sha256(k.encode()).hexdigest(),
             "scope": "admin" if n.startswith("tenant") else "user",
-            **({"max_concurrent": 2} if n == "flooder" else {}),
+            **({"max_concurrent": LIMITS[n]} if n in LIMITS else {}),
         }
         for n, k in KEYS.items()
     ]
@@ -237,9 +238,9 @@ def completion(url: str, body: dict, timeout: float = 120) -> dict:
     return r.json()
 
 
-def in_flight(url: str) -> int:
+def in_flight(url: str, headers: dict[str, str] | None = None) -> int:
     """Requests admitted at the gateway at `url` and not finished (its pdd:num_requests_running)."""
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", headers=headers).text
     return int(float(re.search(r"^pdd:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
 
 

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.cluster.conftest import KEYS, Operator, fresh_prompt, stream_completion
+from tests.cluster.conftest import KEYS, Operator, fresh_prompt, in_flight, stream_completion
 from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
@@ -106,15 +106,17 @@ def _read_until_closed(lines) -> None:
             pass
 
 
-def _raw_request(url: str, key: str, body: bytes, length: int | None = None) -> socket.socket:
-    """A POST on a socket of its own that reads as little as the kernel lets it (a 4 KiB receive
-    buffer), declaring `length` bytes of body (default: all of `body`)."""
+def _raw_request(
+    url: str, key: str, body: bytes, path: str = "/v1/completions", length: int | None = None
+) -> socket.socket:
+    """A POST to `path` on a socket of its own that reads as little as the kernel lets it (a 4 KiB
+    receive buffer), declaring `length` bytes of body (default: all of `body`)."""
     where = urlparse(url)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((where.hostname, where.port))
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {where.hostname}\r\nAuthorization: Bearer {KEYS[key]}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {where.hostname}\r\nAuthorization: Bearer {KEYS[key]}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n"
     )
     sock.sendall(head.encode() + body)
@@ -132,20 +134,36 @@ def _read(sock: socket.socket, timeout: float, stop: bytes = b"") -> bytes:
     return data
 
 
+DEAF = 64  # clients that never read: the shipped config's max_queue
+
+
 def test_clients_that_stop_reading_or_sending_free_their_slots(keyed):
-    """The flooder key has 2 slots. Two streams whose clients never read fill their sockets and
-    then wait on them: past `timeouts.client_s` (10 s here) each is ended, aborted in every stage,
-    and its slot freed, so the key is served again. A body that never arrives gets 408 as well."""
-    body = {"prompt": fresh_prompt(16, "deaf"), "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-    deaf = [_raw_request(keyed.url, "flooder", json.dumps({**body, "stream": True}).encode()) for _ in range(2)]
+    """The deaf key has 64 slots, as many as the shipped gateway has in all (`max_queue`). 64
+    streams whose clients never read fill their sockets, then wait on them: past
+    `timeouts.client_s` (10 s here) each is ended, aborted in every stage and its slot freed, so a
+    65th request is served. Each event carries 20 top logprobs (~2 KB), so a stream fills the
+    gateway's buffers within ~50 tokens, not ~500. A body that never arrives gets 408 as well."""
+    body = {
+        "messages": [{"role": "user", "content": fresh_prompt(16, "deaf")}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "stream": True,
+    }
+    deaf = [_raw_request(keyed.url, "deaf", json.dumps(body).encode(), "/v1/chat/completions") for _ in range(DEAF)]
     try:
+        admin = auth("tenant-a")
+        until(lambda: in_flight(keyed.url, admin) >= DEAF, 120, f"the {DEAF} streams admitted", every=0.2)
         small = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
-        until(lambda: post(keyed.url, small, "flooder").status_code == 429, 120, "both slots held by the streams")
+        assert post(keyed.url, small, "deaf").status_code == 429  # every slot of the key is held
         with _raw_request(keyed.url, "calm", b'{"prompt": "x", ', length=200) as half:  # never the rest
             answer = _read(half, 60, stop=b"body_timeout")
         assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer, answer[:300]
         # without the write deadline they would hold them until their clients went: never, here
-        until(lambda: post(keyed.url, small, "flooder").status_code == 200, 300, "a slot freed", every=1)
+        until(lambda: post(keyed.url, small, "deaf").status_code == 200, 300, "the 65th served", every=1)
+        until(lambda: in_flight(keyed.url, admin) == 0, 120, "every deaf stream cut", every=1)
         for sock in deaf:  # what each got: a stream cut short, no end of it
             got = _read(sock, 5)
             assert got.startswith(b"HTTP/1.1 200") and b"data: {" in got, got[:300]
