@@ -32,7 +32,7 @@ import yaml
 
 from shared.config import DEFAULT_CONFIG
 from shared.model_info import WireFormat
-from shared.pipelines import Handoff, Pipeline
+from shared.pipelines import Handoff, Pipeline, Role
 from shared.policy_knobs import AUTO  # the scheduler decides
 
 NATIVE = WireFormat.NATIVE.value  # plain data: the mode configs go through YAML
@@ -46,7 +46,7 @@ class Mode:
     relay: bool  # a relay-decode pool exists in datacenter A
     pipeline: str  # the scheduler's default_pipeline: AUTO or a pinned Pipeline
     handoff: str  # the scheduler's default_handoff: AUTO or a pinned Handoff
-    first_token: str = "prefill"  # who streams it (ClusterConfig.first_token)
+    first_token: str = Role.PREFILL.value  # who streams it (ClusterConfig.first_token)
     warm_prefill: bool = True  # ClusterConfig.warm_prefill
 
     @property
@@ -112,11 +112,11 @@ def mode_config(
         cfg = copy.deepcopy(base)
         cfg["wan"] = cfg.get("wan", {})
     instances = [
-        _instance("prefill-0", "prefill", "A"),
-        _instance("md-0", "md", m.md_dc, prefix_cache=m.drc, dtype=decode_dtype),
+        _instance("prefill-0", Role.PREFILL.value, "A"),
+        _instance("md-0", Role.MD.value, m.md_dc, prefix_cache=m.drc, dtype=decode_dtype),
     ]
     if m.relay:
-        instances.insert(1, _instance("rld-0", "rld", "A", kv_tokens=RLD_KV_TOKENS, dtype=decode_dtype))
+        instances.insert(1, _instance("rld-0", Role.RLD.value, "A", kv_tokens=RLD_KV_TOKENS, dtype=decode_dtype))
     cfg["instances"] = instances
     cfg["scheduler"] = {
         **cfg.get("scheduler", {}),
@@ -134,7 +134,7 @@ def mode_config(
 
 
 def instance_counts(cfg: dict[str, Any]) -> dict[str, int]:
-    counts = {"prefill": 0, "rld": 0, "md": 0}
+    counts = dict.fromkeys(Role, 0)
     for inst in cfg["instances"]:
         counts[inst["role"]] += 1
     return counts

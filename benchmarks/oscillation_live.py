@@ -34,6 +34,7 @@ from pdd.launcher import Cluster
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Inspect, InstanceState
+from shared.pipelines import Role
 
 RELAY = "rld-0"
 SAMPLE_S = 0.1
@@ -42,7 +43,7 @@ SAMPLE_S = 0.1
 def cluster_config(guard: bool, wan_delay_ms: float) -> dict[str, Any]:
     cfg = mode_config("pdd")
     for inst in cfg["instances"]:
-        if inst["role"] == "rld":
+        if inst["role"] == Role.RLD:
             inst["max_running"] = 1
     cfg["wan"] = {**cfg["wan"], "bandwidth_mbps": 1000.0, "delay_ms": wan_delay_ms, "jitter_ms": 0.0}
     cfg["scheduler"] = {**cfg["scheduler"], "guard": guard, "ttft_slo_ms": 1000.0, "wan_mbps": 1000.0}

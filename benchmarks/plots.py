@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen first
 
 from benchmarks.summary import HIT_BUCKETS, Record, request_latencies
+from shared.pipelines import Role
 
 # Lane 0 is datacenter A's side (P, in-DC KV, RLD); lane 1 the WAN and MD's side.
 SEGMENT_STYLE: dict[str, tuple[int, str]] = {
@@ -51,11 +52,11 @@ def timeline_segments(record: Record) -> list[tuple[str, int, float, float]]:
         sent = float(record.get("sent_s", 0.0))
         times = [(float(x) - sent) * 1000 for x in record["token_times_s"]]
         roles = pdd.get("tokens_by_role", {})
-        n_first = min(int(roles.get("prefill", 0)), len(times))
+        n_first = min(int(roles.get(Role.PREFILL, 0)), len(times))
         if n_first:
             segs.append(("P first token", times[0], times[n_first - 1] - times[0]))
         times = times[n_first:]
-        n_rld = min(int(roles.get("rld", 0)), len(times))
+        n_rld = min(int(roles.get(Role.RLD, 0)), len(times))
         if n_rld:
             segs.append(("RLD tokens", times[0], times[n_rld - 1] - times[0]))
         if n_rld < len(times):
@@ -70,7 +71,7 @@ def timeline_segments(record: Record) -> list[tuple[str, int, float, float]]:
 def pick_timeline_records(records: list[Record], n: int = 8) -> list[Record]:
     """Up to n streamed requests, half of them (when there are) relayed by RLD, by send time."""
     streamed = [r for r in records if request_latencies(r) is not None]
-    relayed = [r for r in streamed if (r.get("pdd") or {}).get("tokens_by_role", {}).get("rld", 0) > 0]
+    relayed = [r for r in streamed if (r.get("pdd") or {}).get("tokens_by_role", {}).get(Role.RLD, 0) > 0]
     picked = relayed[: n // 2]
     picked += [r for r in streamed if r not in picked][: n - len(picked)]
     return sorted(picked, key=lambda r: float(r.get("sent_s", 0.0)))

@@ -20,9 +20,10 @@ from typing import Any
 
 from benchmarks.modes import LOCAL_MODE
 from benchmarks.plots import plot_hit_buckets, plot_timeline, plot_ttft_cdf
-from benchmarks.summary import LATENCY_FIELDS, Record, by_mode, hit_buckets
+from benchmarks.summary import CACHE_SIDES, LATENCY_FIELDS, Record, by_mode, hit_buckets
 from benchmarks.vllm_compat import REPORT_KEYS
 from benchmarks.waterfall import plot_waterfalls
+from shared.pipelines import Role
 
 PDD_MODE = "pdd"
 WAN_MODE = "pd-wan"
@@ -87,7 +88,7 @@ def rld_share(summary: dict[str, Any]) -> float | None:
     if summary["tokens_by_role"] is None:
         return None
     total = sum(summary["tokens_by_role"].values())
-    return summary["tokens_by_role"]["rld"] / total if total else 0.0
+    return summary["tokens_by_role"][Role.RLD] / total if total else 0.0
 
 
 def _div(num: float | None, den: float | None) -> float | None:
@@ -162,9 +163,6 @@ def _header(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-ROLES, SIDES = ("prefill", "rld", "md"), ("prefill", "md")
-
-
 def _part(summary: dict[str, Any], key: str, sub: str) -> Any:
     """summary[key][sub], or None when the mode's server sent no `pdd` object to know it from."""
     return None if summary.get(key) is None else summary[key][sub]
@@ -186,9 +184,9 @@ def _overview(modes: dict[str, dict[str, Any]]) -> list[str]:
     if any(s.get("line_bytes") for s in modes.values()):
         rows += [["WAN KV bytes in pdd objects", *(s.get("wan_kv_bytes_attributed") for s in modes.values())]]
         rows += [["NATS link bytes (both ways)", *(_nats_bytes(s.get("line_bytes")) for s in modes.values())]]
-    rows += [[f"{role.upper()} tokens", *(_part(s, "tokens_by_role", role) for s in modes.values())] for role in ROLES]
+    rows += [[f"{role.upper()} tokens", *(_part(s, "tokens_by_role", role) for s in modes.values())] for role in Role]
     rows += [["RLD share of output tokens", *(rld_share(s) for s in modes.values())]]
-    rows += [[f"prefix hit rate {side}", *(_part(s, "hit_rate", side) for s in modes.values())] for side in SIDES]
+    rows += [[f"prefix hit rate {side}", *(_part(s, "hit_rate", side) for s in modes.values())] for side in CACHE_SIDES]
     return [
         "## Requests, throughput, cost, WAN",
         "",

@@ -27,6 +27,7 @@ from benchmarks.modes import LOCAL_MODE
 from benchmarks.stats import latency_stats as latency_stats  # re-exported: the one percentile lives there
 from benchmarks.stats import percentile as percentile
 from benchmarks.vllm_compat import vllm_figures
+from shared.pipelines import Role
 
 Record = dict[str, Any]
 
@@ -45,6 +46,7 @@ HIT_BUCKETS: tuple[tuple[str, float, float], ...] = (
 )
 
 LATENCY_FIELDS = ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms")
+CACHE_SIDES = (Role.PREFILL, Role.MD)  # the roles whose prefix hits the `pdd` object reports
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def cost_rate_per_hour(settings: dict[str, Any], mode: str) -> float:
     chip_a = float(prices.get("chip_a", 0.0))
     local = mode == LOCAL_MODE
     chip_md = chip_a if local else float(prices.get("chip_b", 0.0))
-    rate = (inst.get("prefill", 0) + inst.get("rld", 0)) * chip_a + inst.get("md", 0) * chip_md
+    rate = (inst.get(Role.PREFILL, 0) + inst.get(Role.RLD, 0)) * chip_a + inst.get(Role.MD, 0) * chip_md
     return rate + (0.0 if local else float(prices.get("wan_line", 0.0)))
 
 
@@ -163,7 +165,7 @@ def handoff_gap_ratios(done: list[Record]) -> list[float]:
     for r in done:
         pdd, lat = r.get("pdd") or {}, request_latencies(r)
         roles = pdd.get("tokens_by_role") or {}
-        if lat is None or not lat.gaps_ms or not (roles.get("rld") and roles.get("md")):
+        if lat is None or not lat.gaps_ms or not (roles.get(Role.RLD) and roles.get(Role.MD)):
             continue
         median = sorted(lat.gaps_ms)[len(lat.gaps_ms) // 2]
         if median > 0:
@@ -176,8 +178,8 @@ def _pdd_figures(done: list[Record], prompt: int, known: bool) -> dict[str, Any]
         return {"wan_kv_bytes": None, "tokens_by_role": None, "hit_rate": None}
     return {
         "wan_kv_bytes": sum(int((r.get("pdd") or {}).get("wan_kv_bytes", 0)) for r in done),
-        "tokens_by_role": {k: _pdd_sum(done, "tokens_by_role", k) for k in ("prefill", "rld", "md")},
-        "hit_rate": {k: _ratio(_pdd_sum(done, "prefix_hit_tokens", k), prompt) for k in ("prefill", "md")},
+        "tokens_by_role": {k: _pdd_sum(done, "tokens_by_role", k) for k in Role},
+        "hit_rate": {k: _ratio(_pdd_sum(done, "prefix_hit_tokens", k), prompt) for k in CACHE_SIDES},
     }
 
 
@@ -282,7 +284,7 @@ def tool_call_figures(done: list[Record]) -> dict[str, Any] | None:
 
 def md_hit_fraction(record: Record) -> float:
     """prefix_hit_tokens.md / prompt_tokens, clamped to [0, 1]; 0.0 without a prompt."""
-    hit = int((record.get("pdd") or {}).get("prefix_hit_tokens", {}).get("md", 0))
+    hit = int((record.get("pdd") or {}).get("prefix_hit_tokens", {}).get(Role.MD, 0))
     return min(max(_ratio(hit, int(record.get("prompt_tokens", 0))), 0.0), 1.0)
 
 

@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen 
 from matplotlib.patches import Rectangle
 
 from benchmarks.summary import Record, request_latencies
+from shared.pipelines import Role
 from shared.waterfall import ROWS, layout
 
 LABELS = {
@@ -70,8 +71,11 @@ def record_layout(record: Record) -> dict[str, Any]:
     sent = float(record.get("sent_s", 0.0))
     times = [(float(x) - sent) * 1000 for x in record.get("token_times_s") or []]
     roles = pdd.get("tokens_by_role", {})
-    n_first, n_relay = int(roles.get("prefill", 0)), int(roles.get("rld", 0))
-    marks = [(ms, "prefill" if i < n_first else "rld" if i < n_first + n_relay else "md") for i, ms in enumerate(times)]
+    n_first, n_relay = int(roles.get(Role.PREFILL, 0)), int(roles.get(Role.RLD, 0))
+    marks = [
+        (ms, Role.PREFILL if i < n_first else Role.RLD if i < n_first + n_relay else Role.MD)
+        for i, ms in enumerate(times)
+    ]
     end = times[-1] if times else float(pdd.get("timings_ms", {}).get("e2e", 0.0))
     return layout(
         pdd.get("timings_ms", {}), marks, int(pdd.get("handoff_chunks", 0)), float(pdd.get("handoff_gap_ms", 0.0)), end
@@ -124,8 +128,8 @@ def plot_waterfall(path: Path, record: Record | None, title: str) -> Path:
     ax.set(
         xlabel="ms since the client sent the request",
         title=f"{title}: {record.get('request_id', '?')} "
-        f"({pdd.get('pipeline', '?')}, handoff {pdd.get('handoff', '?')}, relay {roles.get('rld', 0)} / main "
-        f"{roles.get('md', 0)} tokens)",
+        f"({pdd.get('pipeline', '?')}, handoff {pdd.get('handoff', '?')}, relay {roles.get(Role.RLD, 0)} / main "
+        f"{roles.get(Role.MD, 0)} tokens)",
     )
     ax.grid(axis="x", alpha=0.3)
     fig.text(0.01, 0.01, PLACEMENT, fontsize=6.5, color="#6b7280", wrap=True)

@@ -31,6 +31,7 @@ import sys
 
 from pdd.control import add_status_arguments, add_wan_arguments
 from shared.model_info import AUTO_WIRE, WIRE_FORMATS
+from shared.pipelines import ROLES
 
 
 def _version() -> str:
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default=None, help="run every instance on this device: cpu, cuda or cuda:N")
     up.set_defaults(func=_up)
     serve = sub.add_parser("serve", help="run one service of one datacenter")
-    serve.add_argument("role", choices=["gateway", "scheduler", "prefill", "rld", "md", "wanlink"])
+    serve.add_argument("role", choices=["gateway", "scheduler", *ROLES, "wanlink"])
     serve.add_argument("--config", default=None, help="cluster YAML (relative to where you stand)")
     serve.add_argument("--instance", default=None, help="instance id from the config (default: the first of the role)")
     serve.set_defaults(func=_serve)

@@ -44,7 +44,6 @@ from pdd.natsconf import server_conf
 from pdd.servers import EmbeddedServer, die_with_parent
 from pdd.topology import plan_processes, resolve
 from shared.config import (
-    ROLES,
     ClusterConfig,
     ConfigError,
     InstanceConfig,
@@ -53,6 +52,7 @@ from shared.config import (
     serving_problems,
     to_dict,
 )
+from shared.pipelines import ROLES
 from shared.security import Secrets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +173,7 @@ class Cluster:
             # PR_SET_PDEATHSIG fires when the forking thread exits: the child would die with it
             raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
         spec = self.specs[name]
-        argv = serve_argv(spec.role, self.config_path, name if spec.role in ("prefill", "rld", "md") else None)
+        argv = serve_argv(spec.role, self.config_path, name if spec.role in ROLES else None)
         env, log_path = child_env(), self.run_dir / f"{name}.log"
         if self.failpoints is not None:
             env["PDD_FAILPOINTS_FILE"] = str(self.failpoints)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from shared.config import ClusterConfig, DatacenterConfig
+from shared.pipelines import ROLES, Role
 from shared.security import Secrets
 
 # subjects each role publishes / subscribes (shared/subjects.py names them all)
@@ -40,11 +41,11 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
             "pdd.abort",  # aborts: the line's backlog forgets the request's KV
         ],
     },
-    "prefill": {
+    Role.PREFILL: {
         "publish": ["pdd.tokens.>", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],
         "subscribe": ["pdd.prefill.*.task", "pdd.prefill.*.drop", "pdd.prefill.*.warm", *_OPERATED],
     },
-    "rld": {
+    Role.RLD: {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.chunk", *_REPORT],
         "subscribe": [
             "pdd.decode.*.task",
@@ -55,7 +56,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
             *_OPERATED,
         ],
     },
-    "md": {
+    Role.MD: {
         "publish": ["pdd.tokens.>", "pdd.handoff.*.ready", "pdd.handoff.*.finish", *_REPORT],
         "subscribe": [
             "pdd.decode.*.task",
@@ -67,7 +68,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "wanlink": {"publish": [], "subscribe": ["pdd.wanlink.*.control"]},
 }
-SITE_ROLES = {"control": ("gateway", "scheduler", "prefill", "rld", "md", "wanlink"), "other": ("prefill", "rld", "md")}
+SITE_ROLES = {"control": ("gateway", "scheduler", *ROLES, "wanlink"), "other": ROLES}
 
 
 def _user(role: str, password: str) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pdd.servers import free_port
 from shared.config import ClusterConfig, DatacenterConfig
+from shared.pipelines import Role
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
     instances = tuple(
         dataclasses.replace(
             i,
-            kv_port=_port(i.kv_port) if i.role != "prefill" else 0,
+            kv_port=_port(i.kv_port) if i.role != Role.PREFILL else 0,
             metrics_port=_port(i.metrics_port),
             threads=cfg.threads_of(i),
         )

@@ -19,16 +19,16 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from shared.model_info import WireFormat, parse_wire
-from shared.pipelines import Pipeline
+from shared.pipelines import ROLES, Pipeline, Role
 from shared.policy_knobs import PolicyKnobs
 
-ROLES = ("prefill", "rld", "md")
 AUTO = "auto"  # InstanceConfig.threads: the instance's share of its host's cores
 DEFAULT_CONFIG = Path(importlib.util.find_spec("configs").submodule_search_locations[0]) / "single-host.yaml"
 
@@ -45,7 +45,7 @@ def check_device(device: str, what: str) -> None:
 @dataclass(frozen=True)
 class InstanceConfig:
     id: str
-    role: str
+    role: Role  # a plain string in the file: made a Role here, a plain string again in `to_dict`
     dc: str = "A"
     dtype: str = "float32"
     threads: int | str = 1  # torch threads, or "auto": this host's share (thread_budget below)
@@ -63,8 +63,10 @@ class InstanceConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N (the model, its KV pool and CUDA-graph decode steps)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ConfigError(f"instance {self.id!r}: role {self.role!r} is not one of {ROLES}")
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ConfigError(f"instance {self.id!r}: role {self.role!r} is not one of {ROLES}") from None
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"instance {self.id!r}: dtype {self.dtype!r} must be float32 or bfloat16")
         if self.threads != AUTO and not (isinstance(self.threads, int) and self.threads >= 1):
@@ -117,7 +119,7 @@ class WanConfig:
     write_stall_s: float = 120.0  # a connection whose receiver takes nothing for this long is reset
 
 
-FIRST_TOKEN_FROM = ("prefill", "decoder")  # ClusterConfig.first_token
+FIRST_TOKEN_FROM = (Role.PREFILL.value, "decoder")  # ClusterConfig.first_token
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ class ClusterConfig:
     # who streams a request's first token: "prefill", in the scheduler's site, the moment it is
     # sampled (its TTFT never waits on the line), or "decoder", once its KV arrived (as naive
     # cross-DC PD does: the bench's pd-wan baselines)
-    first_token: str = "prefill"
+    first_token: str = Role.PREFILL.value
     # a finished request's prompt and answer go back to the prefill that served it, which computes
     # the answer's KV into its prefix cache while idle: the session's next turn, whose prompt holds
     # that answer, does not prefill it again (token ids cross, never KV: the handoff in reverse)
@@ -247,7 +249,7 @@ class ClusterConfig:
         out = [
             (i.id, self.control_dc, (i.host or self.host, i.kv_port))
             for i in self.instances
-            if i.dc != self.control_dc and i.role != "prefill"
+            if i.dc != self.control_dc and i.role != Role.PREFILL
         ]
         out += [
             (f"nats-{d.name}", d.name, (home.leaf_host or self.host, home.leaf_port))
@@ -273,7 +275,7 @@ class ClusterConfig:
         group = [
             i
             for i in self.instances
-            if (i.role == "prefill") == (inst.role == "prefill")
+            if (i.role == Role.PREFILL) == (inst.role == Role.PREFILL)
             and (i.host or self.host) == (inst.host or self.host)
             and (self.device or i.device) == "cpu"
         ]
@@ -361,14 +363,14 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")
-    for role in ("prefill", "md"):
+    for role in (Role.PREFILL, Role.MD):
         if not cfg.of_role(role):
             raise ConfigError(f"{where}: needs at least one {role} instance")
     known = {d.name for d in cfg.datacenters}
     for dc in {i.dc for i in cfg.instances} | {cfg.control_dc}:
         if dc not in known:
             raise ConfigError(f"{where}: datacenter {dc!r} is used but not in datacenters {sorted(known)}")
-    if cfg.scheduler.default_pipeline == Pipeline.P_RLD_MD and not cfg.of_role("rld"):
+    if cfg.scheduler.default_pipeline == Pipeline.P_RLD_MD and not cfg.of_role(Role.RLD):
         cfg = dataclasses.replace(
             cfg, scheduler=dataclasses.replace(cfg.scheduler, default_pipeline=Pipeline.P_MD.value)
         )
@@ -398,10 +400,15 @@ def serving_problems(cfg: ClusterConfig, role: str, instance: str | None) -> lis
 
 
 def to_dict(cfg: ClusterConfig) -> dict[str, Any]:
-    """Plain data (for YAML round trips, e.g. the launcher handing a config to its children)."""
-    out = dataclasses.asdict(cfg)
+    """Plain data (for YAML round trips, e.g. the launcher handing a config to its children):
+    a role is its plain name again."""
+    out = dataclasses.asdict(cfg, dict_factory=lambda items: {k: _plain(v) for k, v in items})
     out["datacenters"] = {d.pop("name"): d for d in out["datacenters"]}
     return out
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
 
 
 def service_args(role: str, argv: list[str] | None = None) -> tuple[ClusterConfig, str | None]:

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from shared.messages import BadMessage, Logprob, Message, RequestStats
+from shared.pipelines import Role
 from shared.runtime.kv_payload import KVHeader
 from shared.security import peer_unit
 
@@ -389,7 +390,7 @@ class KVReceiver:
     async def _receive(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         transfer = None
         try:
-            if self.tls is not None and peer_unit(writer.get_extra_info("peercert")) != "prefill":
+            if self.tls is not None and peer_unit(writer.get_extra_info("peercert")) != Role.PREFILL:
                 raise KVTransferError("the peer's certificate is not a prefill instance's")
             try:
                 head = await read_frame(reader, self.stall_s, Frame.HEADER, MAX_HEADER)

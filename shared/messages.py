@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from shared.model_info import WireFormat
+from shared.pipelines import Role
 
 M = TypeVar("M", bound="Message")
 
@@ -210,13 +211,17 @@ class Plan(Message):
     error: str = ""
     status: int = 200  # HTTP status the gateway should use when error is set
 
+    def instances(self) -> dict[Role, str]:
+        """The instance of each role ("" for a role the plan does not use)."""
+        return {role: getattr(self, role) for role in Role}
+
 
 @dataclass
 class KVTarget(Message):
     """Where prefill pushes KV: a decoder's advertised endpoint (across the WAN when `wan`)."""
 
     instance_id: str  # the TLS peer must prove to be this instance
-    role: str  # "md" or "rld"
+    role: Role  # a decoder's: md or rld
     host: str
     port: int
     start: int = 0  # send positions [start, prompt_len): the decoder already holds [0, start)
@@ -342,7 +347,7 @@ class TokenChunk(Message):
     request_id: str
     index: int
     token_ids: list[int]
-    role: str = ""
+    role: Role | None = None  # who sent it (None: the gateway's own, in process)
     instance_id: str = ""
     finish_reason: str | None = None
     error: str = ""
@@ -431,7 +436,7 @@ class InstanceInfo(Message):
     """An instance's heartbeat: who it is, where its KV listener is, and its load figures."""
 
     id: str
-    role: str
+    role: Role
     dc: str
     kv_host: str = ""
     kv_port: int = 0
@@ -503,7 +508,7 @@ class Inspect(Message):
 @dataclass
 class InstanceState(Message):
     instance_id: str
-    role: str
+    role: Role
     requests: list[str] = field(default_factory=list)  # ids this instance still holds anything for
     free_blocks: int = 0
     total_blocks: int = 0

@@ -1,4 +1,8 @@
-"""Pipelines and handoffs: the one home of their names and what each means.
+"""Roles, pipelines and handoffs: the one home of their names and what each means.
+
+Roles (`Role`): the three kinds of engine instance, `prefill`, `rld` (the relay-decode) and `md`
+(main-decode). A StrEnum, so a role equals its name: configs (YAML), messages (msgpack), JSON
+output, NATS users and subjects carry the plain string.
 
     p-md       prefill -> main-decode            high prefix hit: little KV crosses the WAN
     p-rld-md   prefill -> relay -> main-decode   the relay streams while main-decode's KV is on
@@ -17,6 +21,12 @@ from __future__ import annotations
 from enum import StrEnum
 
 
+class Role(StrEnum):
+    PREFILL = "prefill"
+    RLD = "rld"
+    MD = "md"
+
+
 class Pipeline(StrEnum):
     P_MD = "p-md"
     P_RLD_MD = "p-rld-md"
@@ -29,23 +39,24 @@ class Handoff(StrEnum):
     CATCHUP = "catchup"
 
 
+ROLES: tuple[str, ...] = tuple(r.value for r in Role)  # `name in ROLES`: Python 3.11's `in Role` refuses a str
 PIPELINES: tuple[str, ...] = tuple(p.value for p in Pipeline)
 HANDOFFS: tuple[str, ...] = (Handoff.ONESHOT.value, Handoff.CATCHUP.value)  # what a request may ask for
 
 # The roles each pipeline runs on, in the order a request flows through them.
-ROLES_OF: dict[str, tuple[str, ...]] = {
-    Pipeline.P_MD: ("prefill", "md"),
-    Pipeline.P_RLD_MD: ("prefill", "rld", "md"),
-    Pipeline.P_RLD: ("prefill", "rld"),
+ROLES_OF: dict[str, tuple[Role, ...]] = {
+    Pipeline.P_MD: (Role.PREFILL, Role.MD),
+    Pipeline.P_RLD_MD: (Role.PREFILL, Role.RLD, Role.MD),
+    Pipeline.P_RLD: (Role.PREFILL, Role.RLD),
 }
 
 
-def decoders_of(pipeline: str) -> tuple[str, ...]:
+def decoders_of(pipeline: str) -> tuple[Role, ...]:
     """The decode roles of a pipeline (what prefill pushes KV to)."""
     return ROLES_OF[pipeline][1:]
 
 
-def first_decoder(pipeline: str) -> str:
+def first_decoder(pipeline: str) -> Role:
     """The role that streams the first tokens to the user."""
     return ROLES_OF[pipeline][1]
 

@@ -167,9 +167,7 @@ class Registry:
 
 
 def _info_from_hash(raw: dict[str, str]) -> InstanceInfo:
-    kwargs = {}
-    for f in dataclasses.fields(InstanceInfo):
-        if f.name in raw:
-            value = raw[f.name]
-            kwargs[f.name] = value if f.type == "str" else (float(value) if f.type == "float" else int(value))
-    return InstanceInfo(**kwargs)
+    """The hash's strings as their fields' numbers, then checked as a message is (the role a Role)."""
+    parse = {"float": float, "int": int}
+    kwargs = {f.name: parse.get(f.type, str)(raw[f.name]) for f in dataclasses.fields(InstanceInfo) if f.name in raw}
+    return InstanceInfo.from_dict(kwargs)

@@ -20,8 +20,9 @@ from functools import cached_property
 from pathlib import Path
 
 from shared.config import ClusterConfig, ConfigError
+from shared.pipelines import ROLES
 
-NATS_ROLES = ("gateway", "scheduler", "prefill", "rld", "md", "wanlink", "operator")
+NATS_ROLES = ("gateway", "scheduler", *ROLES, "wanlink", "operator")  # NATS users: the instances' roles and the rest
 
 
 @dataclass(frozen=True)

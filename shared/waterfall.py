@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-# the stages, top to bottom as both pictures draw them
+from shared.pipelines import Role
+
+# the stages, top to bottom as both pictures draw them ("prefill": the stage, as timings_ms names it)
 ROWS = ("queue", "prefill", "kv_local", "kv_wan", "relay", "handoff", "extend", "main", "end")
 
 
@@ -32,9 +34,9 @@ def layout(
         _bar("kv_local", kv_at, t.get("kv_local")),
         _bar("kv_wan", kv_at, t.get("kv_wan")),
     ]
-    first_token = [ms for ms, role in marks if role == "prefill"]  # streamed by prefill itself
-    relay = [ms for ms, role in marks if role == "rld"]
-    main = [ms for ms, role in marks if role == "md"]
+    first_token = [ms for ms, role in marks if role == Role.PREFILL]  # streamed by prefill itself
+    relay = [ms for ms, role in marks if role == Role.RLD]
+    main = [ms for ms, role in marks if role == Role.MD]
     chunks, gap = [], None
     if main and relay:  # handed over: chunks, extend and the gap sit before main-decode's first token
         first = main[0]

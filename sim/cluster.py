@@ -26,6 +26,7 @@ from collections import defaultdict
 from benchmarks.modes import mode as mode_of
 from services.scheduler.estimates import BandwidthEstimator, InstanceView
 from services.scheduler.policy import NoCapacity, PlanRequest, choose_plan
+from shared.pipelines import Role
 from sim.cache import PrefixIndex
 from sim.config import SimConfig, policy_config
 from sim.decoder import DecodeInstance
@@ -52,7 +53,7 @@ class SimCluster:
         for g in cfg.groups(mode):
             for k in range(g.count):
                 iid = f"{g.role}-{k}"
-                if g.role == "prefill":
+                if g.role == Role.PREFILL:
                     self.prefills.append(
                         PrefillInstance(iid, g.dc, g.profile, self.loop, self.index, block_tokens, self.host)
                     )
@@ -90,7 +91,7 @@ class SimCluster:
             warm_md_cache=cfg.warm_md_cache,
             control_delay_ms=cfg.control_delay_ms,
             connect_ms=cfg.connect_ms,
-            first_token_from_prefill=mode_of(mode).first_token == "prefill",
+            first_token_from_prefill=mode_of(mode).first_token == Role.PREFILL,
         )
         gateway_dc = self.prefills[0].dc  # the gateway and scheduler sit with prefill (datacenter A)
         for dec in self.decoders:
@@ -157,7 +158,7 @@ class SimCluster:
             self.loop.at(max(seen, nxt.req.arrival_ms), self._send, nxt)
 
     def _sample(self, every_ms: float, until_ms: float) -> None:
-        rld = [d for d in self.decoders if d.role == "rld"]
+        rld = [d for d in self.decoders if d.role == Role.RLD]
         self.samples.append(
             {
                 "t_s": self.loop.now / 1000.0,

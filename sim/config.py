@@ -41,6 +41,7 @@ import yaml
 from benchmarks.modes import mode
 from services.scheduler import inputs
 from services.scheduler.policy import PolicyConfig
+from shared.pipelines import Role
 from sim.host import HostSpec
 from sim.link import BandwidthSchedule
 from sim.profiles import ChipProfile, load_profiles
@@ -51,7 +52,7 @@ HANDOFF_KEYS = {"chunk_tokens", "final_tokens", "warm_md_cache"}
 
 @dataclass(frozen=True)
 class Group:
-    role: str
+    role: Role
     dc: str
     profile: ChipProfile
     count: int
@@ -77,24 +78,24 @@ class SimConfig:
     views: dict[str, Any] = field(default_factory=dict)
     path: str = ""
 
-    def chip(self, dc: str, role: str) -> ChipProfile:
+    def chip(self, dc: str, role: Role) -> ChipProfile:
         name = self.chips[dc]
         if name not in self.profiles:
             raise ValueError(f"{self.path}: chips.{dc} = {name!r} is not a profile ({sorted(self.profiles)})")
         return dataclasses.replace(self.profiles[name], **self.roles.get(role, {}))
 
     def fleet(self, name: str) -> dict[str, int]:
-        counts = {"prefill": 1, "rld": 1, "md": 1, **self.fleets.get("default", {}), **self.fleets.get(name, {})}
+        counts = {**dict.fromkeys(Role, 1), **self.fleets.get("default", {}), **self.fleets.get(name, {})}
         if not mode(name).relay:
-            counts["rld"] = 0
+            counts[Role.RLD] = 0
         return counts
 
     def groups(self, name: str) -> list[Group]:
         counts, m = self.fleet(name), mode(name)
         groups = [
-            Group("prefill", "A", self.chip("A", "prefill"), counts["prefill"]),
-            Group("rld", "A", self.chip("A", "rld"), counts["rld"]),
-            Group("md", m.md_dc, self.chip(m.md_dc, "md"), counts["md"], prefix_cache=m.drc and self.drc),
+            Group(Role.PREFILL, "A", self.chip("A", Role.PREFILL), counts[Role.PREFILL]),
+            Group(Role.RLD, "A", self.chip("A", Role.RLD), counts[Role.RLD]),
+            Group(Role.MD, m.md_dc, self.chip(m.md_dc, Role.MD), counts[Role.MD], prefix_cache=m.drc and self.drc),
         ]
         return [g for g in groups if g.count > 0]
 
@@ -146,8 +147,8 @@ class SimConfig:
         if "wan_line_gbps" in self.prices:
             line *= float(self.wan["bandwidth_mbps"]) / 1000.0 / float(self.prices["wan_line_gbps"])
         return {
-            "chip_a": self.chip("A", "prefill").price_per_hour,
-            "chip_b": self.chip("B", "md").price_per_hour,
+            "chip_a": self.chip("A", Role.PREFILL).price_per_hour,
+            "chip_b": self.chip("B", Role.MD).price_per_hour,
             "wan_line": line,
         }
 
@@ -158,8 +159,8 @@ def policy_config(cfg: SimConfig, name: str) -> PolicyConfig:
     section, then what the mode pins) plus what the fleet fixes (KV size, relay slots, the line's
     delay, the catch-up chunk)."""
     m, groups = mode(name), {g.role: g for g in cfg.groups(name)}
-    prefill, md = groups["prefill"].profile, groups["md"].profile
-    rld = groups.get("rld")
+    prefill, md = groups[Role.PREFILL].profile, groups[Role.MD].profile
+    rld = groups.get(Role.RLD)
     priors = {
         "prefill_tok_s": prefill.prefill_tok_s(),
         "decode_step_ms": md.step_ms(1, 1024),
@@ -189,7 +190,7 @@ def load_sim_config(path: str | Path) -> SimConfig:
         raise ValueError(f"{path}: unknown key(s) {unknown}")
     cfg = SimConfig(profiles=profiles, path=str(path), **raw)
     for dc in ("A", "B"):
-        cfg.chip(dc, "md")  # names a real profile, or fail now with its name
+        cfg.chip(dc, Role.MD)  # names a real profile, or fail now with its name
     cfg.host_spec()  # a bad host value fails now, named
     cfg.check_handoff()
     cfg.view_spec()

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.trace import MOONCAKE_TRACE
+from shared.pipelines import Role
 from sim import headline
 from sim.config import SimConfig, load_sim_config
 from sim.oscillation import oscillation
@@ -47,7 +48,7 @@ def scale(cfg: SimConfig, out: Path, trace: str) -> dict:
             "ttft_ms": s["ttft_ms"],
             "tpot_p50_ms": s["tpot_ms"]["p50"],
             "wan_kv_bytes": s["wan_kv_bytes"],
-            "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
+            "rld_share": s["tokens_by_role"][Role.RLD] / max(sum(s["tokens_by_role"].values()), 1),
             "wall_s": time.perf_counter() - t0,
         }
         print(f"  scale {mode}: {len(reqs)} requests in {rows[mode]['wall_s']:.1f}s", file=sys.stderr)
@@ -117,7 +118,7 @@ def wan_bytes(cfg: SimConfig, out: Path) -> dict:
     ax.set_ylabel("WAN KV bytes (GB)")
     ax.set_title("WAN KV at ~90% prefix hit: DRC sends only the increment")
     save(fig, out / "wan_bytes.png")
-    return {m: {"wan_gb": gb[m], "md_hit": s["hit_rate"]["md"], "ttft_ms": s["ttft_ms"]} for m, s in figures.items()}
+    return {m: {"wan_gb": gb[m], "md_hit": s["hit_rate"][Role.MD], "ttft_ms": s["ttft_ms"]} for m, s in figures.items()}
 
 
 def _with_table(out: Path, head: dict) -> dict:

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from shared.pipelines import Pipeline
+from shared.pipelines import Pipeline, Role
 from sim.config import SimConfig, load_sim_config
 from sim.plotting import plt, save
 from sim.records import cost_per_hour
@@ -80,7 +80,7 @@ def figures(cfg: SimConfig, mode: str, reqs: list[SimRequest], label: str = "") 
         "tpot_ms": s["tpot_ms"],
         "wan_kv_bytes": s["wan_kv_bytes"],
         "wan_gbps": s["wan_kv_bytes"] * 8 / 1e9 / span,
-        "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
+        "rld_share": s["tokens_by_role"][Role.RLD] / max(sum(s["tokens_by_role"].values()), 1),
         "hit_rate": s["hit_rate"],
         "failed": s["failed"],
     }
@@ -168,10 +168,10 @@ def sensitivity(out: Path, head: dict) -> dict:
 def _price_curve(h: dict, cfg: SimConfig) -> list[dict]:
     """BCR ratio at B's price p: goodputs unchanged, only PDD's hourly cost moves (32 B chips)."""
     local, pdd = h["modes"]["pd-local"], h["modes"]["pdd"]
-    n_b = cfg.fleet("pdd")["md"]
+    n_b = cfg.fleet("pdd")[Role.MD]
     rows = []
     for p in PRICES:
-        cost = pdd["cost_per_hour"] + n_b * (p - cfg.chip("B", "md").price_per_hour)
+        cost = pdd["cost_per_hour"] + n_b * (p - cfg.chip("B", Role.MD).price_per_hour)
         rows.append({"price": p, "cost_per_hour": cost, "vs_local": (pdd["goodput_rps"] / cost) / local["bcr"]})
     return rows
 
@@ -239,7 +239,7 @@ def fate(r: RequestRun) -> str:
     """What became of one request's plan, as far as the relay is concerned."""
     if r.pipeline != Pipeline.P_RLD_MD:
         return f"{r.pipeline} [{r.reason}]"
-    if r.tokens_by_role["md"] > 0:
+    if r.tokens_by_role[Role.MD] > 0:
         return "handed off to MD"
     if "kv_wan" in r.marks and r.marks["kv_wan"] < r.token_times[-1]:
         return "MD's KV in before the end, no handoff"
@@ -251,7 +251,7 @@ def anatomy(runs: list[RequestRun]) -> dict:
     fates = Counter(fate(r) for r in runs)
     tokens = Counter()
     for r in runs:
-        tokens[fate(r)] += r.tokens_by_role["rld"]
+        tokens[fate(r)] += r.tokens_by_role[Role.RLD]
     relayed = [r for r in runs if r.pipeline == Pipeline.P_RLD_MD]
     whole = [r for r in relayed if fate(r).startswith("relay streamed")]
 
@@ -337,7 +337,7 @@ def markdown(head: dict) -> str:
                     f"| {mode} | {r['cost_per_hour']:.1f} | {r['goodput_rps']:.2f} | {r['bcr']:.4f} "
                     f"| {t['p50'] / 1000:,.2f} s | {t['p90'] / 1000:,.2f} s | {t['p99'] / 1000:,.2f} s "
                     f"| {r['tpot_ms']['p50']:.1f} ms | {r['wan_gbps']:.0f} Gbps | {r['rld_share']:.1%} "
-                    f"| {r['hit_rate']['prefill']:.0%} / {r['hit_rate']['md']:.0%} |"
+                    f"| {r['hit_rate'][Role.PREFILL]:.0%} / {r['hit_rate'][Role.MD]:.0%} |"
                 )
         lines.append("")
         lines += [

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.summary import percentile
-from shared.pipelines import Pipeline
+from shared.pipelines import Pipeline, Role
 from sim.config import SimConfig
 from sim.plotting import plt, save
 from sim.run import summarize
@@ -35,8 +35,8 @@ WINDOW_S = 30.0
 
 
 def small_relay(cfg: SimConfig) -> SimConfig:
-    fleets = {**cfg.fleets, "default": {**cfg.fleets.get("default", {}), "rld": RLD}}
-    roles = {**cfg.roles, "rld": {**cfg.roles.get("rld", {}), "max_running": SLOTS}}
+    fleets = {**cfg.fleets, "default": {**cfg.fleets.get("default", {}), Role.RLD: RLD}}
+    roles = {**cfg.roles, Role.RLD: {**cfg.roles.get(Role.RLD, {}), "max_running": SLOTS}}
     return dataclasses.replace(cfg, fleets=fleets, roles=roles)
 
 
@@ -60,7 +60,7 @@ def windows(runs, window_s: float = WINDOW_S) -> list[dict]:
     out = []
     for k, rs in sorted(buckets.items()):
         ttfts = sorted(r.token_times[0] - r.sent_ms for r in rs if r.token_times)
-        gap = sum((r.hit["prefill"] - r.hit["md"]) / max(r.req.prompt_len, 1) for r in rs) / len(rs)
+        gap = sum((r.hit[Role.PREFILL] - r.hit[Role.MD]) / max(r.req.prompt_len, 1) for r in rs) / len(rs)
         p90 = percentile(ttfts, 90) if ttfts else float("nan")
         out.append({"t_s": (k + 0.5) * window_s, "hit_gap": gap, "ttft_p90_ms": p90})
     return out
@@ -86,7 +86,7 @@ def oscillation(cfg: SimConfig, out: Path, trace: str) -> dict:
             "ttft_ms": s["ttft_ms"],
             "goodput_rps": s["goodput_rps"],
             "wan_kv_bytes": s["wan_kv_bytes"],
-            "rld_share": s["tokens_by_role"]["rld"] / max(sum(s["tokens_by_role"].values()), 1),
+            "rld_share": s["tokens_by_role"][Role.RLD] / max(sum(s["tokens_by_role"].values()), 1),
             "hit_rate": s["hit_rate"],
             "reasons": reasons,
             "max_rld_load": max((x["rld_busy"] / x["rld_slots"] for x in cluster.samples), default=0),

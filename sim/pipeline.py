@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.inputs import WanBacklog
 from services.scheduler.policy import Decision
-from shared.pipelines import ROLES_OF, Handoff, Pipeline, decoders_of, hands_off
+from shared.pipelines import ROLES_OF, Handoff, Pipeline, Role, decoders_of, hands_off
 from sim.decoder import DecodeInstance, Slot
 from sim.events import EventLoop
 from sim.link import DirectLink, SharedLink
@@ -86,12 +86,12 @@ class Serving:
         run.pipeline, run.handoff, run.reason, run.handoff_reason = d.pipeline, d.handoff, d.reason, d.handoff_reason
         run.instances = {role: getattr(d, role) for role in ROLES_OF[d.pipeline]}
         run.estimates = d.estimates.as_dict()
-        run.hit["md"] = d.md_cached_tokens
+        run.hit[Role.MD] = d.md_cached_tokens
         for role in decoders_of(d.pipeline):
             self.instances[getattr(d, role)].pending += 1
         prefill_dc = self.instances[d.prefill].dc
         if d.md and self.instances[d.md].dc != prefill_dc:  # as the scheduler does
-            owed = (run.req.prompt_len - d.starts.get("md", 0)) * self.kv_bytes_per_token
+            owed = (run.req.prompt_len - d.starts.get(Role.MD, 0)) * self.kv_bytes_per_token
             self.backlog.add(run.req.request_id, owed, self.loop.now / 1000.0)
         if hands_off(d.pipeline):
             chunk = d.chunk_tokens or self.chunk_tokens
@@ -108,7 +108,7 @@ class Serving:
     def _prefilled(self, run: RequestRun, d: Decision) -> None:
         run.state = RunState.KV_IN_FLIGHT
         if self.first_token_from_prefill and run.emitted == 0:  # through site A's NATS: no line
-            run.emit(self.loop.now, "prefill")
+            run.emit(self.loop.now, Role.PREFILL)
         prefill = self.instances[d.prefill]
         for role in decoders_of(d.pipeline):
             self._push(run, prefill, self.instances[getattr(d, role)], d.starts.get(role, 0))
@@ -145,7 +145,7 @@ class Serving:
         run.marks[path] = self.loop.now
         dec.pending -= 1
         if run.state == RunState.FINISHED:  # the relay already streamed every token
-            if self.warm_md_cache and dec.role == "md":  # MD's push kept crossing: its prompt warms MD's DRC
+            if self.warm_md_cache and dec.role == Role.MD:  # MD's push kept crossing: its prompt warms MD's DRC
                 run.marks["md_cache_warmed"] = self.loop.now
                 dec.cache.insert(run.req.blocks)
             return
@@ -221,8 +221,8 @@ class Serving:
             return
         run.state = RunState.FINISHED
         run.marks["finish"] = t
-        on_md = run.pipeline == Pipeline.P_MD or run.tokens_by_role["md"] > 0
-        self.instances[run.instances["md" if on_md else "rld"]].cache.insert(run.req.done_blocks)
+        on_md = run.pipeline == Pipeline.P_MD or run.tokens_by_role[Role.MD] > 0
+        self.instances[run.instances[Role.MD if on_md else Role.RLD]].cache.insert(run.req.done_blocks)
         h = self.handoffs.get(run.req.request_id)
         if h is not None and not on_md:  # the relay streamed every token: MD's copy goes
             self._relay_finished(run, h, t)

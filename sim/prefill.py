@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.pipelines import Role
 from sim.cache import BlockCache, PrefixIndex
 from sim.events import EventLoop
 from sim.host import Processor, SharedHost
@@ -47,7 +48,7 @@ class _Prompt:
 
 
 class PrefillInstance:
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(
         self,
@@ -102,7 +103,7 @@ class PrefillInstance:
         if hit >= req.prompt_len:  # keep one token to compute: prefill samples the first token
             hit = (req.prompt_len - 1) // req.block_tokens * req.block_tokens
         self.cache.touch(req.blocks[: hit // req.block_tokens])
-        p.run.hit["prefill"] = p.computed = hit
+        p.run.hit[Role.PREFILL] = p.computed = hit
 
     # -- one prompt at a time -------------------------------------------------------------------
     def _start(self) -> None:
@@ -150,7 +151,7 @@ class PrefillInstance:
         run, req = p.run, p.run.req
         self.queued_tokens -= p.estimate
         self.cache.insert(req.blocks)
-        new = req.prompt_len - run.hit["prefill"]
+        new = req.prompt_len - run.hit[Role.PREFILL]
         took = self.loop.now - run.marks["prefill_start"]  # what the instance measures: shared, slowed
         if took > 0 and new >= 64:  # tiny prefills say more about overhead than throughput
             self.tok_s = (1 - EWMA) * self.tok_s + EWMA * new / took * 1000.0

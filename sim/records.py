@@ -15,6 +15,7 @@ from typing import Any
 
 from benchmarks.modes import mode
 from benchmarks.summary import cost_rate_per_hour
+from shared.pipelines import Role
 from sim.config import SimConfig
 from sim.request import RequestRun
 
@@ -62,13 +63,13 @@ def record(run: RequestRun, mode: str) -> dict[str, Any]:
             "plan_reason": run.reason,
             "handoff_reason": run.handoff_reason,
             "plan_estimates": run.estimates,
-            "instances": {"prefill": "", "rld": "", "md": "", **run.instances},
+            "instances": {**dict.fromkeys(Role, ""), **run.instances},
             "tokens_by_role": dict(run.tokens_by_role),
             "handoff_chunks": run.handoff_chunks,
             "wan_kv_bytes": run.wan_bytes,
             "local_kv_bytes": run.local_bytes,
             "prefix_hit_tokens": dict(run.hit),
-            "md_cached_tokens": run.hit["md"],
+            "md_cached_tokens": run.hit[Role.MD],
             "timings_ms": {
                 "queue": m.get("prefill_start", run.sent_ms) - run.sent_ms,
                 "prefill": _span(m, "prefill_start", "prefill_end"),

@@ -19,7 +19,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from shared.pipelines import Handoff
+from shared.pipelines import Handoff, Role
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,10 @@ class RequestRun:
     reason: str = ""
     handoff_reason: str = ""
     estimates: dict = field(default_factory=dict)
-    instances: dict[str, str] = field(default_factory=dict)
-    hit: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "md": 0})
+    instances: dict[Role, str] = field(default_factory=dict)
+    hit: dict[Role, int] = field(default_factory=lambda: {Role.PREFILL: 0, Role.MD: 0})
     token_times: list[float] = field(default_factory=list)
-    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "rld": 0, "md": 0})
+    tokens_by_role: dict[Role, int] = field(default_factory=lambda: dict.fromkeys(Role, 0))
     wan_bytes: int = 0
     local_bytes: int = 0
     handoff_chunks: int = 0

@@ -77,7 +77,7 @@ def waterfall(flow, running: bool, now: float | None = None) -> dict[str, Any]:
     timings["e2e"] = _end_ms(flow, running, now)  # the pdd object's e2e is taken at its last chunk
     marks = [(at * 1000, role) for at, role in s.token_marks]
     plan = flow.plan
-    instances = {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md} if plan else {}
+    instances = plan.instances() if plan else {}
     return {
         "request": request_row(flow, running, now),
         "timings_ms": timings,

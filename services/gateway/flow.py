@@ -46,6 +46,7 @@ from services.gateway.reassembly import TokenReassembler
 from shared import subjects
 from shared.bus import BusTimeout
 from shared.messages import Abort, Logprob, Plan, Resend, Resent, Sampling, Submit, TokenChunk, Warm
+from shared.pipelines import Role
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class RequestFlow:
             self._recover_gap()
             if chunk is None or chunk.request_id != self.attempt_id:
                 continue  # a liveness tick, or a late chunk of an abandoned attempt
-            if chunk.role == "prefill" and chunk.dispatch_id != self.plan.dispatch_id:
+            if chunk.role == Role.PREFILL and chunk.dispatch_id != self.plan.dispatch_id:
                 continue  # from a copy the scheduler dropped and planned again (elsewhere, or here anew)
             if problem := self._not_ours(chunk):
                 self.stats.refused_chunks += 1
@@ -307,17 +308,17 @@ class RequestFlow:
     def _count(self, chunk: TokenChunk) -> None:
         s = self.stats
         s.last_progress = time.perf_counter()
-        if chunk.token_ids and chunk.role == "rld":
+        if chunk.token_ids and chunk.role == Role.RLD:
             s.last_rld_at = time.perf_counter()
             self.holders.discard(self.plan.prefill)
-        elif chunk.token_ids and chunk.role == "md":
+        elif chunk.token_ids and chunk.role == Role.MD:
             self.holders -= {self.plan.prefill, self.plan.rld}  # handed over: only md is needed now
             if s.last_rld_at and not s.handoff_gap_s:
                 s.handoff_gap_s = time.perf_counter() - s.last_rld_at
         if chunk.stats is not None:
             self.stats.decoder_stats.merge(chunk.stats)
 
-    def _record_tokens(self, n: int, role: str, now: float | None = None) -> None:
+    def _record_tokens(self, n: int, role: Role | None, now: float | None = None) -> None:
         s, now = self.stats, time.perf_counter() if now is None else now
         if not s.first_token_at:
             s.first_token_at = now

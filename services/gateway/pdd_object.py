@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.messages import Plan, RequestStats
+from shared.pipelines import Role
 
 
 @dataclass
@@ -19,8 +20,8 @@ class FlowStats:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     token_gaps: list[float] = field(default_factory=list)  # per token after the first chunk: its chunk's gap / size
-    token_marks: list[tuple[float, str]] = field(default_factory=list)  # (seconds since arrival, role) per token
-    tokens_by_role: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "rld": 0, "md": 0})
+    token_marks: list[tuple[float, Role]] = field(default_factory=list)  # (seconds since arrival, role) per token
+    tokens_by_role: dict[Role, int] = field(default_factory=lambda: dict.fromkeys(Role, 0))
     decoder_stats: RequestStats = field(default_factory=RequestStats)  # what the stages measured
     completion_tokens: int = 0
     last_rld_at: float = 0.0
@@ -47,14 +48,14 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "kv_wire": plan.kv_wire,  # how its KV crossed the WAN (native, bf16, fp8, int8)
         "kv_wire_reason": plan.kv_wire_reason,
         "plan_estimates": plan.estimates,
-        "instances": {"prefill": plan.prefill, "rld": plan.rld, "md": plan.md},
+        "instances": plan.instances(),
         "tokens_by_role": dict(stats.tokens_by_role),
         "handoff_chunks": d.handoff_chunks,
         "handoff_gap_ms": stats.handoff_gap_s * 1000,
         "max_itl_ms": max(gaps) * 1000 if gaps else 0.0,
         "wan_kv_bytes": d.wan_kv_bytes,
         "local_kv_bytes": d.local_kv_bytes,
-        "prefix_hit_tokens": {"prefill": d.prefill_hit_tokens, "md": d.md_hit_tokens},
+        "prefix_hit_tokens": {Role.PREFILL: d.prefill_hit_tokens, Role.MD: d.md_hit_tokens},
         "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
         "recomputed_tokens": d.recomputed_tokens,  # planned prefix evicted meanwhile
         "migrations": stats.migrations,

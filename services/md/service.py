@@ -31,11 +31,11 @@ from shared.decode_state import DecodeRequest, End, Phase
 from shared.decoder import DecoderService
 from shared.instance import service_main
 from shared.messages import Ack, DecodeTask, FinishOnRelay, HandoffChunk, KVReady, token_problem
-from shared.pipelines import hands_off
+from shared.pipelines import Role, hands_off
 from shared.runtime.engine import TokenOutput
 
 log = logging.getLogger(__name__)
-ROLE = "md"
+ROLE = Role.MD
 
 
 class MainDecoder(DecoderService):

@@ -48,7 +48,7 @@ from shared.messages import (
     TokenChunk,
     Warm,
 )
-from shared.pipelines import hands_off
+from shared.pipelines import Role, hands_off
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import TokenOutput
@@ -76,7 +76,7 @@ class PrefillState:
 
 
 class Prefiller(InstanceService):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, cfg, inst) -> None:
         super().__init__(cfg, inst)
@@ -204,7 +204,7 @@ class Prefiller(InstanceService):
             if out.token_id is None:
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
                 continue
-            if self.cfg.first_token == "prefill":  # published before the push task even starts
+            if self.cfg.first_token == Role.PREFILL:  # published before the push task even starts
                 self._spawn_for(state, self._stream_first(state, out))
             self._spawn_for(state, self._push(state, out))
 
@@ -255,11 +255,11 @@ class Prefiller(InstanceService):
         failed, the relay finishes the request (the user's stream goes on); otherwise it fails."""
         rid = task.request_id
         roles = {t.role for t, _ in failed}
-        if roles == {"md"} and task.plan.rld and hands_off(task.plan.pipeline):
+        if roles == {Role.MD} and task.plan.rld and hands_off(task.plan.pipeline):
             log.warning("%s: %s: WAN push failed (%s); relay finishes it", self.inst.id, rid, failed[0][1])
             msg = FinishOnRelay(rid, reason=f"KV push to main-decode failed: {failed[0][1]}")
             await self.bus.publish(subjects.finish_on_relay(task.plan.rld), msg)
-            md_secret = next(t.transfer_secret for t in task.targets if t.role == "md")
+            md_secret = next(t.transfer_secret for t in task.targets if t.role == Role.MD)
             drop = Drop(rid, reason="KV push failed", transfer_secret=md_secret)
             await self.bus.publish(subjects.decode_drop(task.plan.md), drop)
             return
@@ -382,7 +382,7 @@ class Prefiller(InstanceService):
 
 
 def main(argv: list[str] | None = None) -> None:
-    service_main(Prefiller, "prefill", argv)
+    service_main(Prefiller, Role.PREFILL, argv)
 
 
 def _secrets(task: PrefillTask) -> set[str]:
@@ -394,7 +394,7 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
     if not 1 <= len(task.targets) <= 2 or len({t.role for t in task.targets}) != len(task.targets):
         return "a task names one or two decoders of different roles"
     for t in task.targets:
-        if t.role not in ("rld", "md") or not 0 < t.port < 65536 or not t.host or not t.transfer_secret:
+        if t.role not in (Role.RLD, Role.MD) or not 0 < t.port < 65536 or not t.host or not t.transfer_secret:
             return f"bad KV target {t.instance_id!r}"
         if not 0 <= t.start <= len(task.prompt_ids) or t.start % block_size:
             return f"KV target {t.instance_id!r}: start {t.start} is not a block boundary inside the prompt"

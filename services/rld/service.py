@@ -32,12 +32,12 @@ from shared.decode_state import DecodeRequest, End, Phase
 from shared.decoder import DecoderService
 from shared.instance import service_main
 from shared.messages import Abort, Ack, FinishOnRelay, HandoffChunk, KVReady
-from shared.pipelines import Handoff
+from shared.pipelines import Handoff, Role
 from shared.runtime.engine import TokenOutput
 from shared.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
-ROLE = "rld"
+ROLE = Role.RLD
 HANDOFF_RESEND_S = 2.0  # a handoff chunk with no ack for this long (at least) is sent again
 
 

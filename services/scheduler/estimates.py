@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Protocol
 
-from shared.pipelines import Pipeline, first_decoder
+from shared.pipelines import Pipeline, Role, first_decoder
 
 BYTES_PER_MBIT_PER_MS = 125.0  # 1 Mbps moves 125 bytes per millisecond
 
@@ -40,7 +40,7 @@ class InstanceView:
     An instance that missed its heartbeats has expired from the registry and is simply absent."""
 
     id: str
-    role: str
+    role: Role
     dc: str
     occupancy: float = 0.0  # a view without pool or queue figures (a bare test or simulator view): this
     hit_tokens: int = 0  # prefix of this request the instance holds (from the Redis index)

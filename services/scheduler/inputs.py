@@ -16,12 +16,13 @@ from services.scheduler.policy import InstanceView, PolicyConfig, with_wire
 from shared.config import ClusterConfig
 from shared.messages import InstanceInfo
 from shared.model_info import WIRE_FORMATS, load_model_info
+from shared.pipelines import Role
 from shared.policy_knobs import knob_values
 
 
 def kv_bytes_per_token(cfg: ClusterConfig) -> int:
     """KV bytes of one token as main-decode stores it, from the model's config.json."""
-    return load_model_info(cfg.model).kv_bytes_per_token(cfg.of_role("md")[0].dtype)
+    return load_model_info(cfg.model).kv_bytes_per_token(cfg.of_role(Role.MD)[0].dtype)
 
 
 def policy_config(
@@ -50,11 +51,11 @@ def policy_config(
 
 def cluster_policy_config(cfg: ClusterConfig) -> PolicyConfig:
     """What the scheduler service plans with, from the cluster config."""
-    model, md_dtype = load_model_info(cfg.model), cfg.of_role("md")[0].dtype
+    model, md_dtype = load_model_info(cfg.model), cfg.of_role(Role.MD)[0].dtype
     return policy_config(
         knob_values(cfg.scheduler),
         kv_bytes_per_token=kv_bytes_per_token(cfg),
-        rld_slots=sum(i.max_running for i in cfg.of_role("rld")),
+        rld_slots=sum(i.max_running for i in cfg.of_role(Role.RLD)),
         wan_delay_ms=cfg.wan.delay_ms,
         catchup_chunk=cfg.handoff.chunk_tokens,
         wire_bytes_per_token={w: model.kv_bytes_per_token(md_dtype, w) for w in WIRE_FORMATS},

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
 from shared.model_info import AUTO_WIRE, WireFormat
-from shared.pipelines import ROLES_OF, Handoff, Pipeline
+from shared.pipelines import ROLES_OF, Handoff, Pipeline, Role
 from shared.policy_knobs import AUTO, PolicyKnobs, check_positive
 
 __all__ = [
@@ -185,7 +185,7 @@ def occupancy(v: InstanceView) -> float:
 
 def cost(v: InstanceView, req: PlanRequest, config: PolicyConfig) -> float:
     hit = min(v.hit_tokens, req.prompt_len)
-    need = req.prompt_len - hit + (req.max_tokens if v.role != "prefill" else 0)
+    need = req.prompt_len - hit + (req.max_tokens if v.role != Role.PREFILL else 0)
     no_room = v.total_blocks > 0 and math.ceil(need / v.block_size) > v.free_blocks
     return occupancy(v) + NO_ROOM_PENALTY * no_room - config.hit_weight * hit / max(req.prompt_len, 1)
 
@@ -194,7 +194,7 @@ def is_full(v: InstanceView) -> bool:
     return v.capacity > 0 and v.held >= v.capacity
 
 
-def cheapest(instances: list[InstanceView], role: str, req: PlanRequest, config: PolicyConfig) -> InstanceView:
+def cheapest(instances: list[InstanceView], role: Role, req: PlanRequest, config: PolicyConfig) -> InstanceView:
     candidates = [i for i in instances if i.role == role and i.id not in req.avoid]
     if not candidates:
         failed = sorted(i.id for i in instances if i.role == role and i.id in req.avoid)
@@ -210,7 +210,7 @@ def cheapest(instances: list[InstanceView], role: str, req: PlanRequest, config:
 # -- rules ----------------------------------------------------------------------------------
 def uncached_tokens(req: PlanRequest, instances: list[InstanceView]) -> int:
     """What no prefill or MD instance holds: the KV that must be computed and would cross the WAN."""
-    hits = [i.hit_tokens for i in instances if i.role in ("prefill", "md") and i.id not in req.avoid]
+    hits = [i.hit_tokens for i in instances if i.role in (Role.PREFILL, Role.MD) and i.id not in req.avoid]
     return max(req.prompt_len - max(hits, default=0), 0)
 
 
@@ -318,38 +318,38 @@ def choose_plan(
         config = dataclasses.replace(config, ttft_slo_ms=req.ttft_slo_ms)
     wan = Link(wan_mbps or config.wan_mbps, config.wan_delay_ms)
     line = max(wan_backlog_bytes, 0.0) if config.line_backlog else 0.0
-    prefill = cheapest(instances, "prefill", req, config)
+    prefill = cheapest(instances, Role.PREFILL, req, config)
     decoders, missing = {}, {}
-    for role in ("rld", "md"):
+    for role in (Role.RLD, Role.MD):
         try:
             decoders[role] = cheapest(instances, role, req, config)
         except NoCapacity as e:
             missing[role] = e
-    wire, wire_reason = choose_wire(req, prefill, decoders.get("md"), config, wan, line)
+    wire, wire_reason = choose_wire(req, prefill, decoders.get(Role.MD), config, wan, line)
     priors = with_wire(config, wire)
     ttft = {
         p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan, line).total_ms
-        for p, role in ((Pipeline.P_MD, "md"), (Pipeline.P_RLD_MD, "rld"))
+        for p, role in ((Pipeline.P_MD, Role.MD), (Pipeline.P_RLD_MD, Role.RLD))
         if role in decoders
     }
     uncached = uncached_tokens(req, instances)
-    rld = decoders.get("rld")
-    md_alive = not (isinstance(missing.get("md"), NoCapacity) and not isinstance(missing.get("md"), Saturated))
+    rld = decoders.get(Role.RLD)
+    md_alive = not (isinstance(missing.get(Role.MD), NoCapacity) and not isinstance(missing.get(Role.MD), Saturated))
     backlog = expected_backlog(req, rld, ttft, config) if rld is not None else 0
     pipeline, reason = choose_pipeline(req, rld, md_alive, ttft, uncached, config, backlog)
-    if reason == "no-relay-alive" and isinstance(missing.get("rld"), Saturated):
+    if reason == "no-relay-alive" and isinstance(missing.get(Role.RLD), Saturated):
         reason = "rld-full"
     roles = ROLES_OF[pipeline]
     for role in roles[1:]:
         if role not in decoders:
             raise missing[role]
-    picked = {"prefill": prefill} | {role: decoders[role] for role in roles[1:]}
+    picked = {Role.PREFILL: prefill} | {role: decoders[role] for role in roles[1:]}
     handoff, handoff_reason = Handoff.NONE, ""
     if pipeline == Pipeline.P_RLD_MD:
-        handoff, handoff_reason = choose_handoff(req, decoders["rld"], backlog, config)
+        handoff, handoff_reason = choose_handoff(req, decoders[Role.RLD], backlog, config)
     elif reason != "relay-finishes":
         backlog = 0  # recorded only where it counted: the handoff, or the relay finishing alone
-    starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != "prefill"}
+    starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != Role.PREFILL}
     estimates = PlanEstimates(
         ttft_ms=ttft,
         wan_mbps=wan.mbps,
@@ -363,12 +363,12 @@ def choose_plan(
         pipeline=pipeline,
         handoff=handoff,
         **{role: i.id for role, i in picked.items()},
-        md_cached_tokens=starts.get("md", 0),
+        md_cached_tokens=starts.get(Role.MD, 0),
         starts=starts,
         reason=reason,
         handoff_reason=handoff_reason,
         chunk_tokens=config.catchup_chunk if handoff == Handoff.CATCHUP else 0,
         estimates=estimates,
-        kv_wire=wire if "md" in picked else WireFormat.NATIVE,
-        kv_wire_reason=wire_reason if "md" in picked else "",
+        kv_wire=wire if Role.MD in picked else WireFormat.NATIVE,
+        kv_wire_reason=wire_reason if Role.MD in picked else "",
     )

@@ -394,7 +394,7 @@ class Scheduler:
     async def _record(self, plan: Plan) -> None:
         """Every holder's heartbeat checks the record: one never written would have the request
         dropped mid-stream, so a request that cannot be recorded is not dispatched (503)."""
-        fields = {"pipeline": plan.pipeline, "prefill": plan.prefill, "rld": plan.rld, "md": plan.md}
+        fields = {"pipeline": plan.pipeline, **plan.instances()}
         try:
             await self.registry.set_request(plan.request_id, fields, ttl_s=self.cfg.timeouts.request_s)
         except Exception as e:
