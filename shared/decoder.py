@@ -227,9 +227,11 @@ class DecoderService(InstanceService):
         else:
             req.stats.local_kv_bytes, req.stats.kv_local_ms = t.wire_bytes, t.elapsed_ms
         task = req.task
+        # a migrated attempt's next token is sampled here, after its earlier output is computed
+        # here (the engine's `admit_with_kv`): prefill's would be of another precision
         seq = Sequence(
             req.id,
-            list(task.prompt_ids) + [first],
+            list(task.prompt_ids) + ([] if task.sampling.resumed else [first]),
             task.sampling,
             namespace=namespace_of(self.cfg.model, task.cache_salt),
         )
@@ -276,7 +278,7 @@ class DecoderService(InstanceService):
             self.end(req.id, End.ABORTED)
             await self.abort_engine(req.id)
             return
-        if not seq.shadow:
+        if not seq.shadow and not seq.params.resumed:
             self.emit(TokenOutput(req.id, first.token_id, 0, done, logprob=first.logprob))
         if req.id in self.requests:
             await self.on_admitted(req, done)

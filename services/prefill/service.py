@@ -204,7 +204,9 @@ class Prefiller(InstanceService):
             if out.token_id is None:
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
                 continue
-            if self.cfg.first_token == Role.PREFILL:  # published before the push task even starts
+            # published before the push task even starts; a migrated attempt's next token comes
+            # from its decoders, which compute its earlier output in their own precision first
+            if self.cfg.first_token == Role.PREFILL and not state.task.sampling.resumed:
                 self._spawn_for(state, self._stream_first(state, out))
             self._spawn_for(state, self._push(state, out))
 

@@ -83,7 +83,7 @@ class RelayDecoder(DecoderService):
         self.spawn_for(req, self._handoff(req))
 
     async def _handoff(self, req: DecodeRequest) -> None:
-        sent = await self._catch_up(req) if req.task.plan.handoff == Handoff.CATCHUP else 1
+        sent = await self._catch_up(req) if req.task.plan.handoff == Handoff.CATCHUP else self._md_holds(req)
         if sent is None:
             req.phase = Phase.RUNNING  # md is gone: the relay finishes the request
             return
@@ -94,7 +94,7 @@ class RelayDecoder(DecoderService):
         None when the request ended here meanwhile or md stopped answering."""
         cfg = self.cfg.handoff
         chunk_tokens = req.task.plan.chunk_tokens or cfg.chunk_tokens
-        sent = 1  # prefill's first token travelled with the KV
+        sent = self._md_holds(req)
         while True:
             generated = await self.worker.call(lambda e: e.generated(req.id))
             if generated is None:
@@ -105,6 +105,12 @@ class RelayDecoder(DecoderService):
             if not await self._send(req, chunk):
                 return None
             sent += len(chunk.token_ids)
+
+    @staticmethod
+    def _md_holds(req: DecodeRequest) -> int:
+        """Output tokens main-decode's shadow holds before any chunk: prefill's first token, which
+        travelled with the KV; none for a migrated attempt, whose next token is sampled here."""
+        return 0 if req.task.sampling.resumed else 1
 
     async def _final(self, req: DecodeRequest, sent: int) -> None:
         if self._overlaps(req):

@@ -73,34 +73,42 @@ class KVExchange:
         If part of [0, start) was evicted since the plan was made, the missing range is recomputed
         from its token ids before anything is decoded (never decode on incomplete KV); if the cache
         meanwhile holds more than [0, start), that part of the payload is not imported.
+
+        A migrated attempt (`Sampling.resumed`) is stitched only up to where its earlier output
+        begins, and carries no first token: that output's KV was computed by a decoder, in its
+        precision, so this engine computes it again (one extend, equal to its decode steps bit
+        for bit) and samples the next token itself; prefill's float32 copy of it would change the
+        answer in a mixed-precision fleet.
         """
-        if (reason := self.stops.reason(seq, seq.token_ids[-1])) is not None:
+        resumed = seq.params.resumed
+        if not resumed and (reason := self.stops.reason(seq, seq.token_ids[-1])) is not None:
             return reason
         start, n, bs = payload.header.start, seq.prompt_len, self.pool.block_size
+        end = n - resumed  # [0, end) is prompt: from the cache or the payload; [end, n) computed here
         if start % bs:
             raise ValueError(f"KV starts at {start}, not on a block boundary of {bs}")
         if error := self._never_fits(seq):
             raise ValueError(error)
         # [0, hit) from this engine's own cache, all of it: a copy landing beside cached blocks of
         # the same prefix would hang new cache nodes under nodes this sequence does not hold
-        self.match_prefix(seq, n)
+        self.match_prefix(seq, end)
         hit = seq.num_computed
         try:
             self._reserve(seq)  # the whole budget, as `_admit` would: never wait holding half of it
-            if max(hit, start) < n:  # never write into shared cached blocks
+            if max(hit, start) < end:  # never write into shared cached blocks
                 with torch.inference_mode():
-                    import_kv(self.pool, seq.block_table, payload.narrow(max(hit, start), n))
+                    import_kv(self.pool, seq.block_table, payload.narrow(max(hit, start), end))
             self.add(seq)
         except BaseException:  # as it was before the call: a parked request retries from scratch
             self.pool.allocator.free(seq.block_table)
             seq.block_table = []
             seq.num_computed = seq.cached_tokens = 0
             raise
-        seq.num_computed = n
-        if hit < start:
-            seq.num_computed, seq.imported = hit, (start, n)
+        seq.num_computed = end
+        if hit < start:  # recompute [hit, start), then skip what was imported
+            seq.num_computed, seq.imported = hit, ((start, end) if start < end else None)
         elif self.cache is not None:  # KV is cached as it lands: the next turn hits at once
-            self.cache.insert(seq.token_ids[:n], seq.block_table[: n // bs], seq.namespace)
+            self.cache.insert(seq.token_ids[:end], seq.block_table[: end // bs], seq.namespace)
         self.count_prefix(seq)
         return None
 

@@ -26,7 +26,7 @@ def until(predicate, timeout: float, what: str, every: float = 0.05):
     return value
 
 
-def _restart(cluster, name: str) -> None:
+def restart(cluster, name: str) -> None:
     cluster.start_process(name)
     r = Operator(cluster).redis()
     try:
@@ -120,7 +120,7 @@ def test_request_survives_the_death_of_its_instance(
     finally:
         fleet_operator.wan(bandwidth_mbps=fleet.cfg.wan.bandwidth_mbps)
         if target is not None and fleet.procs[target].poll() is not None:
-            _restart(fleet, target)
+            restart(fleet, target)
         r.close()
         worker.join(240)
     assert all(s.requests == [] for s in fleet_operator.idle(timeout=5).values())

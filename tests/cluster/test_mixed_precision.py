@@ -7,11 +7,13 @@ across precisions (only the new tokens' KV crosses). Narrower KV on the WAN land
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import httpx
 import pytest
 
 from tests.cluster.conftest import KEYS, fresh_prompt, stream_completion
+from tests.cluster.test_migration import restart, until
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": f"Bearer {KEYS['tenant-a']}"}
@@ -163,3 +165,34 @@ def test_a_tool_call_on_the_shipped_fleet_is_the_same_on_every_plan(keyed):
         jsonschema.validate(json.loads(call["function"]["arguments"]), FLIGHT)
         calls.add((call["function"]["name"], call["function"]["arguments"]))
     assert len(calls) == 1, calls
+
+
+def test_a_request_moved_off_a_killed_main_decode_keeps_the_fleets_answer(keyed, mixed_reference, smol_tokenizer):
+    """main-decode (bfloat16) is killed mid-stream: the request moves to the relay, the one decoder
+    left (p-rld), with a prompt that now ends with the answer so far. The relay computes that tail
+    itself, in bfloat16, and samples the next token, so the text is still the fleet's one answer.
+    (When prefill, in float32, recomputed the tail and sampled the next token, it was not: the
+    chaos bench's kill-md fault gave a wrong answer.)"""
+    prompt = fresh_prompt(40, "mixed-migration")
+    n = 64
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    events: list[dict] = []
+    result: dict = {}
+    worker = threading.Thread(
+        target=lambda: result.update(
+            out=stream_completion(keyed.url + "/v1/completions", body, headers=ADMIN, timeout=240, events=events)
+        )
+    )
+    worker.start()
+    try:
+        until(lambda: sum(bool(e["choices"] and e["choices"][0]["text"]) for e in events) >= 8, 60, "md-0's tokens")
+        keyed.kill("md-0")
+        worker.join(240)
+        text, pdd, _ = result["out"]
+        print(f"\nmd-0 killed: migrations {pdd['migrations']}, tokens {pdd['tokens_by_role']}, on {pdd['instances']}")
+        assert pdd["migrations"] == 1 and pdd["tokens_by_role"]["rld"] > 0, pdd
+        assert text == mixed_reference(smol_tokenizer(prompt)["input_ids"], n, ignore_eos=True)
+    finally:
+        worker.join(240)
+        if keyed.procs["md-0"].poll() is not None:
+            restart(keyed, "md-0")

@@ -25,7 +25,7 @@ import pytest
 
 from benchmarks.bounded_state import REQUEST_MAPS
 from tests.cluster.conftest import FLEET, fresh_prompt
-from tests.cluster.test_migration import _restart, until
+from tests.cluster.test_migration import restart, until
 
 pytestmark = pytest.mark.slow
 
@@ -230,7 +230,7 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
             print(f"\nkilled {victim} after {SOAK_REQUESTS // 3} requests")
             _when_done(futures, 2 * SOAK_REQUESTS // 3)
         finally:
-            _restart(fleet, victim)
+            restart(fleet, victim)
         results = [f.result() for f in futures]
     elapsed = time.monotonic() - t0
     states = fleet_operator.idle(timeout=10)
