@@ -75,7 +75,8 @@ class RequestFlow:
         self.offset = 0  # client index of the current attempt's token 0
         self.generated: list[int] = []  # tokens the client has, in order
         self.holders: set[str] = set()  # instances that may still be needed to finish it
-        self.avoid: set[str] = set()
+        self.avoid: set[str] = set()  # instances this request failed on: not planned again ...
+        self.vanished: set[str] = set()  # ... unless it only dropped out of the registry and is back
         self.plan: Plan | None = None
         self.stats = FlowStats()
         self.finished = False  # every stage is done with it (else close() aborts it everywhere)
@@ -236,6 +237,7 @@ class RequestFlow:
             self._checked_at = now
             dead = self.holders - await self.gw.alive_ids()
             if dead:
+                self.vanished |= dead
                 await self._migrate(dead)
         return None
 
@@ -288,9 +290,15 @@ class RequestFlow:
         self.offset = len(self.generated)
         self._logprobs.clear()  # the next attempt samples the positions not yet returned anew
         self.stats.last_progress = time.perf_counter()
-        deadline, wait_s = time.perf_counter() + self.gw.cfg.timeouts.request_s, 0.1
+        cfg = self.gw.cfg
+        now = time.perf_counter()
+        # how long an admitted stream waits: for room (429) while the request may live; for a
+        # live instance of a role (503) while one may be coming back (its bus reconnecting, a
+        # restart registering), two heartbeat TTLs and a control round
+        deadline = {429: now + cfg.timeouts.request_s, 503: now + 2 * cfg.heartbeat_ttl_s + cfg.timeouts.control_s}
+        wait_s = 0.1
         pipeline = self.parsed.pipeline  # a forced plan is kept while it can be served at all
-        for retry in itertools.count():  # the survivors may be full for a moment: an admitted stream waits
+        for retry in itertools.count():
             self.attempt_id = f"{self.request_id}.m{self.stats.migrations}" + (f".r{retry}" if retry else "")
             try:
                 # the policy replans among the survivors (p-rld when no main-decode is reachable)
@@ -300,8 +308,10 @@ class RequestFlow:
                 if e.status == 503 and pipeline is not None:  # the forced plan lost its role: any plan
                     pipeline = None
                     continue
-                if e.status != 429 or time.perf_counter() + wait_s > deadline:
+                if e.status not in deadline or time.perf_counter() + wait_s > deadline[e.status]:
                     raise StreamError(f"could not move the request after {sorted(dead)} failed: {e.message}") from None
+                if e.status == 503:  # a holder whose heartbeats only paused (its bus reconnected) is fine again
+                    self.avoid -= self.vanished & await self.gw.alive_ids()
             await asyncio.sleep(wait_s)
             wait_s = min(wait_s * 2, 2.0)
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.gateway.auth import OPEN
+from services.gateway.errors import APIError
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gaps import GAP_MIN_S, GapWatch
 from services.gateway.openai_api import ParsedRequest
@@ -134,3 +135,54 @@ async def test_chunks_that_cannot_be_this_streams_are_dropped_and_hold_nothing()
     text = await asyncio.wait_for(_text(f), 30)
     assert text == Vocab().decode(TOKENS) and f.stats.refused_chunks == len(forged)
     assert f._reassembler.buffered == 0 and f._reassembler.conflicts == 0
+
+
+async def test_a_holder_that_only_dropped_out_of_the_registry_is_planned_again_once_back():
+    """NATS A restarts: prefill-0's heartbeats pause, the gateway finds it gone and moves the
+    request, but no other prefill is alive (503). The admitted stream waits instead of failing, and
+    once prefill-0 is registered again it may be planned: it did not fail, it only went quiet."""
+    nats, alive, plans = InMemoryNats(), {"md-0"}, []
+    f = flow(nats.client("gateway"))
+    f.holders = {"prefill-0", "md-0"}
+
+    async def alive_ids() -> set[str]:
+        return set(alive)
+
+    async def forget_request(attempt_id: str) -> None:
+        pass
+
+    async def submit(prompt_ids, sampling, pipeline) -> None:
+        plans.append(sorted(f.avoid))
+        if "prefill-0" in f.avoid or "prefill-0" not in alive:
+            if len(plans) == 2:
+                alive.add("prefill-0")  # registered again after the first refusals
+            raise APIError(503, "no alive prefill instance")
+
+    f.gw.alive_ids, f.gw.forget_request, f._submit = alive_ids, forget_request, submit
+    f._sub = await nats.client("gateway").subscribe(subjects.tokens(f.attempt_id), TokenChunk, f._queue.put_nowait)
+    f._gap = GapWatch([], 0.02, 0.0)
+    assert await f._next_chunk() is None  # found prefill-0 gone and moved the request
+    assert plans[:2] == [["prefill-0"], ["prefill-0"]] and plans[-1] == [], plans
+    assert f.stats.migrations == 1 and f.attempt_id.startswith("cmpl-lost.m1")
+
+
+async def test_a_moved_request_with_no_instance_of_a_role_fails_after_a_bounded_wait():
+    nats = InMemoryNats()
+    f = flow(nats.client("gateway"))
+    f.gw.cfg = dataclasses.replace(
+        f.gw.cfg, heartbeat_ttl_s=0.2, timeouts=dataclasses.replace(f.gw.cfg.timeouts, control_s=0.2)
+    )
+    tries = []
+
+    async def forget_request(attempt_id: str) -> None:
+        pass
+
+    async def submit(prompt_ids, sampling, pipeline) -> None:
+        tries.append(pipeline)
+        raise APIError(503, "no alive md instance")
+
+    f.gw.forget_request, f._submit = forget_request, submit
+    f._sub = await nats.client("gateway").subscribe(subjects.tokens(f.attempt_id), TokenChunk, f._queue.put_nowait)
+    with pytest.raises(StreamError, match="no alive md instance"):
+        await f._migrate({"md-0"})
+    assert len(tries) > 2  # it waited for one to come back (0.6 s here), then gave up with the reason
