@@ -114,7 +114,7 @@ async def _idle(cluster: Cluster, timeout: float = 60) -> dict[str, InstanceStat
     deadline = time.monotonic() + timeout
     while True:
         states = await _states(cluster)
-        if all(not any(s.extra["state"].get(k) for k in REQUEST_MAPS) for s in states.values()):
+        if all(not any(s.state.get(k) for k in REQUEST_MAPS) for s in states.values()):
             return states
         if time.monotonic() > deadline:
             return states
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 def _mirror_mib(states: dict[str, InstanceState]) -> dict[str, float]:
     """Each decoder's decode mirror (shared/runtime/mirror.py): a cache that grows to its budget
     with the most sequences and longest contexts it has decoded at once, and keeps that size."""
-    return {i: s.extra.get("mirror_bytes", 0) / 2**20 for i, s in states.items()}
+    return {i: s.figures.engine.mirror_bytes / 2**20 for i, s in states.items()}
 
 
 def _report(a, outcomes, elapsed, points) -> int:
@@ -174,9 +174,9 @@ def _report(a, outcomes, elapsed, points) -> int:
             f"{name:<12} {first[name]:>9.1f} {mid[name]:>9.1f} {last[name]:>9.1f} {change:>+8.1%} {second:>+9.1%}"
             f" {f'{m0:.0f} -> {m1:.0f}':>14} {net:>+11.1%}"
         )
-    leftover = {i: {k: v for k, v in s.extra["state"].items() if k in REQUEST_MAPS and v} for i, s in states.items()}
+    leftover = {i: {k: v for k, v in s.state.items() if k in REQUEST_MAPS and v} for i, s in states.items()}
     for iid, s in states.items():
-        print(f"{iid}: {s.extra['state']}")
+        print(f"{iid}: {s.state}")
     leftover = {i: v for i, v in leftover.items() if v}
     ok = not grown and not leftover
     print("bounded: yes" if ok else f"bounded: NO (grew: {grown}; per-request state left: {leftover})")

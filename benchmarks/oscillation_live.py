@@ -67,13 +67,9 @@ async def sample_relay(nats_url: str, stop: asyncio.Event) -> list[dict[str, Any
     try:
         while not stop.is_set():
             s = await bus.request(subjects.inspect(RELAY), Inspect(), InstanceState, 5.0)
-            running = s.extra.get("running", 0)
+            f = s.figures
             samples.append(
-                {
-                    "t_s": time.perf_counter() - t0,
-                    "running": running,
-                    "queue": s.extra.get("waiting", 0) + s.extra.get("pending", 0),
-                }
+                {"t_s": time.perf_counter() - t0, "running": f.engine.running, "queue": f.engine.waiting + f.pending}
             )
             await asyncio.sleep(SAMPLE_S)
     finally:

@@ -19,14 +19,12 @@ Instances never touch Redis: across two datacenters only NATS (and KV) crosses t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from shared import failpoints, subjects
@@ -40,6 +38,7 @@ from shared.messages import (
     IndexEvent,
     IndexUpdate,
     Inspect,
+    InstanceFigures,
     InstanceInfo,
     InstanceState,
     Leave,
@@ -47,42 +46,12 @@ from shared.messages import (
     token_problem,
 )
 from shared.model_info import model_name
-from shared.runtime.engine import EngineFigures, TokenOutput
+from shared.runtime.engine import TokenOutput
 from shared.runtime.worker import EngineWorker
 from shared.security import Secrets
 from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class InstanceFigures:
-    """An instance's figures: its engine's at the last step boundary, and what the service holds."""
-
-    engine: EngineFigures
-    held: int  # requests the instance holds anything for
-    tasks: int  # its background tasks
-    pending: int = 0  # decoders: tasks accepted whose KV has not landed (committed: they will run here)
-    handing: int = 0  # relay: requests handing off now
-
-    def report_to(self, info: InstanceInfo, sampled_at: float) -> None:
-        """Fill a heartbeat's figures (the rest are for `pdd status` and metrics only)."""
-        e = self.engine
-        info.running, info.waiting, info.pending, info.held = e.running, e.waiting, self.pending, self.held
-        info.queued_tokens, info.step_ms, info.prefill_tok_s, info.busy_s = (
-            e.queued_tokens,
-            e.step_ms,
-            e.prefill_tok_s,
-            e.busy_s,
-        )
-        info.free_blocks, info.total_blocks, info.cached_blocks = e.free_blocks, e.total_blocks, e.cached_blocks
-        info.updated_at = sampled_at
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(self.engine),
-            **{k: v for k, v in dataclasses.asdict(self).items() if k != "engine"},
-        }
 
 
 # Block hashes per IndexUpdate: 24 hex characters each, so about 400 KiB of msgpack, well under
@@ -290,14 +259,12 @@ class InstanceService:
             requests=self.held_requests(),
             free_blocks=figures.engine.free_blocks,
             total_blocks=figures.engine.total_blocks,
-            extra={
-                **figures.as_dict(),
-                "task_names": sorted(t.get_coro().__qualname__ for t in self._tasks),
-                # handlers at work, besides the one answering this Inspect
-                "state": {
-                    **self.state_sizes(),
-                    "bus_handlers": len(set(getattr(self.bus, "_tasks", ())) - {asyncio.current_task()}),
-                },
+            figures=figures,
+            task_names=sorted(t.get_coro().__qualname__ for t in self._tasks),
+            # handlers at work, besides the one answering this Inspect
+            state={
+                **self.state_sizes(),
+                "bus_handlers": len(set(getattr(self.bus, "_tasks", ())) - {asyncio.current_task()}),
             },
         )
 

@@ -431,6 +431,50 @@ class HandoffChunk(Message):
 
 
 # -- instances report to the registry (services/scheduler/registrar.py) ---------------------
+@dataclass(frozen=True)
+class EngineFigures(Message):
+    """The engine's figures at a step boundary (shared/runtime/engine.py fills them): what
+    heartbeats, metrics, `pdd status` and an `Inspect` read. The worker adds its measured pace
+    (`step_ms`, `prefill_tok_s`, `busy_s`)."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    cached_blocks: int = 0  # held only by the prefix cache (reusable)
+    prefix_queried: int = 0  # prompt tokens of admitted sequences, and of those found cached
+    prefix_hit: int = 0
+    queued_tokens: int = 0  # known tokens not computed yet, decode steps aside
+    mirror_bytes: int = 0  # the runner's contiguous KV mirror (capped)
+    step_ms: float = 0.0
+    prefill_tok_s: float = 0.0
+    busy_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class InstanceFigures(Message):
+    """An instance's figures: its engine's at the last step boundary, and what the service holds."""
+
+    engine: EngineFigures = field(default_factory=EngineFigures)
+    held: int = 0  # requests the instance holds anything for
+    tasks: int = 0  # its background tasks
+    pending: int = 0  # decoders: tasks accepted whose KV has not landed (committed: they will run here)
+    handing: int = 0  # relay: requests handing off now
+
+    def report_to(self, info: InstanceInfo, sampled_at: float) -> None:
+        """Fill a heartbeat's figures (the rest are for `pdd status`, metrics and `Inspect` only)."""
+        e = self.engine
+        info.running, info.waiting, info.pending, info.held = e.running, e.waiting, self.pending, self.held
+        info.queued_tokens, info.step_ms, info.prefill_tok_s, info.busy_s = (
+            e.queued_tokens,
+            e.step_ms,
+            e.prefill_tok_s,
+            e.busy_s,
+        )
+        info.free_blocks, info.total_blocks, info.cached_blocks = e.free_blocks, e.total_blocks, e.cached_blocks
+        info.updated_at = sampled_at
+
+
 @dataclass
 class InstanceInfo(Message):
     """An instance's heartbeat: who it is, where its KV listener is, and its load figures."""
@@ -507,12 +551,27 @@ class Inspect(Message):
 
 @dataclass
 class InstanceState(Message):
+    """instance -> operators and tests (`pdd.inspect.<id>`, and after a flush): what it holds now."""
+
     instance_id: str
     role: Role
     requests: list[str] = field(default_factory=list)  # ids this instance still holds anything for
     free_blocks: int = 0
     total_blocks: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    figures: InstanceFigures = field(default_factory=InstanceFigures)
+    task_names: list[str] = field(default_factory=list)  # its background tasks' coroutines, sorted
+    # sizes of its per-request maps (empty when idle) and capped memories of ids, and `bus_handlers`:
+    # handlers at work besides the one answering
+    state: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The same as one map, as it crossed before it was typed (not sent): for the cluster
+        tests that still read it (tests/cluster/conftest.py, test_relay.py, test_soak.py,
+        test_migration.py, held by another change); read the fields, and drop this with them."""
+        f = self.figures
+        held = {"held": f.held, "tasks": f.tasks, "pending": f.pending, "handing": f.handing}
+        return {**dataclasses.asdict(f.engine), **held, "task_names": self.task_names, "state": self.state}
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import IndexEvent, Logprob
+from shared.messages import EngineFigures, IndexEvent, Logprob
 from shared.runtime.grammar import Grammars, Masks
 from shared.runtime.kv_exchange import KVExchange
 from shared.runtime.kv_pool import KVPool, PoolExhausted
@@ -53,25 +53,6 @@ class TokenOutput:
     error: str | None = None
     caught_up: bool = False  # a shadow sequence computed every token it knows (no token sampled)
     logprob: Logprob | None = None  # the token's, when its request asked for them
-
-
-@dataclass(frozen=True)
-class EngineFigures:
-    """The engine's figures at a step boundary: what heartbeats, metrics and `pdd status` read.
-    The worker adds its measured pace (`step_ms`, `prefill_tok_s`, `busy_s`)."""
-
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    cached_blocks: int = 0  # held only by the prefix cache (reusable)
-    prefix_queried: int = 0  # prompt tokens of admitted sequences, and of those found cached
-    prefix_hit: int = 0
-    queued_tokens: int = 0  # known tokens not computed yet, decode steps aside
-    mirror_bytes: int = 0  # the runner's contiguous KV mirror (capped)
-    step_ms: float = 0.0
-    prefill_tok_s: float = 0.0
-    busy_s: float = 0.0
 
 
 class Engine(KVExchange):

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from shared.runtime.engine import Engine, EngineFigures, TokenOutput
+from shared.messages import EngineFigures
+from shared.runtime.engine import Engine, TokenOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -7,14 +7,15 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.bounded_state import _report
-from shared.messages import InstanceState
+from shared.messages import EngineFigures, InstanceFigures, InstanceState
 
 ARGS = argparse.Namespace(requests=10, aborts=100, tolerance=0.05)
 
 
 def _state(iid: str, mirror_mib: float = 0, **maps: int) -> InstanceState:
     state = {"requests": 0, "parked": 0, "receiving": 0, "bus_handlers": 0, "remembered_aborts": 10_000, **maps}
-    return InstanceState(iid, "md", extra={"state": state, "mirror_bytes": int(mirror_mib * 2**20)})
+    figures = InstanceFigures(EngineFigures(mirror_bytes=int(mirror_mib * 2**20)))
+    return InstanceState(iid, "md", state=state, figures=figures)
 
 
 def _run(end_mib: dict[str, float], end_mirror: float = 100, **maps: int) -> int:

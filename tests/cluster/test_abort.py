@@ -75,13 +75,13 @@ def _assert_dropped(operator, request_id: str, left: float) -> None:
     assert held == {}
     states = operator.idle(timeout=DROP_S + 3 * _longest_step_s(operator) + 10.0)
     for iid, s in states.items():
-        assert s.requests == [] and s.free_blocks + s.extra["cached_blocks"] == s.total_blocks, (iid, s)
+        assert s.requests == [] and s.free_blocks + s.figures.engine.cached_blocks == s.total_blocks, (iid, s)
     assert operator.request_keys() == []
 
 
 def _longest_step_s(operator) -> float:
     """The slowest engine's measured step (moving average), in seconds."""
-    return max(operator.inspect(i.id).extra.get("step_ms", 0.0) for i in operator.cluster.cfg.instances) / 1000
+    return max(operator.inspect(i.id).figures.engine.step_ms for i in operator.cluster.cfg.instances) / 1000
 
 
 def _body(model_id: str, prompt: str, n: int = 300, **pdd) -> dict:
@@ -122,7 +122,7 @@ def test_abort_while_queued_behind_another_prompt(cluster, model_id, operator):
 
 def test_abort_while_prefilling(cluster, model_id, operator):
     s = Stream(cluster.url, _body(model_id, fresh_prompt(900, "prefilling")))
-    _until(lambda: operator.inspect("prefill-0").extra["running"], 30, "prefill to start computing")
+    _until(lambda: operator.inspect("prefill-0").figures.engine.running, 30, "prefill to start computing")
     assert "prefill-0" in _holders(operator, s.request_id)  # still computing its prompt when the client goes
     _assert_dropped(operator, s.request_id, s.disconnect())
 
@@ -167,7 +167,7 @@ def test_abort_in_the_middle_of_a_catch_up_handoff(cluster, model_id, operator, 
     def watch() -> None:
         deadline = time.monotonic() + 60
         while not handing.is_set() and time.monotonic() < deadline:
-            if operator.inspect("rld-0").extra.get("handing"):
+            if operator.inspect("rld-0").figures.handing:
                 handing.set()
             time.sleep(0.03)
 

@@ -51,7 +51,7 @@ def test_base_url_against_a_running_cluster_matches_the_bench_replay(cluster, op
     probe = BusyProbe(cluster.nats_url(), cluster.secrets)
     records, duration, busy = asyncio.run(measure(Target(cluster.url), workload, "cluster", probe))
     for instance in cluster.cfg.instances:
-        assert operator.flush(instance.id).extra["cached_blocks"] == 0
+        assert operator.flush(instance.id).figures.engine.cached_blocks == 0
     args = ["--workload", "random", "--requests", str(N), "--rate", str(RATE), "--seed", "0"]
     results = bench_cli(tmp_path, *args, "--random-input-len", str(INPUT), "--random-output-len", str(OUTPUT))
     counts = {r: len(cluster.cfg.of_role(r)) for r in ("prefill", "rld", "md")}

@@ -150,7 +150,7 @@ def test_client_disconnect_frees_every_stage(cluster, model_id, operator):
     print(f"\nafter disconnect ({time.monotonic() - left:.2f}s): {states}")
     for instance, s in states.items():
         assert s.requests == [], instance
-        assert s.free_blocks + s.extra["cached_blocks"] == s.total_blocks, instance
+        assert s.free_blocks + s.figures.engine.cached_blocks == s.total_blocks, instance
     assert operator.request_keys() == []
 
 

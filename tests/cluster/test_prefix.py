@@ -79,13 +79,13 @@ def test_shared_system_prompt_is_stored_once(pcluster, pop):
     a = chat(pcluster, [system, {"role": "user", "content": "First question?"}], 8, pdd={"pipeline": "p-md"})
     md = a["pdd"]["instances"]["md"]
     pop.idle()
-    before = _md_state(pop, md).extra["cached_blocks"]
+    before = _md_state(pop, md).figures.engine.cached_blocks
     b = chat(
         pcluster, [system, {"role": "user", "content": "A different second question?"}], 8, pdd={"pipeline": "p-md"}
     )
     assert b["pdd"]["instances"]["md"] == md and b["pdd"]["prefix_hit_tokens"]["md"] >= 100
     pop.idle()
-    after = _md_state(pop, md).extra["cached_blocks"]
+    after = _md_state(pop, md).figures.engine.cached_blocks
     computed = b["usage"]["prompt_tokens"] + b["usage"]["completion_tokens"] - 1  # last token has no KV
     hit_blocks = b["pdd"]["prefix_hit_tokens"]["md"] // 16
     print(f"\nmd cached blocks: {before} -> {after}; B added {computed // 16} blocks of which {hit_blocks} shared")
@@ -103,7 +103,7 @@ def test_many_conversations_under_a_small_pool(pcluster, pop, smol_tokenizer, re
             assert text == reference_chat(smol_tokenizer, reference, conv, 8, draft=text), (i, turn)
             conv.append({"role": "assistant", "content": text})
     for state in pop.idle().values():
-        assert state.requests == [] and state.free_blocks + state.extra["cached_blocks"] == state.total_blocks
+        assert state.requests == [] and state.free_blocks + state.figures.engine.cached_blocks == state.total_blocks
 
 
 def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, smol_tokenizer, reference):
@@ -121,7 +121,7 @@ def test_prefix_evicted_in_flight_is_recomputed(pcluster, pop, smol_tokenizer, r
         worker.start()
         until(lambda: pop.inspect(md).requests, 10, f"{md} to hold the second turn")
         flushed = pop.flush(md)
-        assert flushed.extra["cached_blocks"] == 0
+        assert flushed.figures.engine.cached_blocks == 0
         worker.join(60)
     finally:
         pop.wan(bandwidth_mbps=pcluster.cfg.wan.bandwidth_mbps)

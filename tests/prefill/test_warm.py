@@ -73,5 +73,5 @@ async def test_a_cache_flush_drops_the_answers_waiting_to_be_warmed(prefill):
         state = await prefill._flush_cache(Inspect())
     finally:
         server.close()
-    assert state.extra["cached_blocks"] == 0 and not prefill.warmer.queue
+    assert state.figures.engine.cached_blocks == 0 and not prefill.warmer.queue
     assert await cached_tokens(prefill, PROMPT + ANSWER) == 0 and prefill.warmer.warmed in (0, 1)
