@@ -564,15 +564,6 @@ class InstanceState(Message):
     # handlers at work besides the one answering
     state: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def extra(self) -> dict[str, Any]:
-        """The same as one map, as it crossed before it was typed (not sent): for the cluster
-        tests that still read it (tests/cluster/conftest.py, test_relay.py, test_soak.py,
-        test_migration.py, held by another change); read the fields, and drop this with them."""
-        f = self.figures
-        held = {"held": f.held, "tasks": f.tasks, "pending": f.pending, "handing": f.handing}
-        return {**dataclasses.asdict(f.engine), **held, "task_names": self.task_names, "state": self.state}
-
 
 @dataclass
 class ClusterStatus(Message):

@@ -39,8 +39,8 @@ def test_an_instance_state_carries_typed_figures():
     state = InstanceState("rld-0", Role.RLD, ["r1"], 10, 20, figures, ["_heartbeat"], {"requests": 1})
     back = InstanceState.decode(state.encode())
     assert back == state and type(back.figures.engine) is EngineFigures
-    assert back.extra["cached_blocks"] == 5 and back.extra["state"] == {"requests": 1}  # the old map, read-only
-    assert "extra" not in msgpack.unpackb(state.encode())  # never sent
+    assert back.figures.engine.cached_blocks == 5 and back.state == {"requests": 1}
+    assert "extra" not in msgpack.unpackb(state.encode())  # no untyped map rides along
 
 
 @pytest.mark.parametrize(

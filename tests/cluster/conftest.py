@@ -317,7 +317,7 @@ def operator(cluster) -> Operator:
 
 
 def _idle(state: InstanceState) -> bool:
-    return not state.requests and state.free_blocks + state.extra.get("cached_blocks", 0) == state.total_blocks
+    return not state.requests and state.free_blocks + state.figures.engine.cached_blocks == state.total_blocks
 
 
 def tls_overhead(kv_bytes: int) -> int:

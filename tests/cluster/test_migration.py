@@ -89,7 +89,7 @@ def test_request_survives_the_death_of_its_instance(
         if victim == "prefill":  # mid-prefill: some of the prompt's chunks computed (1500 tokens, 512 a step)
             prompt_len = len(smol_tokenizer(prompt)["input_ids"])
             until(
-                lambda: 0 < fleet_operator.inspect(target).extra["queued_tokens"] < prompt_len,
+                lambda: 0 < fleet_operator.inspect(target).figures.engine.queued_tokens < prompt_len,
                 60,
                 f"{target} to be part-way through the prompt",
                 every=0.01,

@@ -175,4 +175,4 @@ def test_mixed_concurrent_pipelines_complete_and_free_every_block(
         assert text == reference(smol_tokenizer(prompt)["input_ids"], 20, draft=text), (pipeline, handoff)
     for state in operator.idle().values():
         assert state.requests == [], state
-        assert state.free_blocks + state.extra["cached_blocks"] == state.total_blocks, state
+        assert state.free_blocks + state.figures.engine.cached_blocks == state.total_blocks, state

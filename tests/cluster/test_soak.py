@@ -164,7 +164,7 @@ def _soak_request(i: int, rng: random.Random) -> dict:
 
 
 def _streaming(operator, instance_id: str) -> int:
-    return operator.inspect(instance_id).extra["state"]["streaming"]
+    return operator.inspect(instance_id).state["streaming"]
 
 
 def _moves(url: str) -> int:
@@ -179,13 +179,13 @@ def _when_done(futures: list[concurrent.futures.Future], n: int) -> None:
 
 
 def _tasks(operator) -> dict[str, list[str]]:
-    return {i.id: operator.inspect(i.id).extra["task_names"] for i in operator.cluster.cfg.instances}
+    return {i.id: operator.inspect(i.id).task_names for i in operator.cluster.cfg.instances}
 
 
 def _held_maps(operator) -> dict[str, dict]:
     """Each instance's per-request maps that are not empty (the Inspect answering is not counted)."""
     states = {i.id: operator.inspect(i.id) for i in operator.cluster.cfg.instances}
-    return {i: {k: v for k, v in s.extra["state"].items() if k in REQUEST_MAPS and v} for i, s in states.items()}
+    return {i: {k: v for k, v in s.state.items() if k in REQUEST_MAPS and v} for i, s in states.items()}
 
 
 def _maps_settle(operator, timeout: float) -> dict[str, dict]:
@@ -234,7 +234,7 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
         results = [f.result() for f in futures]
     elapsed = time.monotonic() - t0
     states = fleet_operator.idle(timeout=10)
-    leaked = {iid: s.total_blocks - s.free_blocks - s.extra["cached_blocks"] for iid, s in states.items()}
+    leaked = {iid: s.total_blocks - s.free_blocks - s.figures.engine.cached_blocks for iid, s in states.items()}
     figures = {
         "requests": len(results),
         "completed": sum(r["status"] == 200 and not r["left"] and not r["error"] for r in results),
