@@ -187,6 +187,23 @@ class Submit(Message):
             raise ValueError(f"ttft_slo_ms {self.ttft_slo_ms!r} not in (0, {MAX_TTFT_SLO_MS}]")
 
 
+@dataclass(frozen=True)
+class PlanEstimates(Message):
+    """The figures a plan's decision rested on (services/scheduler/policy.py): for the `pdd`
+    object, the request record and the benchmarks."""
+
+    ttft_ms: dict[str, float] = field(default_factory=dict)  # candidate pipeline -> estimated TTFT
+    ttft_slo_ms: float = 0.0  # the SLO the estimates were held against
+    wan_mbps: float = 0.0
+    uncached_tokens: int = 0  # prompt_len - best prefill/MD hit
+    backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md, relay-finishes)
+    rld_busy: int = 0  # relay's busy count (policy.py `rld_busy`) when planned
+    wan_backlog_bytes: float = 0.0  # KV on the line ahead of this request's, as the estimates counted it
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass
 class Plan(Message):
     """scheduler -> gateway: what was decided (or why not)."""
@@ -203,7 +220,7 @@ class Plan(Message):
     chunk_tokens: int = 0  # catch-up chunk size (0: the relay's configured default)
     kv_wire: WireFormat = WireFormat.NATIVE  # how KV crosses the WAN (shared/runtime/kv_wire.py)
     kv_wire_reason: str = ""
-    estimates: dict[str, Any] = field(default_factory=dict)  # the figures the decision rested on
+    estimates: PlanEstimates = field(default_factory=PlanEstimates)  # the figures the decision rested on
     # this dispatch of the request (fresh each time it is planned again under the same id): prefill
     # stamps its chunks with it, so the gateway tells the live copy's first token from a dropped one's
     dispatch_id: str = ""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import typing
 
 import msgpack
 import pytest
@@ -61,3 +62,23 @@ def test_state_sizes_are_counts():
     raw = msgpack.packb({"instance_id": "md-0", "role": "md", "state": {"requests": "3"}})
     with pytest.raises(BadMessage, match="InstanceState.state.requests"):
         InstanceState.decode(raw)
+
+
+def _untyped(tp: object) -> bool:
+    """Whether a field's type lets anything through: Any, or a container of Any."""
+    return tp is typing.Any or any(_untyped(arg) for arg in typing.get_args(tp))
+
+
+def test_no_message_or_frame_carries_an_untyped_field():
+    """Everything that crosses a process (every Message: control messages and the KV plane's
+    frames) has typed fields, checked on decode; none is a map or value of Any."""
+    from shared import kv_transport, messages
+
+    classes = {
+        c
+        for module in (messages, kv_transport)
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, messages.Message) and c is not messages.Message
+    }
+    untyped = {f"{c.__name__}.{n}" for c in classes for n, tp in typing.get_type_hints(c).items() if _untyped(tp)}
+    assert len(classes) > 30 and untyped == set(), untyped

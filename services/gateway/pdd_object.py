@@ -47,7 +47,7 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "handoff_reason": plan.handoff_reason,
         "kv_wire": plan.kv_wire,  # how its KV crossed the WAN (native, bf16, fp8, int8)
         "kv_wire_reason": plan.kv_wire_reason,
-        "plan_estimates": plan.estimates,
+        "plan_estimates": plan.estimates.as_dict(),
         "instances": plan.instances(),
         "tokens_by_role": dict(stats.tokens_by_role),
         "handoff_chunks": d.handoff_chunks,

@@ -66,6 +66,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
+from shared.messages import PlanEstimates
 from shared.model_info import AUTO_WIRE, WireFormat
 from shared.pipelines import ROLES_OF, Handoff, Pipeline, Role
 from shared.policy_knobs import AUTO, PolicyKnobs, check_positive
@@ -74,7 +75,6 @@ __all__ = [
     "Decision",
     "InstanceView",
     "NoCapacity",
-    "PlanEstimates",
     "PlanRequest",
     "PolicyConfig",
     "Saturated",
@@ -126,30 +126,6 @@ class PolicyConfig(PolicyKnobs):
         super().__post_init__()
         for name in ("kv_bytes_per_token", "local_mbps", "rld_slots", "catchup_chunk"):
             check_positive(self, name)
-
-
-@dataclass(frozen=True)
-class PlanEstimates:
-    """The figures a decision rested on (for the `pdd` object and the benchmarks)."""
-
-    ttft_ms: dict[str, float] = field(default_factory=dict)  # candidate pipeline -> estimated TTFT
-    wan_mbps: float = 0.0
-    uncached_tokens: int = 0  # prompt_len - best prefill/MD hit
-    backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md, relay-finishes)
-    rld_busy: int = 0  # relay's busy count (see `rld_busy`) when planned
-    wan_backlog_bytes: float = 0.0  # KV on the line ahead of this request's, as the estimates counted it
-    ttft_slo_ms: float = 0.0  # the SLO the estimates were held against
-
-    def as_dict(self) -> dict:
-        return {
-            "ttft_ms": dict(self.ttft_ms),
-            "ttft_slo_ms": self.ttft_slo_ms,
-            "wan_mbps": self.wan_mbps,
-            "uncached_tokens": self.uncached_tokens,
-            "backlog_tokens": self.backlog_tokens,
-            "rld_busy": self.rld_busy,
-            "wan_backlog_bytes": self.wan_backlog_bytes,
-        }
 
 
 @dataclass(frozen=True)

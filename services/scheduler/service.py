@@ -263,7 +263,7 @@ class Scheduler:
             reason=d.reason,
             handoff_reason=d.handoff_reason,
             chunk_tokens=d.chunk_tokens,
-            estimates=d.estimates.as_dict(),
+            estimates=d.estimates,
             kv_wire=d.kv_wire,
             kv_wire_reason=d.kv_wire_reason,
             dispatch_id=secrets.token_hex(8),

@@ -135,10 +135,10 @@ class Cluster:
 async def test_a_plan_whose_kv_crosses_puts_its_bytes_on_the_line_until_they_land():
     c = await Cluster(ttft_slo_ms=1e9).start()  # every request meets the SLO via MD: p-md
     first = await c.submit("r1", 100)
-    assert (first.pipeline, first.estimates["wan_backlog_bytes"]) == ("p-md", 0)
+    assert (first.pipeline, first.estimates.wan_backlog_bytes) == ("p-md", 0)
     assert c.backlog == 100 * 46_080
     second = await c.submit("r2", 50)
-    assert second.estimates["wan_backlog_bytes"] == 100 * 46_080  # planned behind r1's KV
+    assert second.estimates.wan_backlog_bytes == 100 * 46_080  # planned behind r1's KV
     assert c.backlog == 150 * 46_080
     await c.publish(subjects.WAN_SAMPLE, WanSample(100 * 46_080, 0.5, "r1"))  # r1's KV landed at MD
     assert c.backlog == 50 * 46_080 and len(c.scheduler.wan) == 1  # and it fed the bandwidth estimate
@@ -199,7 +199,7 @@ async def test_the_line_backlog_flips_the_next_plan_and_the_knob_ignores_it():
     assert on.backlog == 2 * 1000 * 46_080  # the relayed request's KV still crosses for MD
     off = await Cluster(**fast, line_backlog=False).start()
     plans = [await off.submit(f"r{k}", 1000) for k in range(2)]
-    assert [p.pipeline for p in plans] == ["p-md", "p-md"] and plans[1].estimates["wan_backlog_bytes"] == 0
+    assert [p.pipeline for p in plans] == ["p-md", "p-md"] and plans[1].estimates.wan_backlog_bytes == 0
 
 
 def test_the_scheduler_bounds_the_map_by_the_request_timeout():
