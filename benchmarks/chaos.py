@@ -49,6 +49,7 @@ from benchmarks.chaos_judge import (
 )
 from benchmarks.chaos_load import SPECS, Load, raw_request, requests_running, schedule
 from benchmarks.environment import ROOT, cpu_model, environment
+from shared.pipelines import Role
 
 SHIPPED_CONFIG = ROOT / "configs" / "single-host.yaml"
 LOSS_POINTS = ("md/decoder.token_chunk", "rld/decoder.token_chunk", "rld.handoff_chunk", "decoder.final_chunk")
@@ -82,7 +83,7 @@ class Chaos:
         self.slow: socket.socket | None = None
         self.killed: list[str] = []
 
-    def instance(self, role: str) -> str:
+    def instance(self, role: Role) -> str:
         return next(i.id for i in self.cluster.cfg.instances if i.role == role)
 
     def operator(self, fn: Callable[[Any], Any], timeout: float = 20.0) -> Any:
@@ -113,12 +114,12 @@ class Chaos:
     def failpoints(self, spec: str) -> None:
         self.cluster.failpoints.write_text(spec)
 
-    def kill(self, role: str) -> None:
+    def kill(self, role: Role) -> None:
         name = self.instance(role)
         self.cluster.kill(name)
         self.killed.append(name)
 
-    def restart(self, role: str) -> None:
+    def restart(self, role: Role) -> None:
         name = self.instance(role)
         if name in self.killed:
             self.killed.remove(name)
@@ -188,14 +189,14 @@ FAULTS: dict[str, Fault] = {
     "redis": _server("redis"),
     "kill-rld": Fault(
         f"the relay SIGKILLed, restarted {KILL_HOLD_S:g} s later",
-        lambda c: c.kill("rld"),
-        lambda c: c.restart("rld"),
+        lambda c: c.kill(Role.RLD),
+        lambda c: c.restart(Role.RLD),
         KILL_HOLD_S,
     ),
     "kill-md": Fault(
         f"main-decode SIGKILLed, restarted {KILL_HOLD_S:g} s later",
-        lambda c: c.kill("md"),
-        lambda c: c.restart("md"),
+        lambda c: c.kill(Role.MD),
+        lambda c: c.restart(Role.MD),
         KILL_HOLD_S,
     ),
     "slow-client": Fault(

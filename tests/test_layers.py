@@ -264,9 +264,6 @@ PREFILL_STAGE = {
     "benchmarks.plots": 1,  # the timing it reads
     "benchmarks.waterfall": 3,  # the row's label (key and text) and colour
 }
-# not converted yet: another change holds benchmarks/chaos.py, whose kill and restart faults name
-# the role of the instance they hit (`c.kill("rld")`); convert with it and drop this
-NOT_YET = {("benchmarks.chaos", "rld"): 2, ("benchmarks.chaos", "md"): 2}
 
 
 def test_role_names_have_one_home():
@@ -279,7 +276,7 @@ def test_role_names_have_one_home():
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Constant) and node.value in ("prefill", "rld", "md")
     )
-    allowed = Counter({(m, "prefill"): n for m, n in PREFILL_STAGE.items()}) + Counter(NOT_YET)
+    allowed = Counter({(m, "prefill"): n for m, n in PREFILL_STAGE.items()})
     assert spelt == allowed, {"spelt": sorted((spelt - allowed).items()), "gone": sorted((allowed - spelt).items())}
 
 
