@@ -74,6 +74,7 @@ def test_one_key_flooding_gets_429_while_another_key_is_served(keyed):
 
     # The key's two slots are taken by streams held open (they would run for minutes) before the
     # flood: the rest must all be refused, however fast the machine finishes a request.
+    readers = []
     with httpx.Client(timeout=120) as client, contextlib.ExitStack() as held:
         for _ in range(2):  # 2,000 tokens: minutes of decoding, within the relay's 4,096-token pool
             body = {**flood_body, "max_tokens": 2000}
@@ -85,11 +86,14 @@ def test_one_key_flooding_gets_429_while_another_key_is_served(keyed):
             assert r.status_code == 200 and first["choices"][0]["text"], first
             reader = threading.Thread(target=_read_until_closed, args=(lines,), daemon=True)
             reader.start()  # read as a client does: one that stops reading is cut (the next test)
-            held.callback(reader.join, 30)
+            readers.append(reader)
         with concurrent.futures.ThreadPoolExecutor(98) as pool:
             flooding = [pool.submit(flood, i) for i in range(98)]
             during = [_ttft_ms(keyed.url, "calm", 100 + i) for i in range(5)]
             results = [f.result() for f in flooding]
+    for reader in readers:  # their streams are closed now (joined inside, each waited out its 30 s)
+        reader.join(30)
+        assert not reader.is_alive()
     limited = [r for r in results if r[0] == 429]
     print(
         f"\nflood of 100 streams on a key limited to 2: {len(limited)} told 429; the other key's TTFT P50 "

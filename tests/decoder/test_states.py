@@ -20,7 +20,7 @@ from shared.decode_state import Phase
 from shared.messages import Abort, Ack, Drop, FinishOnRelay, HandoffChunk, KVReady, Sampling
 from shared.pipelines import Pipeline
 from shared.runtime.sequence import Sequence
-from tests.decoder.harness import DecoderPair, idle
+from tests.decoder.harness import CONFIG, DecoderPair, idle
 from tests.helpers import random_prompts, reference_generate, run_to_completion
 
 N = 24
@@ -258,14 +258,19 @@ async def test_abort_during_catch_up_ends_the_relays_handoff_at_once(pair, promp
 
 
 # -- main-decode gone, dropped or late ------------------------------------------------------------
-async def test_md_gone_during_handoff_leaves_the_relay_serving(pair, prompt, tiny_ref):
-    await _relayed(pair, prompt, "catchup")
-    await pair.md.bus.close()  # killed: its subjects have no responders, its handlers are gone
-    await pair.drive(lambda: pair.finished("r1"), roles=("rld",))
-    tokens = pair.tokens("r1")
-    assert [t for t, _ in tokens.values()] == _expected(tiny_ref, prompt)
-    assert all(role == "rld" for _, role in tokens.values())
-    assert "r1" not in pair.rld.requests and pair.rld.requests == {}
+async def test_md_gone_during_handoff_leaves_the_relay_serving(tiny, prompt, tiny_ref):
+    # the relay gives a chunk up after `ack_timeout_s` of resends: 4 s here, not the harness's 30
+    pair = await DecoderPair(tiny, handoff={**CONFIG["handoff"], "ack_timeout_s": 4}).start()
+    try:
+        await _relayed(pair, prompt, "catchup")
+        await pair.md.bus.close()  # killed: its subjects have no responders, its handlers are gone
+        await pair.drive(lambda: pair.finished("r1"), roles=("rld",))
+        tokens = pair.tokens("r1")
+        assert [t for t, _ in tokens.values()] == _expected(tiny_ref, prompt)
+        assert all(role == "rld" for _, role in tokens.values())
+        assert "r1" not in pair.rld.requests and pair.rld.requests == {}
+    finally:
+        await pair.stop()
 
 
 async def test_md_drops_its_copy_mid_catch_up_and_the_relay_finishes(pair, prompt, tiny_ref):
