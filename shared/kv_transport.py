@@ -1,7 +1,14 @@
-"""KV plane: length-prefixed frames on a dedicated (mutual-TLS) TCP connection per transfer.
+"""KV plane: length-prefixed frames on dedicated (mutual-TLS) TCP connections, one transfer at a
+time on each, kept standing between transfers.
 
-The connection may be dialed before the KV exists (`EarlyConnection`: prefill dials main-decode's
-when the task arrives), so its handshakes cross the WAN while the prompt prefills.
+A sender keeps its connections to each decoder in a small idle pool (`KVConnections`): a push
+takes an idle one (no TCP or TLS handshake: across the WAN that is two round trips saved) or
+dials, and gives it back once the receiver's ACK is read. The receiver reads transfer after
+transfer on a connection, each one whole and ACKed before the next HEADER is read, so two
+pushes never share a stream: concurrent pushes to one decoder go on separate connections. A
+connection may also be readied before the KV exists (`EarlyConnection`: prefill readies
+main-decode's when the task arrives, from the pool or by dialing), so a handshake that is
+needed crosses the WAN while the prompt prefills.
 
 Wire format, one frame = `u32 length (big endian) | u8 type | body[length - 1]`:
 
@@ -13,8 +20,8 @@ Wire format, one frame = `u32 length (big endian) | u8 type | body[length - 1]`:
 
 Control frames are typed messages (shared/messages.py's codec), checked field by field on decode.
 
-The receiver checks before it reads a body: the TLS peer is a prefill instance of this
-cluster, the header is small and names a transfer it expects (`vet`: the request, the transfer
+The receiver checks, for every transfer on a connection, before it reads a body: the TLS peer is a
+prefill instance of this cluster, the header is small and names a transfer it expects (`vet`: the request, the transfer
 secret the scheduler minted for it, the token range and layout), and every frame has exactly its
 planned size; anything else is cut at once, logged once with the peer's address, and fails
 nothing but that transfer. A transfer whose peer makes no progress for `stall_s` (no byte at
@@ -22,6 +29,15 @@ all, not "a frame took longer": a big layer on a slow line is progress) fails on
 A transfer that ends any other way than with its ACK (a failure, or the sender's task
 cancelled by an abort) resets its socket, and `KVReceiver.cancel` resets a receiving one: data
 still in buffers is dropped rather than carried on to the end across a slow WAN.
+
+Between transfers: the first HEADER on a connection must come within `stall_s` of its opening
+(an `EarlyConnection` unused for half of that is closed by its sender); after an ACK the
+receiver waits `RECEIVER_IDLE_S` for the next one, the sender keeps an idle connection
+`POOL_IDLE_S` (less) and at most `POOL_MAX_IDLE` per decoder. An idle connection that ends
+(closed, reset, timed out, or evicted by a receiver at its per-peer cap) ends quietly on both
+sides: the sender finds it dead when it takes it (or when its push fails on it: then one fresh
+dial, the push sent whole again; see `KVConnections.send`). A push is a success only once its ACK
+is read, so a push is never taken for delivered on a dead connection.
 """
 
 from __future__ import annotations
@@ -52,6 +68,9 @@ MAX_HEADER = 4 * 1024
 MAX_CONTROL = 16 * 1024
 CONTROL_BODY_S = 0.5  # a small frame's body follows its length at once: a sender that stops mid-way is cut
 WRITE_SLICE = 256 * 1024  # the sender drains per slice: a stall is a slice that does not move
+POOL_IDLE_S = 60.0  # a sender's idle connection is closed after this long unused
+POOL_MAX_IDLE = 4  # ... and it keeps at most this many idle per decoder
+RECEIVER_IDLE_S = 2 * POOL_IDLE_S  # the receiver waits this long for a HEADER after an ACK: the sender closes first
 
 
 class Frame(IntEnum):
@@ -96,10 +115,18 @@ class KVTransferError(RuntimeError):
     pass
 
 
-class ConnectionUnused(KVTransferError):
+class ConnectionLost(KVTransferError):
+    """The connection was closed or reset under a transfer (not a stall, not a refusal by ACK)."""
+
+
+class ConnectionUnused(ConnectionLost):
     """The peer closed the connection cleanly where a frame would begin. Before a HEADER that is a
-    sender's early connection it did not need (`EarlyConnection`), not a failed transfer; later,
-    a transfer cut short like any other."""
+    sender's connection it did not need (`EarlyConnection`, an idle pooled one), not a failed
+    transfer; later, a transfer cut short like any other."""
+
+
+class ConnectionIdle(KVTransferError):
+    """No next transfer came on a standing connection within the receiver's idle time."""
 
 
 def frame(kind: Frame, body: bytes) -> bytes:
@@ -111,27 +138,42 @@ def packed(kind: Frame, obj: Message | Any) -> bytes:
     return frame(kind, obj.encode() if isinstance(obj, Message) else msgpack.packb(obj, use_bin_type=True))
 
 
-async def _read_exactly(reader: asyncio.StreamReader, n: int, stall_s: float) -> bytes:
-    """`n` bytes, failing only when `stall_s` passes with no byte arriving."""
+async def _read_exactly(reader: asyncio.StreamReader, n: int, stall_s: float, idle_s: float | None = None) -> bytes:
+    """`n` bytes, failing only when `stall_s` passes with no byte arriving. With `idle_s` (a standing
+    connection between transfers), the first byte may take that long, and a connection that ends
+    before it (closed, reset, or `idle_s` passed) ends quietly (`ConnectionUnused`, `ConnectionIdle`)."""
     parts, left = [], n
     while left:
         try:
-            part = await asyncio.wait_for(reader.read(min(left, 1 << 20)), stall_s)
+            idle = idle_s is not None and left == n
+            part = await asyncio.wait_for(reader.read(min(left, 1 << 20)), idle_s if idle else stall_s)
         except TimeoutError:
+            if idle:
+                raise ConnectionIdle(f"no transfer for {idle_s:.0f}s") from None
             raise KVTransferError(f"KV transfer stalled: no data for {stall_s:.1f}s") from None
+        except (ConnectionError, ssl.SSLError) as e:
+            if idle_s is not None and left == n:
+                raise ConnectionUnused(f"the idle KV connection ended: {e}") from None
+            raise
         if not part:
-            raise (ConnectionUnused if left == n else KVTransferError)("KV connection closed mid-transfer")
+            raise (ConnectionUnused if left == n else ConnectionLost)("KV connection closed mid-transfer")
         parts.append(part)
         left -= len(part)
     return b"".join(parts)
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, stall_s: float, kind: Frame, max_body: int, exact: int | None = None
+    reader: asyncio.StreamReader,
+    stall_s: float,
+    kind: Frame,
+    max_body: int,
+    exact: int | None = None,
+    idle_s: float | None = None,
 ) -> bytes:
     """The body of the next frame, which must be of `kind` and at most `max_body` bytes (exactly
-    `exact` when given): checked on the 5-byte prefix, before any of the body is read."""
-    length, got = _LEN.unpack(await _read_exactly(reader, _LEN.size, stall_s))
+    `exact` when given): checked on the 5-byte prefix, before any of the body is read. `idle_s`:
+    the frame may take that long to begin (`_read_exactly`)."""
+    length, got = _LEN.unpack(await _read_exactly(reader, _LEN.size, stall_s, idle_s))
     if got != kind:
         raise KVTransferError(f"expected a {kind.name} frame, got type {got}")
     size = length - 1
@@ -191,6 +233,18 @@ class KVPush:
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """A decoder's KV listener: where to dial, and the name its TLS certificate must prove."""
+
+    host: str
+    port: int
+    name: str | None = None  # the decoder's instance id (the TLS server name, the metrics label)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 async def dial(
     host: str, port: int, stall_s: float, tls: ssl.SSLContext | None = None, server_name: str | None = None
 ) -> Connection:
@@ -204,18 +258,19 @@ async def dial(
         raise KVTransferError(f"cannot connect to KV endpoint {host}:{port}: {e}") from None
 
 
-async def send_kv(
-    host: str,
-    port: int,
-    push: KVPush,
-    stall_s: float,
-    tls: ssl.SSLContext | None = None,
-    server_name: str | None = None,
-    conn: Connection | None = None,
-) -> int:
-    """Push one transfer and wait for the receiver's ACK. Returns the bytes sent. On `conn` (an
-    `EarlyConnection`'s, dialed to the same endpoint) when given, else on a connection dialed now."""
-    reader, writer = conn or await dial(host, port, stall_s, tls, server_name)
+def alive(conn: Connection) -> bool:
+    """Nothing says the connection ended: not closing, no EOF or error from the peer. (A reset on
+    its way is only seen once it arrives: a push on such a connection fails, see `KVConnections`.)"""
+    reader, writer = conn
+    return not writer.is_closing() and not reader.at_eof() and reader.exception() is None
+
+
+async def _push_on(conn: Connection, push: KVPush, stall_s: float, where: str) -> tuple[int, TransferAck]:
+    """Send one transfer's frames on `conn` and read the receiver's ACK: (bytes sent, the ACK). The
+    connection is left open once an ACK was read (the stream is at a transfer's boundary), reset
+    on any other way out (a failure, or the caller cancelled mid-way): buffered data is dropped and
+    the peer told at once, never left to carry a part of a transfer."""
+    reader, writer = conn
     sent, acked = 0, False
     try:
         frames = [
@@ -230,35 +285,185 @@ async def send_kv(
             sent += len(data)
         # The last frames may still sit in buffers on a slow link: allow them 1 Mbps before the ACK.
         body = await read_frame(reader, stall_s + sent * 8 / 1e6, Frame.ACK, MAX_CONTROL)
-        acked = True
         ack = _decode(TransferAck, body, Frame.ACK)
+        acked = True
+        return sent, ack
+    except TimeoutError:
+        raise KVTransferError(f"KV transfer to {where} stalled for {stall_s:.1f}s") from None
+    except (ConnectionError, OSError, ssl.SSLError) as e:
+        raise ConnectionLost(f"KV connection to {where} failed: {e}") from None
+    finally:
+        if not acked:
+            reset(writer)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    try:
+        await asyncio.wait_for(writer.wait_closed(), 1.0)
+    except (TimeoutError, OSError, ssl.SSLError):
+        pass
+
+
+async def send_kv(
+    host: str,
+    port: int,
+    push: KVPush,
+    stall_s: float,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
+    conn: Connection | None = None,
+) -> int:
+    """Push one transfer on a connection of its own and wait for the receiver's ACK; the connection
+    is closed after it (`KVConnections.send` keeps it). Returns the bytes sent. On `conn` (an
+    `EarlyConnection`'s, dialed to the same endpoint) when given, else on a connection dialed now."""
+    conn = conn or await dial(host, port, stall_s, tls, server_name)
+    sent, ack = await _push_on(conn, push, stall_s, f"{host}:{port}")
+    await _close(conn[1])
+    if not ack.ok:
+        raise KVTransferError(f"receiver refused the KV: {ack.error}")
+    return sent
+
+
+@dataclass(eq=False)
+class _Idle:
+    conn: Connection
+    since: float  # when its last transfer's ACK was read (loop time)
+    timer: asyncio.TimerHandle | None = None
+
+
+class KVConnections:
+    """A sender's standing KV connections, per decoder endpoint: a push takes an idle one (no
+    handshake) or dials, and gives it back once its ACK is read. Only idle connections are pooled:
+    one push at a time per connection, so concurrent pushes to a decoder use separate ones.
+
+    At most `max_idle` wait per endpoint (the oldest goes first), each closed cleanly once idle for
+    `idle_s` (well within the receiver's `RECEIVER_IDLE_S`), all of them on `close`. `count(decoder,
+    how)` is called for each `dialed` connection (a TCP and TLS handshake), each `reused` one, and
+    each `stale` one (found ended when taken, or failed under a push: then dialed again)."""
+
+    def __init__(
+        self,
+        stall_s: float,
+        tls: ssl.SSLContext | None = None,
+        max_idle: int = POOL_MAX_IDLE,
+        idle_s: float = POOL_IDLE_S,
+        count: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.stall_s = stall_s
+        self.tls = tls
+        self.max_idle = max_idle
+        self.idle_s = idle_s
+        self.counts: Counter[tuple[str, str]] = Counter()  # (decoder, how) -> n, as `count` is told
+        self._count = count
+        self._idle: dict[Endpoint, list[_Idle]] = {}  # oldest first
+        self._closed = False
+
+    def _counted(self, ep: Endpoint, how: str) -> None:
+        self.counts[(ep.name or str(ep), how)] += 1
+        if self._count is not None:
+            self._count(ep.name or str(ep), how)
+
+    def idle(self, ep: Endpoint | None = None) -> int:
+        """Idle connections (to `ep`, or to every endpoint)."""
+        return sum(len(v) for k, v in self._idle.items() if ep is None or k == ep)
+
+    async def dial(self, ep: Endpoint) -> Connection:
+        conn = await dial(ep.host, ep.port, self.stall_s, self.tls, ep.name)
+        self._counted(ep, "dialed")
+        return conn
+
+    def take(self, ep: Endpoint) -> tuple[Connection, float] | None:
+        """An idle connection to `ep` that is still alive, the most recently used first, and when
+        it went idle; None when there is none (dial one)."""
+        idle = self._idle.get(ep, [])
+        while idle:
+            entry = idle.pop()
+            if entry.timer is not None:
+                entry.timer.cancel()
+            if alive(entry.conn):
+                self._counted(ep, "reused")
+                return entry.conn, entry.since
+            self._counted(ep, "stale")
+            reset(entry.conn[1])
+        self._idle.pop(ep, None)
+        return None
+
+    def put(self, ep: Endpoint, conn: Connection, since: float | None = None) -> None:
+        """Give a connection back, at a transfer boundary (its ACK read, or never written on), idle
+        since `since` (now by default). Closed instead when the pool is closed or full."""
+        loop = asyncio.get_running_loop()
+        since = loop.time() if since is None else since
+        left = since + self.idle_s - loop.time()
+        if self._closed or not alive(conn) or left <= 0:
+            conn[1].close()
+            return
+        idle = self._idle.setdefault(ep, [])
+        entry = _Idle(conn, since)
+        entry.timer = loop.call_later(left, self._expire, ep, entry)
+        idle.append(entry)
+        idle.sort(key=lambda e: e.since)
+        while len(idle) > self.max_idle:
+            self._drop(ep, idle[0])
+
+    def _expire(self, ep: Endpoint, entry: _Idle) -> None:
+        self._drop(ep, entry)
+
+    def _drop(self, ep: Endpoint, entry: _Idle) -> None:
+        idle = self._idle.get(ep, [])
+        if entry in idle:
+            idle.remove(entry)
+            if not idle:
+                del self._idle[ep]
+        if entry.timer is not None:
+            entry.timer.cancel()
+        entry.conn[1].close()  # clean: the receiver sees EOF before a HEADER
+
+    async def send(self, ep: Endpoint, push: KVPush, conn: Connection | None = None, reused: bool = False) -> int:
+        """Push one transfer and wait for the receiver's ACK; returns the bytes sent. On `conn` when
+        given (an `EarlyConnection`'s; `reused`: it came from this pool), else on an idle one, else
+        on one dialed now. A reused connection that fails under the push, closed or reset (the
+        receiver closed it meanwhile, the line cut it), is dropped and the push sent whole again on
+        one fresh dial, which does not count as a retry of the caller's. A stall or a refusal is
+        the caller's failure, as on a new connection. After the ACK the connection goes back idle."""
+        if conn is None:
+            taken = self.take(ep)
+            conn, reused = (taken[0], True) if taken else (await self.dial(ep), False)
+        try:
+            sent, ack = await _push_on(conn, push, self.stall_s, str(ep))
+        except ConnectionLost as e:
+            if not reused:
+                raise
+            self._counted(ep, "stale")
+            log.info("KV connection to %s (%s) was gone (%s): dialing a new one", ep.name, ep, e)
+            conn = await self.dial(ep)
+            sent, ack = await _push_on(conn, push, self.stall_s, str(ep))
+        self.put(ep, conn)
         if not ack.ok:
             raise KVTransferError(f"receiver refused the KV: {ack.error}")
         return sent
-    except TimeoutError:
-        raise KVTransferError(f"KV transfer to {host}:{port} stalled for {stall_s:.1f}s") from None
-    except (ConnectionError, OSError, ssl.SSLError) as e:
-        raise KVTransferError(f"KV connection to {host}:{port} failed: {e}") from None
-    finally:
-        if not acked:  # failed or cancelled mid-way: drop what is still buffered, tell the peer now
-            reset(writer)
-        else:
-            writer.close()
-            try:
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
-            except (TimeoutError, OSError, ssl.SSLError):
-                pass
+
+    async def close(self) -> None:
+        """Close every idle connection (cleanly); any given back later is closed too."""
+        self._closed = True
+        entries = [(ep, e) for ep, idle in self._idle.items() for e in list(idle)]
+        for ep, entry in entries:
+            self._drop(ep, entry)
+        await asyncio.gather(*(_close(e.conn[1]) for _, e in entries))
 
 
 class EarlyConnection:
-    """A KV connection dialed before its KV exists, so that TCP's and TLS's handshakes (two round
-    trips: ~40 ms at 10 ms one way) overlap the prefill rather than delay the first KV byte.
+    """A KV connection readied before its KV exists, so that TCP's and TLS's handshakes (two round
+    trips: ~40 ms at 10 ms one way), when one is needed, overlap the prefill rather than delay the
+    first KV byte. With a `pool`, an idle connection to the endpoint is taken at once (`reused`)
+    instead of dialing.
 
-    The receiver waits `stall_s` for a connection's HEADER, so the connection is handed out
-    (`take`) only within `hold_s` (default `stall_s / 2`) of its creation; past that, or when
-    `close`d unused, it is closed cleanly, which the receiver takes for what it is
-    (`ConnectionUnused`), not a failed transfer. `take` returns None when the dial failed or the
-    connection went unused too long: the push then dials its own, as without one."""
+    The receiver waits `stall_s` for a new connection's first HEADER, so a dialed connection is
+    handed out (`take`) only within `hold_s` (default `stall_s / 2`) of its creation; past that, or
+    when `close`d unused, it is closed cleanly, which the receiver takes for what it is
+    (`ConnectionUnused`), not a failed transfer; a reused one goes back to the pool instead.
+    `take` returns None when the dial failed or the connection went unused too long: the push then
+    takes or dials its own, as without one."""
 
     def __init__(
         self,
@@ -269,11 +474,36 @@ class EarlyConnection:
         server_name: str | None = None,
         spawn: Callable[[Coroutine], asyncio.Task] = asyncio.ensure_future,
         hold_s: float | None = None,
+        pool: KVConnections | None = None,
     ) -> None:
         self._wanted = asyncio.Event()
         self._deadline = asyncio.get_running_loop().time() + (stall_s / 2 if hold_s is None else hold_s)
-        self._task = spawn(self._hold(dial(host, port, stall_s, tls, server_name)))
+        self._pool, self._ep = pool, Endpoint(host, port, server_name)
+        taken = pool.take(self._ep) if pool is not None else None
+        self.reused = taken is not None  # an idle connection from `pool`, not a dial
+        self._since = taken[1] if taken else None
+        if taken:
+            dialing = _ready(taken[0])
+        elif pool is not None:
+            dialing = pool.dial(self._ep)
+        else:
+            dialing = dial(host, port, stall_s, tls, server_name)
+        self._let_go_done = False
+        self._task = spawn(self._hold(dialing))
         self.outcome = ""  # "used", "unused" (expired or closed) or "failed" (the dial), once settled
+        if taken:  # cancelled before it even ran (`close` at once): the pooled connection goes back
+            self._task.add_done_callback(lambda t: t.cancelled() and self._let_go(taken[0]))
+
+    def _let_go(self, conn: Connection) -> None:
+        """Not used: back to the pool if it came from there, else closed cleanly (the receiver sees
+        EOF before a HEADER). Once only."""
+        if self._let_go_done:
+            return
+        self._let_go_done = True
+        if self.reused and self._pool is not None:
+            self._pool.put(self._ep, conn, self._since)
+        else:
+            conn[1].close()
 
     async def _hold(self, dialing: Awaitable[Connection]) -> Connection | None:
         try:
@@ -288,23 +518,23 @@ class EarlyConnection:
             except TimeoutError:
                 pass
             except asyncio.CancelledError:
-                conn[1].close()
+                self._let_go(conn)
                 raise
         if not self._wanted.is_set():
-            conn[1].close()  # clean: the receiver sees EOF before a HEADER
+            self._let_go(conn)
             self.outcome = "unused"
             return None
         self.outcome = "used"
         return conn
 
     async def take(self) -> Connection | None:
-        """The connection for a push now (None: dial one). Once only."""
+        """The connection for a push now (None: take or dial one). Once only."""
         self._wanted.set()
         try:
             return await self._task  # at once unless the dial is still under way
         except asyncio.CancelledError:
             if self._task.done() and not self._task.cancelled() and (conn := self._task.result()) is not None:
-                conn[1].close()  # it was ready just as the push was cancelled: nobody else closes it
+                self._let_go(conn)  # it was ready just as the push was cancelled: nobody else closes it
             if asyncio.current_task().cancelling():
                 raise  # the push was cancelled (its task cancels the dial with it)
             return None  # closed meanwhile
@@ -321,6 +551,10 @@ class EarlyConnection:
         return self._task.done()
 
 
+async def _ready(conn: Connection) -> Connection:
+    return conn
+
+
 class Verdict(IntEnum):
     """What the receiver makes of a header, before reading anything else."""
 
@@ -334,7 +568,8 @@ Vet = Callable[[Transfer], Awaitable[tuple[Verdict, str]]]
 
 
 class KVReceiver:
-    """A TCP listener that hands each complete transfer to `handler` and ACKs its verdict."""
+    """A TCP listener that hands each complete transfer to `handler` and ACKs its verdict, transfer
+    after transfer on each connection (`_serve`)."""
 
     def __init__(
         self,
@@ -344,6 +579,7 @@ class KVReceiver:
         tls: ssl.SSLContext | None = None,
         layer_bytes: Callable[[Transfer], int] = lambda t: t.head.kv.layer_bytes,
         max_per_peer: int = 16,
+        idle_s: float = RECEIVER_IDLE_S,
     ) -> None:
         self.handler = handler
         self.stall_s = stall_s
@@ -351,11 +587,14 @@ class KVReceiver:
         self.tls = tls  # with it, only a peer whose certificate says OU=prefill is served
         self.layer_bytes = layer_bytes
         self.max_per_peer = max_per_peer
+        self.idle_s = idle_s  # a standing connection's wait for its next HEADER
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
         self.refused = 0  # transfers cut before or while reading: bad peer, header, token or frame
+        self.transfers = 0  # transfers read whole (and answered with an ACK)
         self._receiving: dict[str, asyncio.StreamWriter] = {}  # request id -> its connection, mid-transfer
         self._per_peer: Counter[str] = Counter()
+        self._idle: dict[str, list[asyncio.StreamWriter]] = {}  # peer -> its connections between transfers
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         handshake = {"ssl": self.tls, "ssl_handshake_timeout": self.stall_s} if self.tls else {}
@@ -364,8 +603,12 @@ class KVReceiver:
         return self.port
 
     async def stop(self) -> None:
+        """No new connection; the standing ones between transfers are closed (cleanly)."""
         if self.server is not None:
             self.server.close()
+        for idle in list(self._idle.values()):
+            for writer in list(idle):
+                writer.close()
 
     def cancel(self, request_id: str) -> bool:
         """Cut the request's transfer if one is arriving (it was aborted): True if one was."""
@@ -375,29 +618,64 @@ class KVReceiver:
         return writer is not None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection: its transfers one after another, each read whole and ACKed before the
+        next HEADER is read, each vetted on its own. Ends when the sender closes it, on the first
+        transfer refused (reset), or after `idle_s` without a next transfer (closed)."""
         peer = str((writer.get_extra_info("peername") or ("?",))[0])
         self._per_peer[peer] += 1
         try:
-            if self._per_peer[peer] > self.max_per_peer:
+            if self._per_peer[peer] > self.max_per_peer and not self._evict_idle(peer):
                 self._refuse(writer, None, peer, f"more than {self.max_per_peer} connections from {peer}")
                 return
-            await self._receive(reader, writer, peer)
+            first = True
+            while await self._receive(reader, writer, peer, first):
+                first = False
         finally:
             self._per_peer[peer] -= 1
             if not self._per_peer[peer]:
                 del self._per_peer[peer]
 
-    async def _receive(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+    def _evict_idle(self, peer: str) -> bool:
+        """At the cap of connections from `peer`: close its longest idle one to make room (its sender
+        finds it closed and dials again when it needs one). False when none is idle."""
+        idle = self._idle.get(peer)
+        if not idle:
+            return False
+        idle[0].close()
+        self._set_idle(peer, idle[0], False)
+        return True
+
+    def _set_idle(self, peer: str, writer: asyncio.StreamWriter, idle: bool) -> None:
+        conns = self._idle.setdefault(peer, [])
+        if idle:
+            conns.append(writer)
+        elif writer in conns:
+            conns.remove(writer)
+        if not conns:
+            del self._idle[peer]
+
+    async def _receive(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, first: bool
+    ) -> bool:
+        """One transfer on the connection; True when it was ACKed and the connection may carry the
+        next. The first HEADER must come within `stall_s`, a later one within `idle_s`."""
         transfer = None
         try:
             if self.tls is not None and peer_unit(writer.get_extra_info("peercert")) != Role.PREFILL:
                 raise KVTransferError("the peer's certificate is not a prefill instance's")
+            if not first:
+                self._set_idle(peer, writer, True)
             try:
-                head = await read_frame(reader, self.stall_s, Frame.HEADER, MAX_HEADER)
-            except ConnectionUnused:
-                log.debug("an unused KV connection from %s closed", peer)
+                head = await read_frame(
+                    reader, self.stall_s, Frame.HEADER, MAX_HEADER, idle_s=None if first else self.idle_s
+                )
+            except (ConnectionUnused, ConnectionIdle) as e:
+                log.debug("a%s KV connection from %s closed: %s", "n unused" if first else " standing", peer, e)
                 writer.close()
-                return
+                return False
+            finally:
+                if not first:
+                    self._set_idle(peer, writer, False)
             transfer = Transfer(_decode(TransferHead, head, Frame.HEADER), wire_bytes=len(head) + _LEN.size)
             verdict, why = await self.vet(transfer) if self.vet is not None else (Verdict.RECEIVE, "")
             if verdict == Verdict.REFUSE:
@@ -406,27 +684,26 @@ class KVReceiver:
             # HAVE_IT (a retried push whose first attempt landed): read to the end, checked and not kept, then
             # ACK. Closing on unread data would reset the socket, and the sender, still sending, lose its ACK.
             await self._receive_body(reader, transfer, keep=verdict == Verdict.RECEIVE)
-            if verdict == Verdict.HAVE_IT:
-                writer.write(packed(Frame.ACK, TransferAck()))
-                writer.close()
-                return
         except (KVTransferError, ConnectionError, ssl.SSLError) as e:
             self._refuse(writer, transfer, peer, str(e))
-            return
+            return False
         finally:
             if transfer is not None and self._receiving.get(transfer.request_id) is writer:
                 del self._receiving[transfer.request_id]
-        try:
-            error = await self.handler(transfer)
-        except Exception as e:  # the handler's failure is the sender's answer, not a crash
-            error = f"{type(e).__name__}: {e}"
+        error = ""
+        if verdict == Verdict.RECEIVE:
+            try:
+                error = await self.handler(transfer)
+            except Exception as e:  # the handler's failure is the sender's answer, not a crash
+                error = f"{type(e).__name__}: {e}"
+        self.transfers += 1
         try:
             writer.write(packed(Frame.ACK, TransferAck(ok=not error, error=error)))
             await asyncio.wait_for(writer.drain(), self.stall_s)
         except (TimeoutError, OSError, ssl.SSLError):
-            pass
-        finally:
             writer.close()
+            return False
+        return True
 
     async def _receive_body(self, reader: asyncio.StreamReader, t: Transfer, keep: bool = True) -> None:
         size = self.layer_bytes(t)

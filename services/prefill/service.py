@@ -3,15 +3,18 @@
 Lifecycle of a request here:
 1. PrefillTask from the scheduler (idempotent by request id) -> acked, queued in the engine as
    a sequence that samples one token and keeps its blocks (`hold_kv`). The KV connection to a
-   target across the WAN is dialed now (`EarlyConnection`): its TCP and TLS handshakes overlap
-   the prefill instead of delaying the first KV byte.
+   target across the WAN is readied now (`EarlyConnection`): a standing one from the idle pool
+   when there is one, else dialed, its TCP and TLS handshakes overlapping the prefill instead of
+   delaying the first KV byte.
 2. The engine prefills it, chunked and batched with other prompts, and samples the first token,
    which goes to the gateway at once (index 0; `first_token: prefill`, the default).
 3. On the engine thread, the KV each target lacks ([target.start, prompt_len)) is exported and
    the blocks are released at once: transfers never pin the pool.
 4. The KV is pushed to every target concurrently (a relay-decoder in-DC, main-decode through
    the WAN link); neither path waits for the other. DONE carries the first token and the
-   prefill timings.
+   prefill timings. Each push runs on a standing connection to its decoder (`KVConnections`:
+   taken idle, or dialed), which goes back to the pool once the decoder ACKed: the next push
+   to that decoder pays no handshake.
 5. A dropped or stalled push is retried (`kv_retries`). If main-decode's copy still cannot be
    delivered while the relay has its own, the relay is told to finish the request and
    main-decode to drop it: the user's stream goes on. Any other failure sends an error to the
@@ -33,7 +36,15 @@ from dataclasses import dataclass, field
 from services.prefill.warm import AnswerWarmer
 from shared import subjects
 from shared.instance import InstanceService, service_main
-from shared.kv_transport import EarlyConnection, FirstToken, KVPush, KVTransferError, TransferHead, send_kv
+from shared.kv_transport import (
+    EarlyConnection,
+    Endpoint,
+    FirstToken,
+    KVConnections,
+    KVPush,
+    KVTransferError,
+    TransferHead,
+)
 from shared.messages import (
     Abort,
     Ack,
@@ -59,9 +70,10 @@ from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
-# KV connections across the WAN are dialed when the task arrives (`EarlyConnection`): the TCP and
-# TLS handshakes then overlap the prefill. At most this many wait unused per decoder at once, well
-# under the receiver's cap on connections per peer; later tasks dial when their KV is ready.
+# KV connections across the WAN are readied when the task arrives (`EarlyConnection`: an idle one
+# from the pool, else dialed, its TCP and TLS handshakes then overlapping the prefill). At most this
+# many wait unused per decoder at once, well under the receiver's cap on connections per peer;
+# later tasks take or dial one when their KV is ready.
 EARLY_CONNECTIONS_PER_DECODER = 4
 
 
@@ -85,11 +97,20 @@ class Prefiller(InstanceService):
         self.seen = RecentIds()  # transfer secrets of copies taken or dropped: each copy is taken once
         self.warmer: AnswerWarmer | None = None
         self._tls = None
+        self.kv_pool: KVConnections | None = None  # standing KV connections, per decoder
         self.kv_seconds = self.metrics.histogram(
             "pdd:kv_transfer_seconds", "KV pushes, KV ready to ACK, by path", labels=("path",)
         )
         self.early_connections = self.metrics.counter(
-            "pdd:kv_early_connections", "KV connections dialed as the task came, by outcome", ("outcome",)
+            "pdd:kv_early_connections",
+            "KV connections readied (taken idle or dialed) as the task came, by outcome",
+            ("outcome",),
+        )
+        self.kv_connections = self.metrics.counter(
+            "pdd:kv_connections",
+            "KV connections per decoder: dialed (a TCP + TLS handshake), reused (a standing one taken "
+            "idle: no handshake), stale (a standing one found closed, or failed under a push, and dropped)",
+            ("decoder", "how"),
         )
         self.kv_bytes = self.metrics.counter("pdd:kv_transfer_bytes", "KV bytes pushed, by path", ("path",))
         self.kv_failures = self.metrics.counter("pdd:kv_transfer_failures", "KV push attempts that failed", ("path",))
@@ -100,6 +121,11 @@ class Prefiller(InstanceService):
     async def serve(self) -> None:
         secrets = Secrets.of(self.cfg)
         self._tls = secrets.kv_client_context(self.inst.id) if secrets else None  # mutual TLS on the KV plane
+        self.kv_pool = KVConnections(
+            self.cfg.timeouts.kv_stall_s,
+            self._tls,
+            count=lambda decoder, how: self.kv_connections.labels(decoder=decoder, how=how).inc(),
+        )
         await self.bus.serve(subjects.prefill_task(self.inst.id), PrefillTask, self.on_task)
         # The scheduler took this instance for dead (no ack in time) and planned the request again
         # elsewhere under the same id: let go of it, and refuse its task if that comes later. Not the
@@ -110,6 +136,11 @@ class Prefiller(InstanceService):
         )
         self.spawn(self.warmer.run())
         await self.bus.serve(subjects.prefill_warm(self.inst.id), Warm, self.on_warm)
+
+    async def shutdown(self) -> None:
+        await super().shutdown()  # pushes under way are cancelled (their connections reset) first
+        if self.kv_pool is not None:
+            await self.kv_pool.close()
 
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
@@ -165,7 +196,8 @@ class Prefiller(InstanceService):
         return Ack(rid)
 
     def _dial_early(self, state: PrefillState) -> None:
-        """Open the WAN targets' KV connections now, while the prompt waits and prefills."""
+        """Ready the WAN targets' KV connections now (idle ones, or dialed while the prompt waits and
+        prefills)."""
         for t in state.task.targets:
             waiting = sum(
                 1 for s in self.requests.values() if (e := s.early.get(t.instance_id)) is not None and not e.settled
@@ -173,7 +205,7 @@ class Prefiller(InstanceService):
             if t.wan and waiting < EARLY_CONNECTIONS_PER_DECODER:
                 stall_s = self.cfg.timeouts.kv_stall_s
                 state.early[t.instance_id] = EarlyConnection(
-                    t.host, t.port, stall_s, self._tls, t.instance_id, spawn=self.spawn
+                    t.host, t.port, stall_s, self._tls, t.instance_id, spawn=self.spawn, pool=self.kv_pool
                 )
 
     def _settle_early(self, state: PrefillState) -> None:
@@ -271,8 +303,9 @@ class Prefiller(InstanceService):
     async def _send(
         self, target: KVTarget, rid: str, payload: KVPayload, first: FirstToken, early: EarlyConnection | None
     ) -> int:
-        """Push one target's KV (the first try on its early connection, if one is ready); a dropped
-        or stalled connection is retried from the start on a new one."""
+        """Push one target's KV (the first try on its early connection, if one is ready; else on a
+        standing one, or dialed); a dropped or stalled connection is retried from the start on a new
+        one (a standing connection found dead costs one redial, not a retry: `KVConnections.send`)."""
         layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v, target.wire) for k, v in payload.layers])
         head = TransferHead(
             request_id=rid,
@@ -282,15 +315,14 @@ class Prefiller(InstanceService):
             wan=target.wan,
         )
         push = KVPush(head, layers, first)
+        endpoint = Endpoint(target.host, target.port, target.instance_id)
         t = self.cfg.timeouts
         path = "wan" if target.wan else "in_dc"
         for attempt in range(t.kv_retries + 1):
             t0 = time.perf_counter()
             try:
                 conn = await early.take() if early is not None and attempt == 0 else None
-                sent = await send_kv(
-                    target.host, target.port, push, t.kv_stall_s, self._tls, target.instance_id, conn=conn
-                )
+                sent = await self.kv_pool.send(endpoint, push, conn, reused=conn is not None and early.reused)
                 self.kv_seconds.labels(path=path).observe(time.perf_counter() - t0)
                 self.kv_bytes.labels(path=path).inc(sent)
                 log.info(

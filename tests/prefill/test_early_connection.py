@@ -2,7 +2,9 @@
 hand (`ManualWorker`, so the KV is ready only when the test says) and a real KV receiver on
 loopback: the connection is open before any prefill step, the push then uses it (one
 connection in all), an abort closes it at once without a refusal on the receiver, in-DC targets
-are not dialed early, and at most `EARLY_CONNECTIONS_PER_DECODER` wait per decoder."""
+are not dialed early, and at most `EARLY_CONNECTIONS_PER_DECODER` wait per decoder. After a push
+its connection stands idle (`KVConnections`): the next request's early connection is that one,
+no second dial; shutdown closes it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from services.prefill.service import EARLY_CONNECTIONS_PER_DECODER, Prefiller
 from shared import subjects
 from shared.config import config_from_dict
-from shared.kv_transport import KVReceiver, Transfer
+from shared.kv_transport import KVReceiver, Transfer, alive
 from shared.messages import Abort, Ack, KVTarget, Plan, PrefillTask, Sampling
 from tests.decoder.harness import CONFIG, engine, idle
 from tests.fakes import InMemoryNats, ManualWorker
@@ -42,6 +44,11 @@ class Receiver(KVReceiver):
     def open(self) -> int:
         return sum(self._per_peer.values())
 
+    @property
+    def idle(self) -> int:
+        """Connections between transfers, waiting for the next HEADER."""
+        return sum(len(v) for v in self._idle.values())
+
 
 class Rig:
     def __init__(self, service: Prefiller, worker: ManualWorker, rx: Receiver) -> None:
@@ -67,11 +74,21 @@ class Rig:
         labels = {**self.service.metrics.constant, "outcome": outcome}
         return self.service.metrics.registry.get_sample_value("pdd:kv_early_connections_total", labels) or 0.0
 
+    def connections(self, how: str, decoder: str = "md-0") -> float:
+        """prefill's `pdd:kv_connections_total{decoder, how}`: dialed, reused or stale."""
+        labels = {**self.service.metrics.constant, "decoder": decoder, "how": how}
+        return self.service.metrics.registry.get_sample_value("pdd:kv_connections_total", labels) or 0.0
+
     async def settled(self) -> None:
-        """No request, task or connection left on either side."""
+        """No request or task left on either side; the only connections left are standing idle
+        ones, as many on each side."""
         service = self.service
         await until(lambda: not service.held_requests() and self.task_names() == self.baseline, DEADLINE_S, "no task")
-        await until(lambda: not self.rx.open, DEADLINE_S, "the receiver's connections to close")
+        await until(
+            lambda: self.rx.open == self.rx.idle == service.kv_pool.idle(),
+            DEADLINE_S,
+            "every connection to close or stand idle",
+        )
         assert await self.worker.call(idle)
 
 
@@ -140,6 +157,45 @@ async def test_main_decodes_connection_is_open_before_prefill_and_carries_the_pu
     assert rig.rx.accepted == 1  # the push went on the early connection
     await rig.settled()
     assert (rig.early("used"), rig.early("unused")) == (1, 0) and rig.rx.refused == 0
+    assert rig.rx.idle == 1 and rig.service.kv_pool.idle() == 1  # it stands, for the next push
+
+
+async def test_the_next_request_pushes_on_the_standing_connection_without_a_handshake(rig):
+    """Two requests in a row to main-decode: the second's early connection is the first's, taken
+    idle (no dial, no TCP or TLS handshake), and both transfers arrive on it whole, in order."""
+    for i, rid in enumerate(("r1", "r2")):
+        await rig.submit(rig.task(rid))
+        assert rig.worker.step()
+        await until(lambda i=i: len(rig.rx.got) == i + 1, DEADLINE_S, f"the KV of {rid} to arrive")
+        await rig.settled()
+    assert [(t.request_id, t.head.secret) for t in rig.rx.got] == [("r1", "md-r1"), ("r2", "md-r2")]
+    assert rig.rx.accepted == 1 and rig.rx.transfers == 2  # one connection carried both
+    assert (rig.connections("dialed"), rig.connections("reused"), rig.connections("stale")) == (1, 1, 0)
+    assert rig.early("used") == 2 and rig.rx.refused == 0
+    await rig.service.shutdown()  # closes the standing connection, cleanly: no refusal
+    await until(lambda: not rig.rx.open, DEADLINE_S, "the receiver to see it closed")
+    assert rig.rx.refused == 0
+
+
+async def test_a_standing_connection_the_decoder_closed_is_dialed_again(rig):
+    """main-decode ends the idle connection (its idle time passed, or it restarted): prefill finds
+    it closed when the next task comes, drops it, and dials."""
+    await rig.submit(rig.task("r1"))
+    assert rig.worker.step()
+    await until(lambda: rig.rx.got, DEADLINE_S, "the KV of r1 to arrive")
+    await rig.settled()
+    await rig.rx.stop()  # closes its idle connections
+    await until(lambda: not rig.rx.open, DEADLINE_S, "the receiver to close it")
+    rig.rx.server = None
+    await rig.rx.start(port=rig.rx.port)  # serving again on the same port
+    [standing] = rig.service.kv_pool._idle.values()
+    await until(lambda: not alive(standing[0].conn), DEADLINE_S, "prefill's end of it to see the close")
+    await rig.submit(rig.task("r2"))  # its early connection: the standing one is dead, dropped; dialed
+    assert rig.worker.step()
+    await until(lambda: len(rig.rx.got) == 2, DEADLINE_S, "the KV of r2 to arrive")
+    await rig.settled()
+    assert (rig.connections("dialed"), rig.connections("reused"), rig.connections("stale")) == (2, 0, 1)
+    assert rig.rx.accepted == 2 and rig.rx.refused == 0 and rig.early("used") == 2
 
 
 async def test_an_abort_before_the_kv_closes_the_early_connection_quietly(rig):
@@ -163,5 +219,8 @@ async def test_only_wan_targets_dial_early_and_at_most_a_few_per_decoder(rig):
         rig.worker.step()
         await until(lambda: rig.task_names() == rig.baseline or len(rig.rx.got) == 2 * n, DEADLINE_S, "the pushes")
     await rig.settled()
-    assert rig.rx.accepted == 2 * n  # one connection per push: the early ones carried theirs
+    # one connection per push at a time (the early ones carried theirs), dialed or standing idle
+    dialed = rig.connections("dialed", "md-0") + rig.connections("dialed", "rld-0")
+    reused = rig.connections("reused", "md-0") + rig.connections("reused", "rld-0")
+    assert rig.rx.accepted == dialed and dialed + reused == 2 * n and rig.rx.transfers == 2 * n
     assert rig.early("used") == EARLY_CONNECTIONS_PER_DECODER and rig.rx.refused == 0
