@@ -43,6 +43,7 @@ is read, so a push is never taken for delivered on a dead connection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import ssl
@@ -483,11 +484,11 @@ class EarlyConnection:
         self.reused = taken is not None  # an idle connection from `pool`, not a dial
         self._since = taken[1] if taken else None
         if taken:
-            dialing = _ready(taken[0])
+            dialing = functools.partial(_ready, taken[0])
         elif pool is not None:
-            dialing = pool.dial(self._ep)
+            dialing = functools.partial(pool.dial, self._ep)
         else:
-            dialing = dial(host, port, stall_s, tls, server_name)
+            dialing = functools.partial(dial, host, port, stall_s, tls, server_name)
         self._let_go_done = False
         self._task = spawn(self._hold(dialing))
         self.outcome = ""  # "used", "unused" (expired or closed) or "failed" (the dial), once settled
@@ -505,9 +506,9 @@ class EarlyConnection:
         else:
             conn[1].close()
 
-    async def _hold(self, dialing: Awaitable[Connection]) -> Connection | None:
+    async def _hold(self, dialing: Callable[[], Awaitable[Connection]]) -> Connection | None:
         try:
-            conn = await dialing
+            conn = await dialing()
         except KVTransferError:
             self.outcome = "failed"
             return None
