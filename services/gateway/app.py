@@ -62,7 +62,7 @@ def create_app(gw: Gateway) -> FastAPI:
         headers = {"X-Request-Id": request.state.request_id} if hasattr(request.state, "request_id") else {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
-        return JSONResponse(e.to_json(), status_code=e.status, headers=headers)
+        return JSONResponse(e.to_json(i.id for i in gw.cfg.instances), status_code=e.status, headers=headers)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -225,7 +225,7 @@ async def _sse(gw: Gateway, flow: RequestFlow) -> AsyncIterator[bytes]:
             yield responses.event(responses.usage_chunk(flow, gw.served_model))
     except StreamError as e:
         flow.error = str(e)
-        yield responses.event(APIError(500, str(e), type="server_error").to_json())
+        yield responses.event(APIError(500, str(e), type="server_error").to_json(i.id for i in gw.cfg.instances))
     finally:
         await gw.release(flow)
     yield b"data: [DONE]\n\n"

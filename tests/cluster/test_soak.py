@@ -125,6 +125,7 @@ def test_a_full_stage_answers_429_at_once_and_holds_no_more(fleet, fleet_operato
     for r in rejected:
         error = json.loads(r["error"])["error"]
         assert r["retry_after"] and error["type"] == "rate_limit_error" and "full" in error["message"]
+        assert not any(i.id in error["message"] for i in fleet.cfg.instances), error  # names no instance
     for prompt, r in ok:
         assert not r["error"]
         assert r["text"] == reference(smol_tokenizer(prompt)["input_ids"], 16, ignore_eos=True, draft=r["text"])

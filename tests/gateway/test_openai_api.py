@@ -209,6 +209,17 @@ def test_a_server_error_names_no_internal_host_or_port():
     assert APIError(400, "'max_tokens' must be >= 1, got 0").to_json()["error"]["message"].endswith("got 0")
 
 
+def test_an_error_names_no_instance_to_a_client():
+    ids = ["md-1", "md-10", "prefill-0"]
+    full = APIError(429, "every md instance is full (md-1, md-10)", type="rate_limit_error").to_json(ids)
+    assert full["error"]["message"] == "every md instance is full (<instance>, <instance>)"
+    gone = APIError(503, "no alive md instance but md-1, which failed this request").to_json(ids)
+    assert gone["error"]["message"] == "no alive md instance but <instance>, which failed this request"
+    moved = APIError(500, "could not move the request after ['prefill-0'] failed").to_json(ids)
+    assert moved["error"]["message"] == "could not move the request after ['<instance>'] failed"
+    assert APIError(400, "'md-1x' is not a model").to_json(ids)["error"]["message"] == "'md-1x' is not a model"
+
+
 def test_unknown_model_is_404():
     e = error_of(completion, {"prompt": "x", "model": "gpt-4"})
     assert (e.status, e.param, e.type, e.code) == (404, "model", "not_found_error", "model_not_found")
