@@ -135,6 +135,7 @@ def _front_door(gw: Gateway, request: Request) -> Key:
     request.state.request_id = given if REQUEST_ID.fullmatch(given) and given not in gw.inflight else ""
     key = gw.keys.authenticate(request.headers.get("authorization"))
     gw.check_capacity()
+    gw.keys.check(key)  # the key's own limits, before its body costs any parsing
     return key
 
 

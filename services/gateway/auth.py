@@ -96,6 +96,17 @@ class KeyRing:
         if key is OPEN:
             return
         now = time.monotonic() if now is None else now
+        self.check(key, prompt_tokens, now)
+        self._usage[key.sha256].in_flight += 1
+        self.count_tokens(key, prompt_tokens, now)
+
+    def check(self, key: Key, prompt_tokens: int = 0, now: float | None = None) -> None:
+        """429 with Retry-After when the key has no room for a request of `prompt_tokens`; counts
+        nothing. The front door asks with 0 before it reads or tokenizes a body: a key at its
+        limit costs the gateway no parsing."""
+        if key is OPEN:
+            return
+        now = time.monotonic() if now is None else now
         use = self._usage[key.sha256]
         if key.max_concurrent and use.in_flight >= key.max_concurrent:
             raise APIError(
@@ -115,8 +126,6 @@ class KeyRing:
                     code="tokens_per_minute",
                     retry_after=_retry_after(use, now, used + prompt_tokens - key.tokens_per_minute),
                 )
-        use.in_flight += 1
-        self.count_tokens(key, prompt_tokens, now)
 
     def count_tokens(self, key: Key, n: int, now: float | None = None) -> None:
         """Tokens into the key's window (kept only for keys with a token limit, and only a minute)."""

@@ -380,3 +380,7 @@ def test_a_key_past_its_limit_gets_429_with_retry_after_from_the_routes(tmp_path
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "concurrency_limit" and r.json()["error"]["type"] == "rate_limit_error"
     assert c.post("/v1/completions", json={"prompt": "hi"}, headers=bearer(USER2)).status_code == 503  # bob goes on
+    # the key's limit is checked before its body is read or tokenized: a body that would be a 400
+    # (or cost a 4 MB tokenization) is a 429 while the key is full (it was a 400: parsed first)
+    bad = {"content": b'{"prompt": ', "headers": {**bearer(USER), "content-type": "application/json"}}
+    assert c.post("/v1/completions", **bad).json()["error"]["code"] == "concurrency_limit"
