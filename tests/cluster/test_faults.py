@@ -37,11 +37,21 @@ def _unused_early_connections(cluster) -> int:
     return int(float(found.group(1))) if found else 0
 
 
+def _reused_connections(cluster) -> int:
+    """prefill-0's standing KV connections to md-0 taken idle (no dial: the line does not see them)."""
+    port = cluster.cfg.instance("prefill-0").metrics_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    found = re.search(r'^pdd:kv_connections_total\{[^}]*decoder="md-0"[^}]*how="reused"[^}]*\} (\S+)$', text, re.M)
+    return int(float(found.group(1))) if found else 0
+
+
 def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 15.0) -> tuple[str, dict, int]:
     """Run a request with a slow line and inject `fault` on md-0's KV forward once its KV is on
-    the wire. Returns (text, pdd, connections the line accepted for md-0's KV pushes meanwhile)."""
+    the wire. Returns (text, pdd, KV pushes to md-0 meanwhile: connections the line accepted for them,
+    and standing ones they took)."""
     result: dict = {}
     accepted, unused = operator.wan().accepted.get("md-0", 0), _unused_early_connections(cluster)
+    reused = _reused_connections(cluster)
     before = operator.line_bytes("md-0")
     try:
         operator.wan(bandwidth_mbps=mbps)
@@ -57,7 +67,8 @@ def _during_transfer(cluster, operator, body: dict, fault: dict, mbps: float = 1
         operator.wan(forward="md-0", down=False)
     text, pdd, _ = result["out"]
     unused = _unused_early_connections(cluster) - unused
-    return text, pdd, operator.wan().accepted.get("md-0", 0) - accepted - unused
+    reused = _reused_connections(cluster) - reused
+    return text, pdd, operator.wan().accepted.get("md-0", 0) - accepted - unused + reused
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
