@@ -31,7 +31,9 @@ from pdd.servers import EmbeddedServer, free_port
 from services.wanlink.link import Forward, WanLink
 from shared.bus import Bus
 from shared.config import WanConfig, load_config
-from shared.kv_transport import EarlyConnection, FirstToken, KVPush, KVReceiver, Transfer, TransferHead, send_kv
+from shared.kv_receive import KVReceiver
+from shared.kv_send import EarlyConnection, KVPush, send_kv
+from shared.kv_transport import FirstToken, Transfer, TransferHead
 from shared.messages import Ack, HandoffChunk, Sampling
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import export_kv, import_layer, layer_from_bytes, layer_to_bytes

@@ -34,7 +34,8 @@ from collections import deque
 from shared import failpoints, subjects
 from shared.decode_state import DecodeRequest, End, Phase
 from shared.instance import InstanceFigures, InstanceService
-from shared.kv_transport import KVReceiver, Transfer, Verdict
+from shared.kv_receive import KVReceiver, Verdict
+from shared.kv_transport import Transfer
 from shared.messages import Abort, Ack, DecodeTask, Drop, Resend, Resent, TokenChunk, WanSample
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds

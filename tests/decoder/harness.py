@@ -19,7 +19,8 @@ from services.rld.service import RelayDecoder
 from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
-from shared.kv_transport import FirstToken, Transfer, TransferHead, Verdict
+from shared.kv_receive import Verdict
+from shared.kv_transport import FirstToken, Transfer, TransferHead
 from shared.messages import Ack, DecodeTask, Logprob, Plan, RequestStats, Sampling, TokenChunk
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import export_kv, layer_to_bytes

@@ -15,7 +15,9 @@ import pytest
 from services.prefill.service import EARLY_CONNECTIONS_PER_DECODER, Prefiller
 from shared import subjects
 from shared.config import config_from_dict
-from shared.kv_transport import KVReceiver, Transfer, alive
+from shared.kv_receive import KVReceiver
+from shared.kv_send import alive
+from shared.kv_transport import Transfer
 from shared.messages import Abort, Ack, KVTarget, Plan, PrefillTask, Sampling
 from tests.decoder.harness import CONFIG, engine, idle
 from tests.fakes import InMemoryNats, ManualWorker

@@ -18,19 +18,8 @@ import pytest
 from pdd.certs import make_secrets
 from services.wanlink import Forward, WanLink
 from shared.config import WanConfig, config_from_dict
-from shared.kv_transport import (
-    EarlyConnection,
-    Endpoint,
-    Frame,
-    KVConnections,
-    KVTransferError,
-    TransferAck,
-    alive,
-    frame,
-    packed,
-    reset,
-    send_kv,
-)
+from shared.kv_send import EarlyConnection, Endpoint, KVConnections, alive, send_kv
+from shared.kv_transport import Frame, KVTransferError, TransferAck, frame, packed, reset
 from shared.messages import WanControl
 from shared.security import Secrets
 from tests.helpers import until
@@ -49,8 +38,10 @@ def secrets(tmp_path_factory) -> Secrets:
 
 @pytest.fixture
 def refusals(caplog):
-    caplog.set_level(logging.WARNING, logger="shared.kv_transport")
-    return lambda: [r.getMessage() for r in caplog.records if r.name == "shared.kv_transport"]
+    caplog.set_level(logging.WARNING, logger="shared")
+    return lambda: [
+        r.getMessage() for r in caplog.records if r.name.startswith("shared.kv_")
+    ]  # the KV plane: kv_send, kv_receive
 
 
 class Side:

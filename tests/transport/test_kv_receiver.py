@@ -19,23 +19,21 @@ import pytest
 
 from pdd.certs import make_secrets
 from shared.config import config_from_dict
+from shared.kv_receive import KVReceiver, Verdict
+from shared.kv_send import KVPush, send_kv
 from shared.kv_transport import (
     CONTROL_BODY_S,
     MAX_CONTROL,
     MAX_HEADER,
     FirstToken,
     Frame,
-    KVPush,
-    KVReceiver,
     KVTransferError,
     Transfer,
     TransferAck,
     TransferHead,
-    Verdict,
     frame,
     packed,
     read_frame,
-    send_kv,
 )
 from shared.messages import RequestStats
 from shared.model_info import WireFormat
@@ -96,8 +94,10 @@ async def rig():
 @pytest.fixture
 def refusals(caplog):
     """The receiver's refusal log lines so far."""
-    caplog.set_level(logging.WARNING, logger="shared.kv_transport")
-    return lambda: [r.getMessage() for r in caplog.records if r.name == "shared.kv_transport"]
+    caplog.set_level(logging.WARNING, logger="shared")
+    return lambda: [
+        r.getMessage() for r in caplog.records if r.name.startswith("shared.kv_")
+    ]  # the KV plane: kv_send, kv_receive
 
 
 def head(request_id: str = "req-1", secret: str = SECRET, kv: KVHeader = KV, sender: str = "prefill-0") -> TransferHead:

@@ -11,7 +11,8 @@ import logging
 import pytest
 
 from pdd.servers import free_port
-from shared.kv_transport import EarlyConnection, KVReceiver, send_kv
+from shared.kv_receive import KVReceiver
+from shared.kv_send import EarlyConnection, send_kv
 from shared.messages import WanControl
 from tests.wanlink.conftest import until
 from tests.wanlink.test_tls import push, receiver
@@ -19,8 +20,10 @@ from tests.wanlink.test_tls import push, receiver
 
 @pytest.fixture
 def refusals(caplog):
-    caplog.set_level(logging.WARNING, logger="shared.kv_transport")
-    return lambda: [r.getMessage() for r in caplog.records if r.name == "shared.kv_transport"]
+    caplog.set_level(logging.WARNING, logger="shared")
+    return lambda: [
+        r.getMessage() for r in caplog.records if r.name.startswith("shared.kv_")
+    ]  # the KV plane: kv_send, kv_receive
 
 
 def connections(link) -> int:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv_transport import FirstToken, KVPush, KVReceiver, KVTransferError, Transfer, TransferHead, send_kv
+from shared.kv_receive import KVReceiver
+from shared.kv_send import KVPush, send_kv
+from shared.kv_transport import FirstToken, KVTransferError, Transfer, TransferHead
 from shared.messages import RequestStats, WanControl
 from shared.runtime.kv_payload import KVHeader
 from tests.wanlink.conftest import Tap, until
