@@ -180,10 +180,11 @@ def browser(tmp_path_factory):
     b.close()
 
 
-def _drawn(request_id: str) -> str:
-    """JS: what the waterfall of `request_id` shows, read back from its SVG (null until drawn)."""
+def _drawn(request_id: str, outcome: str = "finished") -> str:
+    """JS: what the waterfall of `request_id` shows, read back from its SVG (null until it is drawn
+    from the request in state `outcome`: a drawing made while it ran may still be on the page)."""
     return f"""(() => {{
-      const svg = document.querySelector('#waterfall svg[data-request-id="{request_id}"]');
+      const svg = document.querySelector('#waterfall svg[data-request-id="{request_id}"][data-outcome="{outcome}"]');
       if (!svg) return null;
       const num = (el, a) => parseFloat(el.getAttribute(a));
       const bars = {{}};

@@ -8,7 +8,7 @@ const ROW_LABELS = {
   queue: 'queue', prefill: 'prefill', kv_local: 'KV in-DC (A)', kv_wan: 'KV over the WAN',
   relay: 'relay tokens', handoff: 'handoff chunks', extend: 'extend', main: 'main-decode tokens', end: 'end',
 };
-const view = { selected: null, waterfall: null, polls: 0 };
+const view = { selected: null, waterfall: null, polls: 0, asked: 0 };
 
 function el(tag, attrs = {}, ...children) {
   const node = tag.startsWith('svg:') ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
@@ -113,9 +113,10 @@ async function select(id) {
 
 async function refreshWaterfall() {
   const id = view.selected;
+  const asked = ++view.asked; // answers may come back out of order: only the newest is drawn
   try {
     const w = await getJSON(`/dashboard/api/requests/${encodeURIComponent(id)}`);
-    if (id === view.selected) {
+    if (id === view.selected && asked === view.asked) {
       view.waterfall = w;
       drawWaterfall(w);
     }
@@ -139,7 +140,7 @@ function drawWaterfall(w) {
   const ends = [w.end_ms, w.ttft_ms, ...w.bars.map((b) => b.start_ms + b.dur_ms), ...Object.values(w.ticks).flat()];
   const span = Math.max(1, ...ends) * 1.02;
   const x = (t) => left + ((W - left - right) * t) / span;
-  const svg = el('svg:svg', { viewBox: `0 0 ${W} ${H}`, 'data-request-id': w.request.id, 'data-span-ms': span });
+  const svg = el('svg:svg', { viewBox: `0 0 ${W} ${H}`, 'data-request-id': w.request.id, 'data-outcome': w.request.outcome, 'data-span-ms': span });
   const hatch = el('svg:pattern', { id: 'hatch', width: 6, height: 6, patternUnits: 'userSpaceOnUse',
     patternTransform: 'rotate(45)' }, el('svg:line', { x1: 0, y1: 0, x2: 0, y2: 6, stroke: '#d1d5db', 'stroke-width': 2 }));
   svg.append(el('svg:defs', {}, hatch));
