@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 
 # Set before torch loads OpenMP, and inherited by every process the suite starts. A test run's
@@ -19,6 +20,13 @@ from tests.halves import HALVES
 from tests.helpers import reference_model
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture
+def refusals(caplog):
+    """The KV plane's warnings so far (shared.kv_send, shared.kv_receive): each refusal is one."""
+    caplog.set_level(logging.WARNING, logger="shared")
+    return lambda: [r.getMessage() for r in caplog.records if r.name.startswith("shared.kv_")]
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 
 import pytest
@@ -34,14 +33,6 @@ def secrets(tmp_path_factory) -> Secrets:
         {"instances": [{"id": "prefill-0", "role": "prefill", "dc": "A"}, {"id": "md-0", "role": "md", "dc": "B"}]}
     )
     return Secrets(make_secrets(cfg, tmp_path_factory.mktemp("kv") / "secrets"))
-
-
-@pytest.fixture
-def refusals(caplog):
-    caplog.set_level(logging.WARNING, logger="shared")
-    return lambda: [
-        r.getMessage() for r in caplog.records if r.name.startswith("shared.kv_")
-    ]  # the KV plane: kv_send, kv_receive
 
 
 class Side:
@@ -194,22 +185,6 @@ async def test_a_raw_peer_sends_two_transfers_on_one_connection(rig, refusals):
     peer.writer.close()  # cleanly, between transfers: not a refusal
     await until(lambda: not r.rx._per_peer, what="the receiver to let the connection go")
     assert r.rx.refused == 0 and refusals() == []
-
-
-@pytest.fixture
-async def rig():
-    made = []
-
-    async def make(stall_s: float = STALL_S, **kw) -> Rig:
-        r = Rig(stall_s, **kw)
-        await r.rx.start()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        await until(lambda r=r: not r.rx._per_peer and not r.rx._receiving, what="the receiver's connections to end")
-        await r.rx.stop()
 
 
 async def test_concurrent_pushes_go_on_separate_connections_and_never_interleave(side, refusals):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import logging
 import struct
 
 import msgpack
@@ -71,33 +70,6 @@ class Rig:
     async def handler(self, t: Transfer) -> str:
         self.handled.append(t)
         return self.answer
-
-
-@pytest.fixture
-async def rig():
-    """`await rig(stall_s=..., ...)`: a started receiver; at the end, every connection it took
-    must have ended and left nothing behind (per-peer counts, transfers being received)."""
-    made: list[Rig] = []
-
-    async def make(stall_s: float = 5.0, **kw) -> Rig:
-        r = Rig(stall_s, **kw)
-        await r.rx.start()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        await until(lambda r=r: not r.rx._per_peer and not r.rx._receiving, what="the receiver's connections to end")
-        await r.rx.stop()
-
-
-@pytest.fixture
-def refusals(caplog):
-    """The receiver's refusal log lines so far."""
-    caplog.set_level(logging.WARNING, logger="shared")
-    return lambda: [
-        r.getMessage() for r in caplog.records if r.name.startswith("shared.kv_")
-    ]  # the KV plane: kv_send, kv_receive
 
 
 def head(request_id: str = "req-1", secret: str = SECRET, kv: KVHeader = KV, sender: str = "prefill-0") -> TransferHead:

@@ -6,7 +6,6 @@ the receiver does not count as a refused transfer."""
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import pytest
 
@@ -16,14 +15,6 @@ from shared.kv_send import EarlyConnection, send_kv
 from shared.messages import WanControl
 from tests.wanlink.conftest import until
 from tests.wanlink.test_tls import push, receiver
-
-
-@pytest.fixture
-def refusals(caplog):
-    caplog.set_level(logging.WARNING, logger="shared")
-    return lambda: [
-        r.getMessage() for r in caplog.records if r.name.startswith("shared.kv_")
-    ]  # the KV plane: kv_send, kv_receive
 
 
 def connections(link) -> int:
