@@ -56,7 +56,8 @@ from shared.pipelines import ROLES
 from shared.security import Secrets
 
 ROOT = Path(__file__).resolve().parent.parent
-CHILD_ENV_DROPPED = ("PDD_NATS_URL", "PDD_REDIS_URL", "PDD_SECRETS_DIR")  # the run config says it all
+# the run config says it all
+CHILD_ENV_DROPPED = ("PDD_NATS_URL", "PDD_REDIS_URL", "PDD_REDIS_SENTINELS", "PDD_SECRETS_DIR")
 _fork_server: ForkServer | None = None  # one per launching process, started by its first cluster
 
 

@@ -32,9 +32,17 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "subscribe": ["pdd.tokens.>"],
     },
     "scheduler": {
-        "publish": ["pdd.prefill.*.task", "pdd.prefill.*.drop", "pdd.decode.*.task", "pdd.decode.*.drop", "pdd.abort"],
+        "publish": [
+            "pdd.prefill.*.task",
+            "pdd.prefill.*.drop",
+            "pdd.decode.*.task",
+            "pdd.decode.*.drop",
+            "pdd.abort",
+            "pdd.scheduler.backlog",
+        ],
         "subscribe": [
             "pdd.scheduler.submit",
+            "pdd.scheduler.backlog",
             "pdd.scheduler.wan_sample",
             "pdd.scheduler.status",
             "pdd.registry.*",

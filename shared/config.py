@@ -3,6 +3,7 @@
 One file describes the whole two-site cluster; each process reads it and takes its own part
 (its instance, its datacenter's NATS server). Overrides for the process reading it:
 PDD_NATS_URL (its own datacenter's NATS server), PDD_REDIS_URL (the scheduler's Redis),
+PDD_REDIS_SENTINELS (its Sentinels, when it is replicated),
 PDD_SECRETS_DIR (certificates and credentials, see pdd/certs.py), PDD_PORT (gateway port),
 PDD_MODEL (model folder, or "default"). Validation errors name the bad value and where it came
 from.
@@ -188,6 +189,52 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True)
+class ControlPlaneConfig:
+    """How many of each control-plane process run (docs/ha.md): the gateways and schedulers are
+    active-active (submissions shared through a NATS queue group, plans and the line's backlog
+    shared through Redis and the bus), each site's NATS is a cluster of `nats_servers`, and Redis
+    has `redis_replicas` with `sentinels` watching it (clients follow a failover). One of each is
+    the single-host demo. `ports` is filled by the launcher: the extra processes' and servers'
+    ports by name (`gateway-1`, `scheduler-1`, `nats-A-1`, `nats-A-1-route`, `nats-A-1-leaf`,
+    `redis-1`, `sentinel-0`, ...)."""
+
+    gateways: int = 1
+    schedulers: int = 1
+    nats_servers: int = 1  # per site; more than one: clustered (routes between them)
+    redis_replicas: int = 0
+    sentinels: int = 0  # Redis Sentinels (needed, and at least one, when there are replicas)
+    sentinel_down_ms: int = 1000  # a primary silent this long is failed over
+    redis_master: str = "pdd"  # the name the Sentinels know the primary by
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("gateways", "schedulers", "nats_servers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"control_plane.{name} must be >= 1, got {getattr(self, name)}")
+        if self.redis_replicas < 0 or self.sentinels < 0:
+            raise ConfigError("control_plane: redis_replicas and sentinels must be >= 0")
+        if self.redis_replicas and not self.sentinels:
+            raise ConfigError("control_plane: Redis replicas need sentinels (>= 1) to fail over to them")
+
+    @staticmethod
+    def names(kind: str, n: int) -> list[str]:
+        """Process names of `n` of a kind: `gateway` alone, else `gateway-0`, `gateway-1`, ..."""
+        return [kind] if n == 1 else [f"{kind}-{i}" for i in range(n)]
+
+    @property
+    def gateway_names(self) -> list[str]:
+        return self.names("gateway", self.gateways)
+
+    @property
+    def scheduler_names(self) -> list[str]:
+        return self.names("scheduler", self.schedulers)
+
+    @property
+    def sentinel_names(self) -> list[str]:
+        return [f"sentinel-{i}" for i in range(self.sentinels)]
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str = "default"
     device: str = ""  # when set, every instance's device (`pdd up --device cuda`)
@@ -199,6 +246,9 @@ class ClusterConfig:
     nats_url: str = ""  # this process's NATS server, overriding its datacenter's (PDD_NATS_URL)
     redis_url: str = ""  # "" = embedded redis-server on a free port
     redis_port: int = 0
+    # "host:port,..." of the Redis Sentinels: clients ask them for the primary (control_plane's
+    # redis_master) and follow a failover; "" = redis_url is the one Redis (PDD_REDIS_SENTINELS)
+    redis_sentinels: str = ""
     secrets_dir: str = ""  # certificates and credentials (pdd certs); "" = `pdd up` makes throwaway ones
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
@@ -217,6 +267,7 @@ class ClusterConfig:
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
     instances: tuple[InstanceConfig, ...] = ()
 
     def instance(self, instance_id: str | None, role: str | None = None) -> InstanceConfig:
@@ -233,6 +284,14 @@ class ClusterConfig:
             if dc.name == name:
                 return dc
         raise ConfigError(f"no datacenter {name!r} in the config (have {[d.name for d in self.datacenters]})")
+
+    def gateway_port(self, name: str) -> int:
+        """The HTTP port of gateway `name` (the first one's is `port`)."""
+        return self.port if name == self.control_plane.gateway_names[0] else self.control_plane.ports[name]
+
+    def scheduler_metrics_port(self, name: str) -> int:
+        first = name == self.control_plane.scheduler_names[0]
+        return self.scheduler.metrics_port if first else self.control_plane.ports.get(name, 0)
 
     def nats_url_for(self, dc: str) -> str:
         """The NATS server a process in datacenter `dc` connects to (only its own site's)."""
@@ -326,6 +385,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     handoff = _build(HandoffConfig, raw.pop("handoff", {}) or {}, f"{where}: handoff")
     scheduler = _build(SchedulerConfig, raw.pop("scheduler", {}) or {}, f"{where}: scheduler")
     gateway = _build(GatewayConfig, raw.pop("gateway", {}) or {}, f"{where}: gateway")
+    control = _build(ControlPlaneConfig, raw.pop("control_plane", {}) or {}, f"{where}: control_plane")
     instances = tuple(_build(InstanceConfig, i, f"{where}: instance") for i in raw.pop("instances", []))
     dcs = raw.pop("datacenters", None) or {d: {} for d in sorted({i.dc for i in instances} | {wan.src_dc, wan.dst_dc})}
     datacenters = tuple(
@@ -335,6 +395,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
     env = {
         "nats_url": os.environ.get("PDD_NATS_URL"),
         "redis_url": os.environ.get("PDD_REDIS_URL"),
+        "redis_sentinels": os.environ.get("PDD_REDIS_SENTINELS"),
         "secrets_dir": os.environ.get("PDD_SECRETS_DIR"),
         "port": os.environ.get("PDD_PORT"),
         "model": os.environ.get("PDD_MODEL"),
@@ -351,6 +412,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
             "handoff": handoff,
             "scheduler": scheduler,
             "gateway": gateway,
+            "control_plane": control,
             "instances": instances,
             "datacenters": datacenters,
         },

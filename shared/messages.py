@@ -225,6 +225,7 @@ class Plan(Message):
     # stamps its chunks with it, so the gateway tells the live copy's first token from a dropped one's
     dispatch_id: str = ""
     queue_ms: float = 0.0
+    scheduler: str = ""  # which scheduler planned it (several may run)
     error: str = ""
     status: int = 200  # HTTP status the gateway should use when error is set
 
@@ -590,6 +591,17 @@ class ClusterStatus(Message):
     wan_estimate_mbps: float = 0.0  # the scheduler's measured WAN bandwidth
     plans: dict[str, int] = field(default_factory=dict)  # pipeline -> requests planned since start
     now: float = 0.0  # the scheduler's wall clock (heartbeat ages are against it)
+    scheduler: str = ""  # which scheduler answered (its plan counts are its own)
+
+
+@dataclass
+class LineBacklog(Message):
+    """scheduler -> the other schedulers: KV it dispatched across the WAN (`nbytes`), or 0 when
+    that KV will not cross after all (its dispatch failed); samples and aborts reach them all."""
+
+    request_id: str
+    nbytes: int
+    scheduler: str
 
 
 @dataclass

@@ -13,28 +13,54 @@ Keys
                                      was lost with a restart, not ended
     pdd:kv:<id>                set   chained hashes of the KV blocks instance <id> caches
     pdd:kv:<id>:seq            int   count of index events applied (one per stored/removed batch)
+    pdd:kv:<id>:update         int   the last index update applied (its number): registrars apply
+                                     an instance's updates in order, whichever of them gets each
+    pdd:kv:<id>:resync         str   set when an update was missed: the next heartbeat asks for all
+    pdd:plan:<id>              str   a request's plan (base64 msgpack), or "planning <scheduler>"
+                                     while one plans it: every scheduler answers a resubmission alike
+    pdd:process:<kind>:<name>  hash  a gateway's or scheduler's presence (pid, dc, url), renewed
+                                     each heartbeat: `pdd status` lists them
 An instance clears its own `pdd:kv` keys when it starts; they expire with its heartbeat.
 A dead instance stops heartbeating, its key expires, and nothing is routed to it afterwards.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import os
 import time
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.messages import IndexEvent, InstanceInfo
+from shared.config import ClusterConfig
+from shared.messages import IndexEvent, IndexUpdate, InstanceInfo
+from shared.security import Secrets
 
+log = logging.getLogger(__name__)
 INSTANCE = "pdd:instance:"
 REQUEST = "pdd:request:"
 EPOCH = "pdd:epoch"
 KV = "pdd:kv:"
+PLAN = "pdd:plan:"
+PLANNING = "planning "  # a plan key's value while a scheduler plans it, before its name
+ADOPTED = "pdd:adopted:"
+INDEX_ORDER_WAIT_S = 0.2  # an index update that overtook its predecessor waits this long for it
+PROCESS = "pdd:process:"
+REPLICA_WAIT_MS = 200  # how long a record waits for a replica's copy (a dead replica costs this, not a failure)
 
+
+_DELETE_IF_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 # For each key (an instance's block set): how many of ARGV, in order, it holds before the first miss.
 _LEADING_HITS_LUA = """
@@ -51,26 +77,42 @@ return out
 """
 
 
-def connect(url: str, password: str | None = None) -> aioredis.Redis:
+def connect(url: str, password: str | None = None, sentinels: str = "", master: str = "pdd") -> aioredis.Redis:
     """A client that rides out a Redis restart: a command on a dropped connection is retried on
-    a fresh one instead of failing. `password`: the cluster's (pdd certs), unless the URL has one."""
-    return aioredis.Redis.from_url(
-        url,
-        password=password,
+    a fresh one instead of failing. `password`: the cluster's (pdd certs), unless the URL has one.
+    With `sentinels` ("host:port,..."), the client asks them where primary `master` is, on every
+    new connection: after a failover the retried command reaches the promoted replica."""
+    options = dict(
         decode_responses=True,
         socket_timeout=5,
         socket_connect_timeout=5,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionError],
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3 if not sentinels else 8),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionError, ReadOnlyError],
         health_check_interval=5,
     )
+    if not sentinels:
+        return aioredis.Redis.from_url(url, password=password, **options)
+    where = [(h, int(p)) for h, p in (hp.rsplit(":", 1) for hp in sentinels.split(",") if hp)]
+    watchers = Sentinel(where, sentinel_kwargs={"password": password, "socket_timeout": 1.0}, password=password)
+    return watchers.master_for(master, **options)
 
 
 class Registry:
-    def __init__(self, client: aioredis.Redis, ttl_s: float) -> None:
+    def __init__(self, client: aioredis.Redis, ttl_s: float, replicas: int = 0) -> None:
         self.r = client
         self.ttl_ms = int(ttl_s * 1000)
+        self.replicas = replicas  # a request's record waits for one replica's copy (a failover keeps it)
         self._prefix_script = None
+        self._release_script = None
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig) -> Registry:
+        """The cluster's registry, as its gateway and schedulers reach it (through its Sentinels
+        when it is replicated)."""
+        secrets = Secrets.of(cfg)
+        password = secrets.redis_password if secrets else None
+        client = connect(cfg.redis_url, password, cfg.redis_sentinels, cfg.control_plane.redis_master)
+        return cls(client, cfg.heartbeat_ttl_s, replicas=cfg.control_plane.redis_replicas)
 
     async def heartbeat(self, info: InstanceInfo, sampled_at: float | None = None, ttl_s: float = 0.0) -> None:
         """Publish `info` for `ttl_s` (default: the registry's). `sampled_at`: when its load
@@ -83,6 +125,30 @@ class Registry:
             pipe.pexpire(key, int(ttl_s * 1000) or self.ttl_ms)
             pipe.set(EPOCH, repr(time.time()), nx=True)  # a Redis that (re)started empty begins its epoch
             await pipe.execute()
+
+    async def announce(self, kind: str, name: str, dc: str, every_s: float, **fields: str) -> None:
+        """Say this control-plane process is alive, every `every_s` until cancelled (a missed
+        write is retried at the next; its key expires after three)."""
+        key = f"{PROCESS}{kind}:{name}"
+        row = {"kind": kind, "name": name, "dc": dc, "pid": str(os.getpid()), "since": repr(time.time()), **fields}
+        while True:
+            try:
+                async with self.r.pipeline(transaction=True) as pipe:
+                    pipe.hset(key, mapping=row)
+                    pipe.pexpire(key, int(3 * every_s * 1000))
+                    await pipe.execute()
+            except Exception as e:  # Redis failing over: the next beat writes it again
+                log.debug("presence of %s not written: %s", name, e)
+            await asyncio.sleep(every_s)
+
+    async def processes(self) -> list[dict[str, str]]:
+        """The gateways and schedulers alive now (their presence rows), by kind and name."""
+        keys = [k async for k in self.r.scan_iter(match=PROCESS + "*", count=1000)]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.hgetall(k)
+            rows = await pipe.execute()
+        return sorted((r for r in rows if r), key=lambda r: (r["kind"], r["name"]))
 
     async def remove(self, instance_id: str) -> None:
         await self.r.delete(INSTANCE + instance_id)
@@ -99,10 +165,14 @@ class Registry:
         return sorted((i for i in infos if role is None or i.role == role), key=lambda i: i.id)
 
     async def set_request(self, request_id: str, fields: dict[str, str], ttl_s: float) -> None:
+        """Record a request. With replicas, returns once one of them has it too: a holder drops a
+        request whose record is gone, so a failover must not lose a record written just before."""
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(REQUEST + request_id, mapping=fields)
             pipe.expire(REQUEST + request_id, int(ttl_s))
             await pipe.execute()
+        if self.replicas:
+            await self.r.execute_command("WAIT", 1, REPLICA_WAIT_MS)
 
     async def delete_request(self, request_id: str) -> None:
         await self.r.delete(REQUEST + request_id)
@@ -131,29 +201,86 @@ class Registry:
     async def clear_kv(self, instance_id: str) -> None:
         await self.r.delete(KV + instance_id, KV + instance_id + ":seq")
 
+    async def apply_index_update(self, instance_id: str, update: IndexUpdate) -> bool:
+        """Apply an instance's numbered `IndexUpdate` in order, in one transaction, whichever
+        registrar got it: one that comes before its predecessor was applied waits a moment for it
+        (another registrar has it). False when the predecessor never came (a gap: the events are
+        applied anyway and the instance is marked to send its whole index)."""
+        key = KV + instance_id
+        full = bool(update.events) and update.events[0].kind == "cleared"
+        deadline = time.monotonic() + INDEX_ORDER_WAIT_S
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key + ":update")
+                    last = await pipe.get(key + ":update")
+                    in_order = full or (last is not None and int(last) == update.seq - 1)
+                    behind = last is None or int(last) < update.seq - 1  # its predecessor may be on its way
+                    if not in_order and behind and time.monotonic() < deadline:
+                        await pipe.unwatch()
+                        await asyncio.sleep(0.002)
+                        continue
+                    pipe.multi()
+                    _queue_events(pipe, key, update.events)
+                    pipe.set(key + ":update", update.seq)
+                    if not in_order:
+                        pipe.set(key + ":resync", 1)
+                    for k in (key, key + ":seq", key + ":update", key + ":resync"):
+                        pipe.pexpire(k, self.ttl_ms * 10)
+                    await pipe.execute()
+                    return in_order
+                except WatchError:  # another registrar applied one meanwhile: look again
+                    continue
+
     async def apply_kv_events(self, instance_id: str, events: list[IndexEvent]) -> None:
-        """Apply `IndexEvent`s (stored / removed / cleared) in order, in one transaction."""
+        """Apply `IndexEvent`s in one transaction, unnumbered (tools and tests filling an index)."""
         key = KV + instance_id
         async with self.r.pipeline(transaction=True) as pipe:
-            for ev in events:
-                if ev.kind == "stored" and ev.hashes:
-                    pipe.sadd(key, *ev.hashes)
-                elif ev.kind == "removed" and ev.hashes:
-                    pipe.srem(key, *ev.hashes)
-                elif ev.kind == "cleared":
-                    pipe.delete(key)
-                pipe.incr(key + ":seq")
+            _queue_events(pipe, key, events)
             pipe.pexpire(key, self.ttl_ms * 10)
             pipe.pexpire(key + ":seq", self.ttl_ms * 10)
             await pipe.execute()
 
-    async def kv_present(self, instance_id: str) -> bool:
-        """Refresh the index's expiry; False when Redis has lost it (e.g. restarted empty)."""
+    async def index_state(self, instance_id: str) -> bool:
+        """Refresh the index's expiry; True when the instance must send it whole: Redis lost it
+        (restarted empty), an update went missing, or no update of its was ever applied."""
+        key = KV + instance_id
         async with self.r.pipeline(transaction=False) as pipe:
-            pipe.pexpire(KV + instance_id, self.ttl_ms * 10)
-            pipe.pexpire(KV + instance_id + ":seq", self.ttl_ms * 10)
-            _, seq_alive = await pipe.execute()
-        return bool(seq_alive)
+            pipe.pexpire(key, self.ttl_ms * 10)
+            pipe.pexpire(key + ":seq", self.ttl_ms * 10)
+            pipe.pexpire(key + ":update", self.ttl_ms * 10)
+            pipe.getdel(key + ":resync")
+            _, seq_alive, numbered, missed = await pipe.execute()
+        return not (seq_alive and numbered) or bool(missed)
+
+    async def forget_index_order(self, instance_id: str) -> None:
+        """It left: its next update after a return starts a new count (and a whole index)."""
+        await self.r.delete(KV + instance_id + ":update", KV + instance_id + ":resync")
+
+    async def adopt(self, request_id: str, ttl_s: float) -> bool:
+        """True once per request id within `ttl_s`, whichever registrar asks: a record lost with a
+        Redis restart is written again once, not again after the request ended."""
+        return bool(await self.r.set(ADOPTED + request_id, 1, nx=True, ex=max(1, int(ttl_s))))
+
+    # -- plans shared by the schedulers ------------------------------------------------------
+    async def claim_plan(self, request_id: str, scheduler: str, ttl_s: float) -> str | None:
+        """None when `scheduler` now plans the request; else what the key holds: a plan (base64),
+        or "planning <name>" while another plans it."""
+        key = PLAN + request_id
+        claimed = await self.r.set(key, f"{PLANNING}{scheduler}", nx=True, px=int(ttl_s * 1000))
+        return None if claimed else await self.r.get(key)
+
+    async def save_plan(self, request_id: str, encoded: str, ttl_s: float) -> None:
+        await self.r.set(PLAN + request_id, encoded, px=int(ttl_s * 1000))
+
+    async def release_claim(self, request_id: str, held: str) -> bool:
+        """Remove the claim `held` (a dead scheduler's), unless it changed meanwhile."""
+        if self._release_script is None:
+            self._release_script = self.r.register_script(_DELETE_IF_LUA)
+        return bool(await self._release_script(keys=[PLAN + request_id], args=[held]))
+
+    async def process_alive(self, kind: str, name: str) -> bool:
+        return bool(await self.r.exists(f"{PROCESS}{kind}:{name}"))
 
     async def prefix_blocks(self, instance_ids: list[str], hashes: list[str]) -> dict[str, int]:
         """How many leading blocks of `hashes` each instance holds: one round trip for all,
@@ -164,6 +291,18 @@ class Registry:
             self._prefix_script = self.r.register_script(_LEADING_HITS_LUA)
         counts = await self._prefix_script(keys=[KV + i for i in instance_ids], args=hashes)
         return {iid: int(n) for iid, n in zip(instance_ids, counts)}
+
+
+def _queue_events(pipe, key: str, events: list[IndexEvent]) -> None:
+    """Stored / removed / cleared events, in order, onto `pipe`; each counted in `<key>:seq`."""
+    for ev in events:
+        if ev.kind == "stored" and ev.hashes:
+            pipe.sadd(key, *ev.hashes)
+        elif ev.kind == "removed" and ev.hashes:
+            pipe.srem(key, *ev.hashes)
+        elif ev.kind == "cleared":
+            pipe.delete(key)
+        pipe.incr(key + ":seq")
 
 
 def _info_from_hash(raw: dict[str, str]) -> InstanceInfo:

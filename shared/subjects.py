@@ -7,6 +7,7 @@ pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in in
 pdd.decode.<instance>.resend    gateway -> md / rld    Resend -> Resent (a lost token chunk, again)
 pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
 pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
+pdd.scheduler.backlog           scheduler -> schedulers LineBacklog (KV one of them sent across the line)
 pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
 pdd.handoff.<rld>.finish        prefill, md -> rld     FinishOnRelay (main-decode will not get it)
 pdd.handoff.<md>.chunk          rld -> md              HandoffChunk -> Ack (token ids only)
@@ -25,6 +26,7 @@ pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
 SUBMIT = "pdd.scheduler.submit"
 WAN_SAMPLE = "pdd.scheduler.wan_sample"
 STATUS = "pdd.scheduler.status"
+LINE_BACKLOG = "pdd.scheduler.backlog"
 ABORT = "pdd.abort"
 HEARTBEAT = "pdd.registry.heartbeat"
 INDEX = "pdd.registry.index"

@@ -1,4 +1,5 @@
-"""`python -m services.gateway --config FILE`: the HTTP front door on cfg.host:cfg.port."""
+"""`python -m services.gateway --config FILE [--instance NAME]`: the HTTP front door on cfg.host
+and its port (`cfg.gateway_port(NAME)`; NAME when several run, as control_plane.gateways says)."""
 
 import socket
 
@@ -9,18 +10,19 @@ from services.gateway.gateway import Gateway
 from shared.config import ClusterConfig, service_args
 
 
-def listening_socket(cfg: ClusterConfig) -> socket.socket:
+def listening_socket(cfg: ClusterConfig, port: int) -> socket.socket:
     """The front door's socket. Connections accepted on it inherit its send buffer
     (`gateway.send_buffer_kib`), so a client that stops reading is sent that much, not the few
     MB the kernel would grow the buffer to, before the stream's next write waits on it."""
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.create_server((cfg.host, cfg.port), family=family)
+    sock = socket.create_server((cfg.host, port), family=family)
     if cfg.gateway.send_buffer_kib:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.gateway.send_buffer_kib * 1024)
     return sock
 
 
 if __name__ == "__main__":
-    cfg, _ = service_args("gateway")  # gateways are stateless: no instance id
-    server = uvicorn.Server(uvicorn.Config(create_app(Gateway(cfg)), log_level="warning"))
-    server.run(sockets=[listening_socket(cfg)])
+    cfg, name = service_args("gateway")
+    name = name or cfg.control_plane.gateway_names[0]
+    server = uvicorn.Server(uvicorn.Config(create_app(Gateway(cfg, name)), log_level="warning"))
+    server.run(sockets=[listening_socket(cfg, cfg.gateway_port(name))])

@@ -5,6 +5,7 @@ Owned by the gateway process's event loop; the HTTP handlers and `RequestFlow` u
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -22,15 +23,16 @@ from services.gateway.tokenizer import TextTokenizer
 from shared.bus import Bus
 from shared.config import ClusterConfig
 from shared.model_info import load_model_info
-from shared.registry import Registry, connect
+from shared.registry import Registry
 from shared.security import Secrets
 
 log = logging.getLogger(__name__)
 
 
 class Gateway:
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(self, cfg: ClusterConfig, name: str = "gateway") -> None:
         self.cfg = cfg
+        self.name = name  # one of control_plane.gateway_names: its NATS client and its presence in Redis
         self.model = load_model_info(cfg.model)
         self.tokenizer = TextTokenizer(self.model.path)
         # checks request grammars against the model's vocabulary (built once, ~0.4 s)
@@ -42,6 +44,7 @@ class Gateway:
         self.served_model = self.model.name
         self.bus: Bus | None = None
         self.registry: Registry | None = None
+        self._presence: asyncio.Task | None = None
         self.metrics = GatewayMetrics(self.served_model)
         self.inflight: dict[str, RequestFlow] = {}
         self.recent: deque[RequestFlow] = deque(maxlen=100)  # finished requests, oldest first: the dashboard's list
@@ -57,11 +60,16 @@ class Gateway:
 
     async def start(self) -> None:
         secrets = Secrets.of(self.cfg)
-        self.bus = await Bus.connect(self.cfg.nats_url_for(self.cfg.control_dc), "gateway", "gateway", secrets)
-        password = secrets.redis_password if secrets else None
-        self.registry = Registry(connect(self.cfg.redis_url, password), self.cfg.heartbeat_ttl_s)
+        self.bus = await Bus.connect(self.cfg.nats_url_for(self.cfg.control_dc), self.name, "gateway", secrets)
+        self.registry = Registry.of(self.cfg)
+        url = f"http://{self.cfg.host}:{self.cfg.gateway_port(self.name)}"
+        self._presence = asyncio.create_task(
+            self.registry.announce("gateway", self.name, self.cfg.control_dc, self.cfg.heartbeat_s, url=url)
+        )
 
     async def stop(self) -> None:
+        if self._presence is not None:
+            self._presence.cancel()
         for flow in list(self.inflight.values()):
             await flow.close()
         await self.bus.close()

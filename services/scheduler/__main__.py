@@ -1,4 +1,5 @@
-"""`python -m services.scheduler --config FILE`."""
+"""`python -m services.scheduler --config FILE [--instance NAME]`: NAME when several run
+(control_plane.schedulers; the launcher names them scheduler-0, scheduler-1, ...)."""
 
 import asyncio
 
@@ -6,5 +7,5 @@ from services.scheduler.service import Scheduler
 from shared.config import service_args
 
 if __name__ == "__main__":
-    cfg, _ = service_args("scheduler")  # one scheduler per cluster: no instance id
-    asyncio.run(Scheduler(cfg).run())
+    cfg, name = service_args("scheduler")
+    asyncio.run(Scheduler(cfg, name=name or cfg.control_plane.scheduler_names[0]).run())

@@ -2,7 +2,11 @@
 
 Redis stays inside the scheduler's datacenter: it has no TLS, and nothing may cross the WAN in
 the clear. Instances in either datacenter report over NATS (whose link between datacenters is
-encrypted and authenticated), and this component, in the scheduler's process, writes:
+encrypted and authenticated), and this component, in each scheduler's process, writes what it
+gets. The registrars of several schedulers form one NATS queue group: each report is handled
+once, by any of them, and whatever must be remembered between reports lives in Redis (an
+instance's last index update, a missed one, a request recorded again), so a registrar may die
+or start at any time:
 
 1. `Heartbeat`s (request-reply) -> `pdd:instance:<id>` with a TTL, refreshing the instance's
    prefix index. The reply asks for the whole index when Redis has lost it, when an update
@@ -15,8 +19,9 @@ encrypted and authenticated), and this component, in the scheduler's process, wr
    Liveness is the registrar's clock: the TTL runs from when it heard the instance, longer for
    another site's instances (the line's delay, one lost heartbeat); an instance whose last
    heartbeat replies did not reach it (the line is down towards it) is not refreshed.
-2. `IndexUpdate` (publish, numbered per instance) -> the instance's block set, in order. A gap
-   in the numbers marks the instance for a full resync on its next heartbeat.
+2. `IndexUpdate` (publish, numbered per instance) -> the instance's block set, in order (an
+   update that overtook its predecessor on another registrar waits for it). A gap in the
+   numbers marks the instance for a full resync on its next heartbeat.
 3. `Leave` -> the instance is forgotten at once instead of when its heartbeat expires.
 """
 
@@ -29,13 +34,13 @@ import time
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Heartbeat, HeartbeatReply, IndexUpdate, Leave
-from shared.recent import RecentIds
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 MISSED_REPLIES = 2  # heartbeat replies in a row an instance may miss before it is not refreshed
+QUEUE = "registrars"  # the NATS queue group of every scheduler's registrar
 
 
 class Registrar:
@@ -52,15 +57,12 @@ class Registrar:
         self.control_dc = control_dc  # the registrar's site: others' heartbeats cross the line
         self.line_delay_s = line_delay_s  # one way
         self.heartbeat_s = heartbeat_s
-        self._adopted = RecentIds(ttl_s=request_ttl_s)  # requests recorded again after a Redis restart
-        self._seq: dict[str, int] = {}  # instance -> last index update applied
-        self._resync: set[str] = set()  # instances whose index must be sent whole
-        self._index_lock: dict[str, asyncio.Lock] = {}  # instance -> its updates, applied in turn
+        self._index_lock: dict[str, asyncio.Lock] = {}  # instance -> its updates here, in arrival order
 
     async def serve(self, bus: Bus) -> None:
-        await bus.serve(subjects.HEARTBEAT, Heartbeat, self.on_heartbeat)
-        await bus.serve(subjects.INDEX, IndexUpdate, self.on_index)
-        await bus.serve(subjects.LEAVE, Leave, self.on_leave)
+        await bus.serve(subjects.HEARTBEAT, Heartbeat, self.on_heartbeat, queue=QUEUE)
+        await bus.serve(subjects.INDEX, IndexUpdate, self.on_index, queue=QUEUE)
+        await bus.serve(subjects.LEAVE, Leave, self.on_leave, queue=QUEUE)
 
     async def on_heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         info = beat.info
@@ -71,9 +73,7 @@ class Registrar:
             delay = self.line_delay_s if remote else 0.0  # it sampled its figures about this long ago
             ttl = self.registry.ttl_ms / 1000 + (self.heartbeat_s + 2 * delay if remote else 0.0)
             await self.registry.heartbeat(info, time.time() - delay, ttl_s=ttl)
-        present = await self.registry.kv_present(info.id)
-        resync = info.id not in self._seq or info.id in self._resync or not present
-        self._resync.discard(info.id)
+        resync = await self.registry.index_state(info.id)
         forget = await self._gone(beat) if beat.holding else []
         return HeartbeatReply(resync_index=resync, forget=forget)
 
@@ -83,32 +83,29 @@ class Registrar:
         gone, epoch_at = await self.registry.renew_requests(beat.holding, self.request_ttl_s)
         now, held_s = time.time(), dict(zip(beat.holding, beat.held_s))
         # taken before Redis's data began, and not recorded again already (then it ended since)
-        lost = [rid for rid in gone if now - held_s.get(rid, 0.0) < epoch_at and rid not in self._adopted]
+        lost = [
+            rid
+            for rid in gone
+            if now - held_s.get(rid, 0.0) < epoch_at and await self.registry.adopt(rid, self.request_ttl_s)
+        ]
         for rid in lost:
-            self._adopted.add(rid)
             log.warning("registrar: %s's record was lost (Redis restarted); recorded again", rid)
             await self.registry.set_request(rid, {"holder": beat.info.id}, ttl_s=self.request_ttl_s)
         return [rid for rid in gone if rid not in lost]
 
     async def on_index(self, update: IndexUpdate) -> None:
-        """Each update runs in its own task (Bus.serve); the instance's lock, taken in arrival
-        order, has Redis apply them in that order too (a whole index comes in several parts)."""
-        iid = update.instance_id
-        full = bool(update.events) and update.events[0].kind == "cleared"
-        last = self._seq.get(iid)
-        if not full and (last is None or update.seq != last + 1):
-            log.info("registrar: index update %d of %s after %s: asking for the whole index", update.seq, iid, last)
-            self._resync.add(iid)
-        self._seq[iid] = update.seq
-        async with self._index_lock.setdefault(iid, asyncio.Lock()):
-            try:
-                await self.registry.apply_kv_events(iid, update.events)
-            except Exception:
-                self._resync.add(iid)  # Redis missed it: the next heartbeat asks for the whole index
-                raise
+        """Each update runs in its own task (Bus.serve): the instance's lock, taken in arrival
+        order, has this registrar apply them in that order; Redis orders them across registrars."""
+        async with self._index_lock.setdefault(update.instance_id, asyncio.Lock()):
+            in_order = await self.registry.apply_index_update(update.instance_id, update)
+        if not in_order:
+            log.info(
+                "registrar: index update %d of %s came after a gap: asking for the whole index",
+                update.seq,
+                update.instance_id,
+            )
 
     async def on_leave(self, msg: Leave) -> None:
-        self._seq.pop(msg.instance_id, None)
         self._index_lock.pop(msg.instance_id, None)
-        self._resync.discard(msg.instance_id)
+        await self.registry.forget_index_order(msg.instance_id)
         await self.registry.remove(msg.instance_id)

@@ -1,14 +1,23 @@
 """Scheduler: turns a submitted request into a plan and dispatches it.
 
+Several schedulers may run (control_plane.schedulers), active-active: submissions come through
+one NATS queue group, so each is planned by one of them; the plans live in Redis, so a
+resubmission gets the same plan from any of them; the line's backlog is told to all of them on
+the bus; the registry and the prefix index are Redis's. A scheduler holds nothing another
+needs: killing one loses only the submissions it was planning (the gateway submits them again).
+
 Lifecycle of a request here:
 1. `Submit` from the gateway (request-reply). A request id seen before gets its earlier plan
-   back (idempotent: the gateway may retry after a timeout).
+   back (idempotent: the gateway may retry after a timeout, through another scheduler): the
+   first scheduler to claim `pdd:plan:<id>` plans it, any other waits for its plan there (or
+   takes the claim over once the claimer's presence expired: it died while planning).
 2. Alive instances and their load are read from Redis; `policy.choose_plan` decides the
    pipeline and the instances (pure function, no I/O), counting the line's backlog: the KV
    this scheduler dispatched across the WAN that has not landed (`WanBacklog`: in when a plan
    sending KV across is dispatched, out when the decoder's `WanSample` for that request says
    it landed, when the request is aborted or its dispatch failed, or `timeouts.request_s`
-   after its dispatch at the latest).
+   after its dispatch at the latest). Each scheduler tells the others what it adds and settles
+   (`LineBacklog`); the samples and aborts reach every scheduler anyway.
 3. Every stage at once, in no order: each decoder gets a `DecodeTask`, prefill a `PrefillTask`
    with the KV targets (each decoder's advertised endpoint and a fresh transfer secret that only
    that decoder expects for this request). No round trip through the line comes before prefill
@@ -29,6 +38,7 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import logging
 import secrets
@@ -54,6 +64,7 @@ from shared.messages import (
     Inspect,
     InstanceInfo,
     KVTarget,
+    LineBacklog,
     Plan,
     PrefillTask,
     Submit,
@@ -62,12 +73,13 @@ from shared.messages import (
 from shared.model_info import link_wire, model_name
 from shared.pipelines import Handoff, Pipeline, hands_off
 from shared.prefix_hash import block_hashes, namespace_of
-from shared.registry import Registry, connect
+from shared.registry import PLANNING, Registry
 from shared.security import Secrets
 from shared.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 MAX_PLANS = 10_000  # recent plans remembered for idempotent replies, whatever their age
+QUEUE = "schedulers"  # the NATS queue group: one scheduler gets each submission
 
 
 class DispatchError(Exception):
@@ -89,8 +101,9 @@ class Busy(DispatchError):
 
 
 class Scheduler:
-    def __init__(self, cfg: ClusterConfig, policy: PolicyConfig | None = None) -> None:
+    def __init__(self, cfg: ClusterConfig, policy: PolicyConfig | None = None, name: str = "scheduler") -> None:
         self.cfg = cfg
+        self.name = name  # one of control_plane.scheduler_names
         self.policy = policy or cluster_policy_config(cfg)
         self.wan = BandwidthEstimator(self.policy.wan_mbps, self.policy.wan_delay_ms)
         self.bus: Bus | None = None
@@ -99,6 +112,7 @@ class Scheduler:
         # kept 4 submit timeouts, at most MAX_PLANS (a cap alone grew memory for 10,000 plans)
         self.plans: dict[str, tuple[float, Plan]] = {}
         self.plan_memory_s = 4 * 3 * cfg.timeouts.control_s
+        self.claim_s = 4 * cfg.timeouts.control_s  # how long a claim may stand unplanned (3 tries, then some)
         self.dispatched = Dispatched()
         self.planning: dict[str, bool] = {}  # request id -> aborted while it was being planned
         self.backlog = WanBacklog(max_age_s=cfg.timeouts.request_s)  # KV on the line, by request
@@ -111,6 +125,7 @@ class Scheduler:
         secrets = Secrets.of(cfg)
         self.index_key = secrets.index_key if secrets else b""  # the instances key their block hashes alike
         self.refused = self.metrics.counter("pdd:plan_failures", "Requests not planned, by HTTP status", ("status",))
+        self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
         stop = asyncio.Event()
@@ -118,9 +133,8 @@ class Scheduler:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         secrets = Secrets.of(self.cfg)
-        self.bus = await Bus.connect(self.cfg.nats_url_for(self.cfg.control_dc), "scheduler", "scheduler", secrets)
-        password = secrets.redis_password if secrets else None
-        self.registry = Registry(connect(self.cfg.redis_url, password), self.cfg.heartbeat_ttl_s)
+        self.bus = await Bus.connect(self.cfg.nats_url_for(self.cfg.control_dc), self.name, "scheduler", secrets)
+        self.registry = Registry.of(self.cfg)
         cfg = self.cfg
         registrar = Registrar(
             self.registry,
@@ -131,19 +145,31 @@ class Scheduler:
         )
         await registrar.serve(self.bus)
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
-        self.metrics.serve(self.cfg.host, self.cfg.scheduler.metrics_port)
+        self.metrics.serve(self.cfg.host, self.cfg.scheduler_metrics_port(self.name))
         await self.serve()
-        log.info("scheduler ready")
+        presence = asyncio.create_task(
+            self.registry.announce("scheduler", self.name, self.cfg.control_dc, self.cfg.heartbeat_s)
+        )
+        log.info("%s ready", self.name)
         await stop.wait()
+        presence.cancel()
         await self.bus.close()
         await self.registry.r.aclose()
 
     async def serve(self) -> None:
-        """Answer on `self.bus`: submissions, the decoders' WAN samples, aborts and status."""
-        await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit)
+        """Answer on `self.bus`: submissions and status (one scheduler of the queue group each),
+        the decoders' WAN samples, aborts and the other schedulers' backlog (every scheduler)."""
+        await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit, queue=QUEUE)
+        await self.bus.serve(subjects.STATUS, Inspect, self.on_status, queue=QUEUE)
         await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
         await self.bus.serve(subjects.ABORT, Abort, self.on_abort)
-        await self.bus.serve(subjects.STATUS, Inspect, self.on_status)
+        await self.bus.serve(subjects.LINE_BACKLOG, LineBacklog, self.on_line_backlog)
+
+    async def on_line_backlog(self, msg: LineBacklog) -> None:
+        """Another scheduler dispatched KV across the line (or settled what it had)."""
+        if msg.scheduler != self.name:
+            self.backlog.add(msg.request_id, msg.nbytes, time.monotonic())
+            self.wan_backlog.set(self.backlog.total(time.monotonic()))
 
     async def on_wan_sample(self, sample: WanSample) -> None:
         self.wan.add(sample.nbytes, sample.seconds, time.monotonic())
@@ -159,9 +185,23 @@ class Scheduler:
         else:  # the gateway removes it too, but may have done so before a late dispatch wrote it
             await self._unrecord(msg.request_id)
 
-    def _settle(self, request_id: str) -> None:
+    def _settle(self, request_id: str, tell: bool = False) -> None:
+        """Its KV is off the line. `tell`: the other schedulers hear of it only from here (its
+        dispatch failed), not from a sample or an abort that reached them too."""
         if request_id and self.backlog.settle(request_id):
             self.wan_backlog.set(self.backlog.total(time.monotonic()))
+            if tell:
+                self._tell_backlog(request_id, 0)
+
+    def _tell_backlog(self, request_id: str, nbytes: int) -> None:
+        if self.cfg.control_plane.schedulers > 1:
+            msg = LineBacklog(request_id, nbytes, self.name)
+            self._spawn(self.bus.publish(subjects.LINE_BACKLOG, msg))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def on_status(self, _: Inspect) -> ClusterStatus:
         return ClusterStatus(
@@ -169,17 +209,20 @@ class Scheduler:
             wan_estimate_mbps=self.wan.mbps(time.monotonic()),
             plans=dict(self.plan_counts),
             now=time.time(),
+            scheduler=self.name,
         )
 
     async def on_submit(self, sub: Submit) -> Plan:
         if sub.request_id in self.plans:
             return self.plans[sub.request_id][1]
         t0 = time.monotonic()
+        if (earlier := await self._claim(sub.request_id)) is not None:
+            return earlier
         self.planning[sub.request_id] = False
         try:
             plan = await self._plan_around_the_dead(sub)
             if self.planning[sub.request_id]:  # the gateway gave up on it meanwhile; the stages dropped it
-                self._settle(sub.request_id)  # its KV was counted on the line after the abort settled it
+                self._settle(sub.request_id, tell=True)  # counted on the line after the abort settled it
                 await self._unrecord(sub.request_id)
                 plan = Plan(sub.request_id, error="aborted while it was being dispatched", status=503)
         except NoCapacity as e:  # Saturated: 429
@@ -194,6 +237,7 @@ class Scheduler:
         finally:
             self.planning.pop(sub.request_id, None)
         plan.queue_ms = (time.monotonic() - t0) * 1000
+        plan.scheduler = self.name
         if plan.error:
             self.refused.labels(status=str(plan.status)).inc()
         else:
@@ -207,7 +251,41 @@ class Scheduler:
                 ", ".join(i for i in (plan.prefill, plan.rld, plan.md) if i),
             )
         self._remember(plan)
+        await self._share(plan)
         return plan
+
+    async def _claim(self, request_id: str) -> Plan | None:
+        """None once this scheduler may plan the request; else the plan another made of it (or
+        an error plan when the other is still at it past `claim_s`). A claim whose scheduler died
+        (its presence expired) is taken over. Without Redis, the request is planned here."""
+        deadline = time.monotonic() + self.claim_s
+        wait_s = 0.005
+        while True:
+            try:
+                held = await self.registry.claim_plan(request_id, self.name, self.claim_s)
+                if held is None:
+                    return None
+                if not held.startswith(PLANNING):
+                    return Plan.decode(base64.b64decode(held))
+                owner = held[len(PLANNING) :]
+                if owner != self.name and not await self.registry.process_alive("scheduler", owner):
+                    log.warning("%s: %s died planning %s; planning it here", self.name, owner, request_id)
+                    await self.registry.release_claim(request_id, held)
+                    continue
+            except Exception as e:  # Redis failing over: planning twice beats not planning
+                log.warning("%s: plan claim of %s failed (%s); planning it here", self.name, request_id, e)
+                return None
+            if time.monotonic() > deadline:
+                return Plan(request_id, error=f"{owner} is still planning it", status=503)
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, 0.1)
+
+    async def _share(self, plan: Plan) -> None:
+        """The plan, for a resubmission through any scheduler (as long as this one remembers it)."""
+        try:
+            await self.registry.save_plan(plan.request_id, base64.b64encode(plan.encode()).decode(), self.plan_memory_s)
+        except Exception as e:  # its claim expires: a resubmission is planned afresh
+            log.warning("%s: plan of %s not shared: %s", self.name, plan.request_id, e)
 
     async def _plan_around_the_dead(self, sub: Submit, tries: int = 3) -> Plan:
         """An instance killed a moment ago is still in the registry until its heartbeat expires:
@@ -279,10 +357,12 @@ class Scheduler:
         on_line = sum(wan_kv_bytes(len(sub.prompt_ids) - t.start, t.wire, self.policy) for t in targets if t.wan)
         self.backlog.add(sub.request_id, on_line, now)  # before any await, as the dispatches above
         self.wan_backlog.set(self.backlog.total(now))
+        if on_line:
+            self._tell_backlog(sub.request_id, on_line)
         try:
             return await self._dispatch(sub, plan, prefill, decoders, targets)
         except BaseException:  # nothing of it will cross (or, re-planned, the next plan counts it)
-            self._settle(sub.request_id)
+            self._settle(sub.request_id, tell=True)
             raise
 
     async def _dispatch(
@@ -334,7 +414,7 @@ class Scheduler:
         await self.bus.publish(subjects.finish_on_relay(plan.rld), FinishOnRelay(rid, reason=reason))
         dropped = Drop(rid, reason=reason, transfer_secret=md_target.transfer_secret)
         await self.bus.publish(subjects.decode_drop(md), dropped)
-        self._settle(rid)  # its KV will not cross
+        self._settle(rid, tell=True)  # its KV will not cross
         alone = dataclasses.replace(
             plan,
             pipeline=Pipeline.P_RLD,

@@ -30,7 +30,7 @@ class Server:
     def __init__(self, app: FastAPI) -> None:
         cfg = load_config(None)
         cfg = dataclasses.replace(cfg, port=0, gateway=dataclasses.replace(cfg.gateway, send_buffer_kib=8))
-        self.sock = listening_socket(cfg)
+        self.sock = listening_socket(cfg, cfg.port)
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

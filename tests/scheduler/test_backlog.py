@@ -87,6 +87,11 @@ class Registry:
 
     async def set_request(self, request_id: str, fields: dict, ttl_s: float) -> None: ...
 
+    async def claim_plan(self, request_id: str, scheduler: str, ttl_s: float) -> None:
+        return None  # this scheduler plans every request
+
+    async def save_plan(self, request_id: str, encoded: str, ttl_s: float) -> None: ...
+
 
 class Cluster:
     """A scheduler on an in-memory bus; every instance acks its tasks (or refuses, when told)."""
