@@ -135,7 +135,7 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
     for dc in cfg.datacenters:
         _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", [*LOCAL_NAMES, *hosts]))
     creds = {
-        "nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf")},
+        "nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf", "route")},
         "redis": secrets.token_urlsafe(18),
         "index_key": secrets.token_hex(32),
     }
@@ -155,9 +155,10 @@ def write_server_configs(cfg: ClusterConfig, out: Path) -> list[Path]:
     secrets, mount = Secrets(out), Path(cfg.secrets_dir) if cfg.secrets_dir else None
     paths = []
     for dc in cfg.datacenters:
-        path = out / f"nats-{dc.name}.conf"
-        path.write_text(server_conf(cfg, dc, secrets, mount))
-        paths.append(path)
+        for server in cfg.nats_servers(dc.name):
+            path = out / f"{server.name}.conf"
+            path.write_text(server_conf(cfg, dc, secrets, mount, server))
+            paths.append(path)
     path = out / "redis.conf"
     path.write_text(f'requirepass {secrets.redis_password}\nsave ""\nappendonly no\n')
     paths.append(path)

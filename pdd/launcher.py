@@ -117,6 +117,11 @@ class Cluster:
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
+    @property
+    def urls(self) -> dict[str, str]:
+        """Every gateway's URL, by name (the first one's is `url`)."""
+        return {g: f"http://{self.cfg.host}:{self.cfg.gateway_port(g)}" for g in self.cfg.control_plane.gateway_names}
+
     def nats_url(self, dc: str | None = None) -> str:
         return self.cfg.datacenter(dc or self.cfg.control_dc).nats_url
 
@@ -148,7 +153,7 @@ class Cluster:
     def wait_ready(self, timeout: float = 180.0) -> None:
         def healthy() -> bool:
             try:
-                return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
+                return all(httpx.get(f"{url}/health", timeout=1.0).status_code == 200 for url in self.urls.values())
             except httpx.HTTPError:
                 return False
 
@@ -158,23 +163,47 @@ class Cluster:
     def _start_servers(self) -> None:
         for dc in self.cfg.datacenters:
             if dc.name in self.embedded_nats:
-                conf = self.run_dir / f"nats-{dc.name}.conf"
-                conf.write_text(server_conf(self.cfg, dc, self.secrets))
-                self.log(f"pdd: starting the NATS server of datacenter {dc.name}")
-                self.servers[f"nats-{dc.name}"] = EmbeddedServer.nats(
-                    f"nats-{dc.name}", conf, dc.nats_port, self.run_dir
-                ).start()
+                for server in self.cfg.nats_servers(dc.name):
+                    conf = self.run_dir / f"{server.name}.conf"
+                    conf.write_text(server_conf(self.cfg, dc, self.secrets, server=server))
+                    self.log(f"pdd: starting the NATS server {server.name} of datacenter {dc.name}")
+                    self.servers[server.name] = EmbeddedServer.nats(server.name, conf, server.port, self.run_dir)
+                    self.servers[server.name].start()
         if self.embedded_redis:
-            self.log(f"pdd: starting Redis (datacenter {self.cfg.control_dc})")
-            password = self.secrets.redis_password if self.secrets else None
-            self.servers["redis"] = EmbeddedServer.redis(self.cfg.redis_port, password, self.run_dir).start()
+            self._start_redis()
+
+    def _start_redis(self) -> None:
+        """Redis, its replicas (each of the primary), then the Sentinels watching them."""
+        plane, primary = self.cfg.control_plane, self.cfg.redis_port
+        password = self.secrets.redis_password if self.secrets else None
+        self.log(f"pdd: starting Redis (datacenter {self.cfg.control_dc})")
+        self.servers["redis"] = EmbeddedServer.redis(primary, password, self.run_dir).start()
+        for k in range(1, plane.redis_replicas + 1):
+            name = f"redis-{k}"
+            self.log(f"pdd: starting the Redis replica {name}")
+            server = EmbeddedServer.redis(plane.ports[name], password, self.run_dir, name, replica_of=primary)
+            self.servers[name] = server.start()
+        quorum = plane.sentinels // 2 + 1
+        for name in plane.sentinel_names:
+            self.log(f"pdd: starting the Redis Sentinel {name}")
+            server = EmbeddedServer.sentinel(
+                name,
+                plane.ports[name],
+                plane.redis_master,
+                primary,
+                quorum,
+                plane.sentinel_down_ms,
+                password,
+                self.run_dir,
+            )
+            self.servers[name] = server.start()
 
     def start_process(self, name: str) -> None:
         if threading.current_thread() is not threading.main_thread():
             # PR_SET_PDEATHSIG fires when the forking thread exits: the child would die with it
             raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
         spec = self.specs[name]
-        argv = serve_argv(spec.role, self.config_path, name if spec.role in ROLES else None)
+        argv = serve_argv(spec.role, self.config_path, name if name != spec.role else None)
         env, log_path = child_env(), self.run_dir / f"{name}.log"
         if self.failpoints is not None:
             env["PDD_FAILPOINTS_FILE"] = str(self.failpoints)

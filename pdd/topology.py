@@ -34,11 +34,30 @@ def plan_processes(cfg: ClusterConfig, config_path: str) -> list[ProcessSpec]:
     def spec(name: str, role: str, dc: str, *extra: str) -> ProcessSpec:
         return ProcessSpec(name, role, dc, ("pdd", "serve", role, "--config", config_path, *extra))
 
+    def control(name: str, kind: str) -> ProcessSpec:  # one of several is named on its command line
+        return spec(name, kind, cfg.control_dc, *(("--instance", name) if name != kind else ()))
+
+    plane = cfg.control_plane
     specs = [spec("wanlink", "wanlink", "")] if cfg.wan.enabled else []
-    specs.append(spec("scheduler", "scheduler", cfg.control_dc))
+    specs += [control(name, "scheduler") for name in plane.scheduler_names]
     specs += [spec(i.id, i.role, i.dc, "--instance", i.id) for i in cfg.instances]
-    specs.append(spec("gateway", "gateway", cfg.control_dc))
+    specs += [control(name, "gateway") for name in plane.gateway_names]
     return specs
+
+
+def control_plane_ports(cfg: ClusterConfig) -> dict[str, int]:
+    """Ports of the control plane's extra members (control_plane.ports): the gateways and the
+    schedulers' metrics after the first, each site's NATS servers after the first (and every
+    server's route port when they are clustered), the Redis replicas and the Sentinels."""
+    plane, given = cfg.control_plane, cfg.control_plane.ports
+    names = [*plane.gateway_names[1:], *plane.scheduler_names[1:]]
+    for dc in cfg.datacenters:
+        for k in range(plane.nats_servers if plane.nats_servers > 1 else 0):
+            server = f"nats-{dc.name}-{k}"
+            names += [f"{server}-route"] + ([server] if k else [])
+            names += [f"{server}-leaf"] if k and dc.name == cfg.control_dc else []
+    names += [f"redis-{k}" for k in range(1, plane.redis_replicas + 1)] + plane.sentinel_names
+    return {name: _port(given.get(name, 0)) for name in names}
 
 
 def _port(p: int) -> int:
@@ -71,6 +90,7 @@ def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
         scheduler=scheduler,
         redis_port=_port(cfg.redis_port),
         nats_url="",
+        control_plane=dataclasses.replace(cfg.control_plane, ports=control_plane_ports(cfg)),
     )
     ports = {name: _port(cfg.wan.ports.get(name, 0)) for name, *_ in cfg.wan_forwards()} if cfg.wan.enabled else {}
     capture = cfg.wan.capture_dir or str(run_dir / "wan-capture")  # written only when turned on
@@ -78,6 +98,10 @@ def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
     cfg = dataclasses.replace(cfg, datacenters=tuple(_site_urls(cfg, dc) for dc in cfg.datacenters))
     if not cfg.redis_url:
         cfg = dataclasses.replace(cfg, redis_url=f"redis://127.0.0.1:{cfg.redis_port}")
+    if not cfg.redis_sentinels and cfg.control_plane.sentinels:
+        ports = cfg.control_plane.ports
+        where = ",".join(f"127.0.0.1:{ports[name]}" for name in cfg.control_plane.sentinel_names)
+        cfg = dataclasses.replace(cfg, redis_sentinels=where)
     if not cfg.secrets_dir:
         from pdd.certs import make_secrets  # cryptography: only when a throwaway set is needed
 
@@ -86,12 +110,17 @@ def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
 
 
 def _site_urls(cfg: ClusterConfig, dc: DatacenterConfig) -> DatacenterConfig:
-    """Its services' NATS URL; for a site other than the scheduler's, where its server joins the
-    scheduler's site: through the line when it is emulated, else straight to its leaf port."""
-    dc = dataclasses.replace(dc, nats_url=dc.nats_url or f"nats://127.0.0.1:{dc.nats_port}")
+    """Its services' NATS URLs (every server of the site: a client moves to another when its
+    own dies); for a site other than the scheduler's, where its servers join the scheduler's
+    site: through the line when it is emulated, else straight to the leaf ports (any of them)."""
+    urls = ",".join(f"nats://127.0.0.1:{server.port}" for server in cfg.nats_servers(dc.name))
+    dc = dataclasses.replace(dc, nats_url=dc.nats_url or urls)
     if dc.name != cfg.control_dc and not dc.leaf_remote:
         home = cfg.datacenter(cfg.control_dc)
-        through = cfg.wan.ports.get(f"nats-{dc.name}")
-        host = (cfg.wan.host or cfg.host) if through else (home.leaf_host or cfg.host)
-        dc = dataclasses.replace(dc, leaf_remote=f"{host}:{through or home.leaf_port}")
+        remotes = []
+        for k, server in enumerate(cfg.nats_servers(cfg.control_dc)):
+            through = cfg.wan.ports.get(f"nats-{dc.name}" + (f"-{k}" if k else ""))
+            host = (cfg.wan.host or cfg.host) if through else (home.leaf_host or cfg.host)
+            remotes.append(f"{host}:{through or server.leaf_port}")
+        dc = dataclasses.replace(dc, leaf_remote=",".join(remotes))
     return dc

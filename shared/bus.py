@@ -42,7 +42,9 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, role: str = "", secrets: Secrets | None = None) -> Bus:
         """Connect to a NATS server as `role`'s user (its password from `secrets`, when the
-        cluster has them: the servers then refuse anyone without credentials)."""
+        cluster has them: the servers then refuse anyone without credentials). `url` may list
+        several servers of one cluster, comma-separated: when one dies the client moves to
+        another and its subscriptions with it."""
 
         async def on_error(e: Exception) -> None:
             log.warning("%s: NATS error: %s", name, e)
@@ -51,7 +53,7 @@ class Bus:
         if role:  # replies come on the role's own inbox prefix: no role can read another's replies
             creds["inbox_prefix"] = f"_INBOX.{role}"
         nc = await nats.connect(
-            url,
+            url.split(","),
             name=name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,

@@ -235,6 +235,18 @@ class ControlPlaneConfig:
 
 
 @dataclass(frozen=True)
+class NatsServer:
+    """One NATS server of a site: the first one's ports are the site's own (`nats_port`,
+    `leaf_port`), the others' are in control_plane.ports; `route_port` 0: not clustered."""
+
+    name: str
+    dc: str
+    port: int
+    route_port: int = 0
+    leaf_port: int = 0  # the scheduler's site: where the other sites' servers join
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str = "default"
     device: str = ""  # when set, every instance's device (`pdd up --device cuda`)
@@ -300,21 +312,39 @@ class ClusterConfig:
             raise ConfigError(f"no NATS server for datacenter {dc}: set PDD_NATS_URL or datacenters.{dc}.nats_url")
         return url
 
+    def nats_servers(self, dc: str) -> list[NatsServer]:
+        """Site `dc`'s NATS servers: `nats-<dc>` alone, or a cluster `nats-<dc>-0`, `-1`, ..."""
+        site, ports, n = self.datacenter(dc), self.control_plane.ports, self.control_plane.nats_servers
+        if n == 1:
+            return [NatsServer(f"nats-{dc}", dc, site.nats_port, 0, site.leaf_port)]
+        home = dc == self.control_dc
+        return [
+            NatsServer(
+                name := f"nats-{dc}-{k}",
+                dc,
+                site.nats_port if k == 0 else ports.get(name, 0),
+                ports.get(f"{name}-route", 0),
+                (site.leaf_port if k == 0 else ports.get(f"{name}-leaf", 0)) if home else 0,
+            )
+            for k in range(n)
+        ]
+
     def wan_forwards(self) -> list[tuple[str, str, tuple[str, int]]]:
         """What crosses the line: (forward name, the site that dials, the endpoint it reaches).
         Each decoder outside the scheduler's site takes KV pushes from prefill; each other site's
-        NATS server joins the scheduler's site's leafnode port. Nothing else crosses."""
+        NATS servers join the scheduler's site's leafnode ports (`nats-<dc>` the first server's,
+        `nats-<dc>-<k>` the k-th's, when that site's NATS is a cluster). Nothing else crosses."""
         home = self.datacenter(self.control_dc)
         out = [
             (i.id, self.control_dc, (i.host or self.host, i.kv_port))
             for i in self.instances
             if i.dc != self.control_dc and i.role != Role.PREFILL
         ]
-        out += [
-            (f"nats-{d.name}", d.name, (home.leaf_host or self.host, home.leaf_port))
-            for d in self.datacenters
-            if d.name != self.control_dc
-        ]
+        for d in self.datacenters:
+            if d.name != self.control_dc:
+                for k, server in enumerate(self.nats_servers(self.control_dc)):
+                    name = f"nats-{d.name}" + (f"-{k}" if k else "")
+                    out.append((name, d.name, (home.leaf_host or self.host, server.leaf_port)))
         return out
 
     def threads_of(self, inst: InstanceConfig, cores: int | None = None) -> int:

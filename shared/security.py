@@ -51,6 +51,12 @@ class Secrets:
         return self._credentials["nats"][role]
 
     @property
+    def route_password(self) -> str:
+        """Between the NATS servers of one site (a cluster); a set made before clusters: the leaf's."""
+        nats = self._credentials["nats"]
+        return nats.get("route") or nats["leaf"]
+
+    @property
     def redis_password(self) -> str:
         return self._credentials["redis"]
 
