@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig, load_config
@@ -29,11 +31,18 @@ def state_dir() -> Path:
     return Path(os.environ.get("PDD_STATE_DIR") or Path.home() / ".cache" / "pdd" / "run")
 
 
-def write_state(url: str, port: int, config_path: str) -> Path:
+def write_state(url: str, port: int, config_path: str, servers: dict[str, int] | None = None) -> Path:
+    """The cluster's state file; `servers`: the pids of the NATS and Redis servers it started."""
     path = state_dir() / f"cluster-{port}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"url": url, "config": config_path, "pid": os.getpid()}))
+    state = {"url": url, "config": config_path, "pid": os.getpid(), "servers": servers or {}}
+    path.write_text(json.dumps(state))
     return path
+
+
+def read_state(port: int) -> dict[str, Any]:
+    path = state_dir() / f"cluster-{port}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def find_cluster(port: int | None) -> ClusterConfig:
@@ -82,7 +91,50 @@ async def gather_status(cfg: ClusterConfig) -> dict[str, Any]:
             }
     finally:
         await bus.close()
-    return status_view(cfg, status, lines)
+    return status_view(cfg, status, lines, await members(cfg, read_state(cfg.port).get("servers", {})))
+
+
+async def members(cfg: ClusterConfig, pids: dict[str, int]) -> list[dict[str, Any]]:
+    """The NATS servers of each site (up while their port answers; pids as `pdd up` started
+    them) and the Redis servers and Sentinels (each asked for its pid and role: which one is
+    the primary now)."""
+    rows: list[dict[str, Any]] = []
+    for dc in cfg.datacenters:
+        for server in cfg.nats_servers(dc.name):
+            up = await _answers("127.0.0.1", server.port)
+            rows.append({"role": "nats", "id": server.name, "dc": dc.name, "pid": pids.get(server.name, 0)})
+            rows[-1]["state"] = "up" if up else "down"
+    secrets = Secrets.of(cfg)
+    password = secrets.redis_password if secrets else None
+    plane = cfg.control_plane
+    replicas = [f"redis-{k}" for k in range(1, plane.redis_replicas + 1)]
+    servers = [("redis", cfg.redis_url)]
+    servers += [(n, f"redis://127.0.0.1:{plane.ports[n]}") for n in (*replicas, *plane.sentinel_names)]
+    for name, url in servers:
+        row = {"role": "redis", "id": name, "dc": cfg.control_dc, "pid": pids.get(name, 0), "state": "down"}
+        if name.startswith("sentinel"):
+            row["sentinel"] = True
+        client = aioredis.Redis.from_url(url, password=password, socket_timeout=1.0)
+        try:
+            info = await client.info("server")
+            row |= {"pid": int(info["process_id"]), "state": "up"}
+            if not row.get("sentinel"):
+                row["primary"] = (await client.info("replication"))["role"] == "master"
+        except Exception:
+            pass
+        finally:
+            await client.aclose()
+        rows.append(row)
+    return rows
+
+
+async def _answers(host: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 def status_command(args: argparse.Namespace) -> int:

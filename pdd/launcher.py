@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,10 @@ class Cluster:
     def urls(self) -> dict[str, str]:
         """Every gateway's URL, by name (the first one's is `url`)."""
         return {g: f"http://{self.cfg.host}:{self.cfg.gateway_port(g)}" for g in self.cfg.control_plane.gateway_names}
+
+    def server_pids(self) -> dict[str, int]:
+        """The NATS and Redis servers this cluster started that are running, by name."""
+        return {name: s.proc.pid for name, s in self.servers.items() if s.proc and s.proc.poll() is None}
 
     def nats_url(self, dc: str | None = None) -> str:
         return self.cfg.datacenter(dc or self.cfg.control_dc).nats_url
@@ -304,6 +309,33 @@ def shares_host(cfg: ClusterConfig, me: InstanceConfig) -> bool:
     return any(i.id != me.id and (i.host or cfg.host) == (me.host or cfg.host) for i in cfg.instances)
 
 
+def supervise(cluster: Cluster, stop: threading.Event, on_restart, most: int = 5, per_s: float = 60.0) -> None:
+    """Until `stop`: a service or server that exits is started again (its peers carry on: a
+    restarted scheduler, NATS server or Redis rejoins them), unless it exited `most` times within
+    `per_s` seconds: then everything stops, as the process is failing, not failing over."""
+    exits: deque[float] = deque()
+    while not stop.is_set():
+        dead = [name for name, proc in cluster.procs.items() if proc.poll() is not None]
+        dead += [name for name, s in cluster.servers.items() if s.proc is not None and s.proc.poll() is not None]
+        for name in dead:
+            now = time.monotonic()
+            exits.append(now)
+            while exits and now - exits[0] > per_s:
+                exits.popleft()
+            if len(exits) > most:
+                print(f"pdd: {name} exited; {len(exits)} exits within {per_s:.0f}s: stopping", file=sys.stderr)
+                stop.set()
+                return
+            if name in cluster.procs:
+                print(f"pdd: {name} exited with {cluster.procs[name].returncode}; starting it again", file=sys.stderr)
+                cluster.start_process(name)
+            else:
+                print(f"pdd: the server {name} exited; starting it again", file=sys.stderr)
+                cluster.servers[name].start()
+            on_restart()
+        stop.wait(0.5)
+
+
 def run_cluster(config_path: str | None, **overrides: Any) -> int:
     """`pdd up`: the whole two-site cluster on this host until Ctrl-C."""
     stop = threading.Event()
@@ -312,8 +344,10 @@ def run_cluster(config_path: str | None, **overrides: Any) -> int:
     cluster = Cluster(config_path, **overrides)
     throwaway = Path(cluster.cfg.secrets_dir).is_relative_to(cluster.run_dir)
     cluster.start()
-    state = write_state(cluster.url, cluster.cfg.port, cluster.config_path)
+    state = write_state(cluster.url, cluster.cfg.port, cluster.config_path, cluster.server_pids())
     print(f"PDD serving on {cluster.url}  (OpenAI API: {cluster.url}/v1; Ctrl-C stops everything)", flush=True)
+    if len(cluster.urls) > 1:
+        print(f"pdd: gateways: {', '.join(f'{n} {u}' for n, u in cluster.urls.items())}", flush=True)
     for dc in cluster.cfg.datacenters:
         names = [s.name for s in cluster.specs.values() if s.dc == dc.name]
         print(f"pdd: datacenter {dc.name}: {', '.join(names)} (NATS {dc.nats_url})", flush=True)
@@ -331,12 +365,11 @@ def run_cluster(config_path: str | None, **overrides: Any) -> int:
     if throwaway:
         print(f"pdd: throwaway CA, certificates and credentials in {cluster.cfg.secrets_dir}", flush=True)
     try:
-        while not stop.is_set():
-            for name, proc in cluster.procs.items():
-                if proc.poll() is not None:
-                    print(f"pdd: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
-                    stop.set()
-            stop.wait(0.5)
+        supervise(
+            cluster,
+            stop,
+            lambda: write_state(cluster.url, cluster.cfg.port, cluster.config_path, cluster.server_pids()),
+        )
     finally:
         state.unlink(missing_ok=True)
         cluster.stop()

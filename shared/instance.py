@@ -94,6 +94,7 @@ class InstanceService:
             dtype=inst.dtype,
             block_size=cfg.block_size,
             capacity=inst.max_running + inst.max_waiting,
+            pid=os.getpid(),
         )
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()

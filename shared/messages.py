@@ -518,6 +518,7 @@ class InstanceInfo(Message):
     busy_s: float = 0.0  # engine steps since start, in seconds (busy fraction = its rate)
     started_at: float = 0.0
     updated_at: float = 0.0  # when the figures were sampled (wall clock)
+    pid: int = 0  # its process on its host (`pdd status`)
 
 
 @dataclass
@@ -592,6 +593,20 @@ class ClusterStatus(Message):
     plans: dict[str, int] = field(default_factory=dict)  # pipeline -> requests planned since start
     now: float = 0.0  # the scheduler's wall clock (heartbeat ages are against it)
     scheduler: str = ""  # which scheduler answered (its plan counts are its own)
+    control: list[ControlProcess] = field(default_factory=list)  # the gateways and schedulers alive
+
+
+@dataclass
+class ControlProcess(Message):
+    """A gateway or scheduler alive now, as its presence row in Redis says (`pdd status`)."""
+
+    kind: str  # gateway | scheduler
+    name: str
+    dc: str
+    pid: int
+    url: str = ""  # a gateway's
+    planned: int = 0  # a scheduler's plans since it started
+    last_request: str = ""  # the request a scheduler planned last
 
 
 @dataclass

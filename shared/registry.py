@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -41,7 +42,7 @@ from redis.exceptions import ReadOnlyError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.config import ClusterConfig
-from shared.messages import IndexEvent, IndexUpdate, InstanceInfo
+from shared.messages import ControlProcess, IndexEvent, IndexUpdate, InstanceInfo
 from shared.security import Secrets
 
 log = logging.getLogger(__name__)
@@ -126,29 +127,37 @@ class Registry:
             pipe.set(EPOCH, repr(time.time()), nx=True)  # a Redis that (re)started empty begins its epoch
             await pipe.execute()
 
-    async def announce(self, kind: str, name: str, dc: str, every_s: float, **fields: str) -> None:
+    async def announce(
+        self, kind: str, name: str, dc: str, every_s: float, figures: Callable[[], dict[str, str]] = dict, **fields: str
+    ) -> None:
         """Say this control-plane process is alive, every `every_s` until cancelled (a missed
-        write is retried at the next; its key expires after three)."""
+        write is retried at the next; its key expires after three), with its `figures()` then."""
         key = f"{PROCESS}{kind}:{name}"
         row = {"kind": kind, "name": name, "dc": dc, "pid": str(os.getpid()), "since": repr(time.time()), **fields}
         while True:
             try:
                 async with self.r.pipeline(transaction=True) as pipe:
-                    pipe.hset(key, mapping=row)
+                    pipe.hset(key, mapping=row | figures())
                     pipe.pexpire(key, int(3 * every_s * 1000))
                     await pipe.execute()
             except Exception as e:  # Redis failing over: the next beat writes it again
                 log.debug("presence of %s not written: %s", name, e)
             await asyncio.sleep(every_s)
 
-    async def processes(self) -> list[dict[str, str]]:
+    async def processes(self) -> list[ControlProcess]:
         """The gateways and schedulers alive now (their presence rows), by kind and name."""
         keys = [k async for k in self.r.scan_iter(match=PROCESS + "*", count=1000)]
         async with self.r.pipeline(transaction=False) as pipe:
             for k in keys:
                 pipe.hgetall(k)
             rows = await pipe.execute()
-        return sorted((r for r in rows if r), key=lambda r: (r["kind"], r["name"]))
+        names = {f.name: f for f in dataclasses.fields(ControlProcess)}
+        parsed = [
+            ControlProcess.from_dict({k: int(v) if names[k].type == "int" else v for k, v in r.items() if k in names})
+            for r in rows
+            if r
+        ]
+        return sorted(parsed, key=lambda p: (p.kind, p.name))
 
     async def remove(self, instance_id: str) -> None:
         await self.r.delete(INSTANCE + instance_id)

@@ -12,8 +12,12 @@ from shared.config import ClusterConfig
 from shared.messages import ClusterStatus
 
 
-def status_view(cfg: ClusterConfig, status: ClusterStatus, lines: dict | None) -> dict[str, Any]:
-    """Plain data for `pdd status --json` and the dashboard: instances by site, and the line."""
+def status_view(
+    cfg: ClusterConfig, status: ClusterStatus, lines: dict | None, members: list[dict] | None = None
+) -> dict[str, Any]:
+    """Plain data for `pdd status --json` and the dashboard: instances by site, the line, and
+    every process (`processes`: the instances, the gateways and schedulers, and the NATS and
+    Redis `members` the caller found)."""
     alive = {i.id: i for i in status.instances}
     sites: dict[str, list] = {dc.name: [] for dc in cfg.datacenters}
     for inst in cfg.instances:
@@ -38,4 +42,34 @@ def status_view(cfg: ClusterConfig, status: ClusterStatus, lines: dict | None) -
         "emulated": cfg.wan.enabled,
         "lines": lines,
     }
-    return {"datacenters": sites, "wan": wan, "plans": status.plans}
+    return {
+        "datacenters": sites,
+        "wan": wan,
+        "plans": status.plans,
+        "processes": _processes(cfg, status) + (members or []),
+        "status_from": status.scheduler,
+    }
+
+
+def _processes(cfg: ClusterConfig, status: ClusterStatus) -> list[dict[str, Any]]:
+    """One row per planned service process: role, id, dc, pid and state ("up" while its heartbeat
+    or presence lasts, else "missing"); a gateway's URL; a scheduler's plan count and last plan."""
+    alive = {i.id: i for i in status.instances}
+    rows = [
+        {"role": i.role.value, "id": i.id, "dc": i.dc, "pid": alive[i.id].pid if i.id in alive else 0}
+        | {"state": "up" if i.id in alive else "missing"}
+        for i in cfg.instances
+    ]
+    present = {(p.kind, p.name): p for p in status.control}
+    plane = cfg.control_plane
+    for kind, names in (("gateway", plane.gateway_names), ("scheduler", plane.scheduler_names)):
+        for name in names:
+            p = present.get((kind, name))
+            row = {"role": kind, "id": name, "dc": cfg.control_dc, "pid": p.pid if p else 0}
+            row["state"] = "up" if p else "missing"
+            if kind == "gateway":
+                row["url"] = p.url if p else f"http://{cfg.host}:{cfg.gateway_port(name)}"
+            elif p:
+                row |= {"planned": p.planned, "last_request": p.last_request}
+            rows.append(row)
+    return rows

@@ -49,6 +49,8 @@ from shared.messages import Abort, Logprob, Plan, Resend, Resent, Sampling, Subm
 from shared.pipelines import Role
 
 log = logging.getLogger(__name__)
+SUBMIT_TRIES = 2  # a submission no scheduler answered is sent once more (same id: never planned twice)
+SUBMIT_RETRY_S = 0.5  # after a pause: "no responders" while a NATS server fails over is answered at once
 
 
 class StreamError(Exception):
@@ -117,11 +119,19 @@ class RequestFlow:
         self.holders = {i for i in (self.plan.prefill, self.plan.rld, self.plan.md) if i}
 
     async def _plan(self, submit: Submit) -> Plan:
+        """The plan, asked of the schedulers' queue group; asked once more when no answer came (the
+        scheduler that had it may have died: another plans it, or answers with its plan)."""
         try:
-            plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
-        except BusTimeout as e:
-            await self._abandon(submit.request_id)
-            raise APIError(503, f"scheduler unavailable: {e}", type="service_unavailable") from None
+            for attempt in range(SUBMIT_TRIES):
+                try:
+                    plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
+                    break
+                except BusTimeout as e:
+                    if attempt + 1 == SUBMIT_TRIES:
+                        await self._abandon(submit.request_id)
+                        raise APIError(503, f"scheduler unavailable: {e}", type="service_unavailable") from None
+                    log.warning("%s: no plan yet (%s); submitting it again", submit.request_id, e)
+                    await asyncio.sleep(SUBMIT_RETRY_S)
         except asyncio.CancelledError:  # the client left while its request was being planned
             await asyncio.shield(self._abandon(submit.request_id))
             raise

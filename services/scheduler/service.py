@@ -126,6 +126,7 @@ class Scheduler:
         self.index_key = secrets.index_key if secrets else b""  # the instances key their block hashes alike
         self.refused = self.metrics.counter("pdd:plan_failures", "Requests not planned, by HTTP status", ("status",))
         self._tasks: set[asyncio.Task] = set()
+        self.last_request = ""  # the request planned last (`pdd status`)
 
     async def run(self) -> None:
         stop = asyncio.Event()
@@ -148,7 +149,7 @@ class Scheduler:
         self.metrics.serve(self.cfg.host, self.cfg.scheduler_metrics_port(self.name))
         await self.serve()
         presence = asyncio.create_task(
-            self.registry.announce("scheduler", self.name, self.cfg.control_dc, self.cfg.heartbeat_s)
+            self.registry.announce("scheduler", self.name, self.cfg.control_dc, self.cfg.heartbeat_s, self._figures)
         )
         log.info("%s ready", self.name)
         await stop.wait()
@@ -210,7 +211,11 @@ class Scheduler:
             plans=dict(self.plan_counts),
             now=time.time(),
             scheduler=self.name,
+            control=await self.registry.processes(),
         )
+
+    def _figures(self) -> dict[str, str]:
+        return {"planned": str(sum(self.plan_counts.values())), "last_request": self.last_request}
 
     async def on_submit(self, sub: Submit) -> Plan:
         if sub.request_id in self.plans:
@@ -243,6 +248,7 @@ class Scheduler:
         else:
             self.planned.labels(pipeline=plan.pipeline, reason=plan.reason).inc()
             self.plan_counts[plan.pipeline] += 1
+            self.last_request = plan.request_id
             log.info(
                 "%s: %s (%s) on %s",
                 sub.request_id,
