@@ -1,8 +1,12 @@
 """One request's life in the gateway, from submit to the last text delta.
 
 1. Subscribe to `pdd.tokens.<id>` first, so no token can be missed, then submit to the
-   scheduler (request-reply with a timeout). An error plan becomes an HTTP error. A submission
-   the gateway stops waiting for (timeout, client gone) is aborted: it may still be dispatched.
+   schedulers (request-reply with a timeout, asked twice: the one that had it may have died). An
+   error plan becomes an HTTP error. A submission the gateway stops waiting for (timeout, client
+   gone) is aborted: it may still be dispatched. A request id the schedulers planned already
+   gets that plan back, so a client that lost its gateway and sends the same request to another
+   with the same `X-Request-Id` is picked up where it is (the decoders send the tokens it missed,
+   as for a lost chunk, below) or, when they no longer hold it, moved (5.).
 2. Token chunks arrive from whichever decoder holds the request (relay, then main); they are
    put in index order and de-duplicated, detokenized incrementally, and cut at stop strings.
 3. The stream ends when the final chunk and every token before it have arrived; the last
@@ -49,8 +53,7 @@ from shared.messages import Abort, Logprob, Plan, Resend, Resent, Sampling, Subm
 from shared.pipelines import Role
 
 log = logging.getLogger(__name__)
-SUBMIT_TRIES = 2  # a submission no scheduler answered is sent once more (same id: never planned twice)
-SUBMIT_RETRY_S = 0.5  # after a pause: "no responders" while a NATS server fails over is answered at once
+SUBMIT_RETRY_S = 0.5  # before asking again: "no responders" while a NATS server fails over comes at once
 
 
 class StreamError(Exception):
@@ -119,15 +122,19 @@ class RequestFlow:
         self.holders = {i for i in (self.plan.prefill, self.plan.rld, self.plan.md) if i}
 
     async def _plan(self, submit: Submit) -> Plan:
-        """The plan, asked of the schedulers' queue group; asked once more when no answer came (the
-        scheduler that had it may have died: another plans it, or answers with its plan)."""
+        """The plan, asked of the schedulers' queue group; asked once more when no answer came
+        within a control round (the scheduler that had it may have died: another takes its claim
+        over once its presence expired and plans it; a live one that is only slow answers the
+        second ask with its plan), then waited for up to three rounds (a plan around a dead
+        instance takes up to three)."""
+        control_s = self.gw.cfg.timeouts.control_s
         try:
-            for attempt in range(SUBMIT_TRIES):
+            for attempt, timeout in enumerate((control_s, 3 * control_s)):
                 try:
-                    plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, self.gw.cfg.timeouts.control_s * 3)
+                    plan = await self.gw.bus.request(subjects.SUBMIT, submit, Plan, timeout)
                     break
                 except BusTimeout as e:
-                    if attempt + 1 == SUBMIT_TRIES:
+                    if attempt == 1:
                         await self._abandon(submit.request_id)
                         raise APIError(503, f"scheduler unavailable: {e}", type="service_unavailable") from None
                     log.warning("%s: no plan yet (%s); submitting it again", submit.request_id, e)

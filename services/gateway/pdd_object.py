@@ -41,6 +41,8 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
     gaps = stats.token_gaps
     return {
         "request_id": request_id,
+        "scheduler": plan.scheduler,  # which of the schedulers planned it
+        "dispatch_id": plan.dispatch_id,  # this dispatch (a request picked up again keeps it)
         "pipeline": plan.pipeline,
         "handoff": plan.handoff,
         "plan_reason": plan.reason,

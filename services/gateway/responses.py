@@ -11,7 +11,15 @@ from shared.messages import Logprob
 
 Json = dict[str, Any]
 Tokens = list[tuple[int, Logprob | None]]  # tokens with their logprobs (services/gateway/flow.py `Delta`)
-HIDDEN_FROM_USERS = ("instances", "plan_estimates", "prefix_hit_tokens", "md_cached_tokens", "recomputed_tokens")
+HIDDEN_FROM_USERS = (
+    "instances",
+    "scheduler",
+    "dispatch_id",
+    "plan_estimates",
+    "prefix_hit_tokens",
+    "md_cached_tokens",
+    "recomputed_tokens",
+)
 
 
 def event(obj: Json) -> bytes:
