@@ -23,6 +23,8 @@ The points (grep `failpoints.hit`):
     decoder.final_chunk    a decoder's last chunk of a request (finish reason and stats)
     rld.handoff_chunk      the relay's handoff chunk to main-decode
     decoder.task           a decoder's task is neither taken nor answered (as if it had just died)
+    scheduler.submit       a scheduler claims a submission and neither plans nor answers it (as if
+                           it died right after the claim)
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.inputs import Dispatched, WanBacklog, cluster_policy_config, instance_view, wan_kv_bytes
 from services.scheduler.policy import NoCapacity, PlanRequest, PolicyConfig, choose_plan
 from services.scheduler.registrar import Registrar
-from shared import subjects
+from shared import failpoints, subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
 from shared.messages import (
@@ -129,6 +129,7 @@ class Scheduler:
         self.last_request = ""  # the request planned last (`pdd status`)
 
     async def run(self) -> None:
+        failpoints.configure(self.name, "scheduler")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -217,12 +218,14 @@ class Scheduler:
     def _figures(self) -> dict[str, str]:
         return {"planned": str(sum(self.plan_counts.values())), "last_request": self.last_request}
 
-    async def on_submit(self, sub: Submit) -> Plan:
+    async def on_submit(self, sub: Submit) -> Plan | None:
         if sub.request_id in self.plans:
             return self.plans[sub.request_id][1]
         t0 = time.monotonic()
         if (earlier := await self._claim(sub.request_id)) is not None:
             return earlier
+        if failpoints.hit("scheduler.submit"):  # claimed, never planned nor answered (tests)
+            return None
         self.planning[sub.request_id] = False
         try:
             plan = await self._plan_around_the_dead(sub)
