@@ -127,7 +127,7 @@ def server_conf(
         "listen": f"{cfg.host}:{server.port or 4222}",
         "max_payload": 1 << 20,
     }
-    if dc.monitor_port and server is servers[0]:  # /healthz for container healthchecks
+    if dc.monitor_port and server.name == servers[0].name:  # /healthz for container healthchecks
         conf["http_port"] = dc.monitor_port
     home = dc.name == cfg.control_dc
     if secrets is not None:
@@ -166,7 +166,7 @@ def _cluster(
     cluster: dict = {
         "name": f"pdd-{dc.name}",
         "listen": f"{cfg.host}:{me.route_port}",
-        "routes": [f"nats-route://{creds}127.0.0.1:{s.route_port}" for s in servers if s is not me],
+        "routes": [f"nats-route://{creds}127.0.0.1:{s.route_port}" for s in servers if s.name != me.name],
     }
     if secrets is not None:
         cluster["authorization"] = {"user": "route", "password": secrets.route_password}

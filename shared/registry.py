@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, WatchError
@@ -87,7 +87,7 @@ def connect(url: str, password: str | None = None, sentinels: str = "", master: 
         decode_responses=True,
         socket_timeout=5,
         socket_connect_timeout=5,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3 if not sentinels else 8),
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3 if not sentinels else 8),  # a failover: ~1-3 s
         retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionError, ReadOnlyError],
         health_check_interval=5,
     )
@@ -95,7 +95,19 @@ def connect(url: str, password: str | None = None, sentinels: str = "", master: 
         return aioredis.Redis.from_url(url, password=password, **options)
     where = [(h, int(p)) for h, p in (hp.rsplit(":", 1) for hp in sentinels.split(",") if hp)]
     watchers = Sentinel(where, sentinel_kwargs={"password": password, "socket_timeout": 1.0}, password=password)
-    return watchers.master_for(master, **options)
+    return watchers.master_for(master, connection_class=_PrimaryConnection, **options)
+
+
+class _PrimaryConnection(SentinelManagedConnection):
+    """A connection to the primary that asks the Sentinels where it is on every reconnect.
+    redis-py's own reconnects a dropped socket to the address it had (its commands reconnect
+    through `connect_check_health`, not the `connect` that asks the Sentinels): after a failover
+    every retry went to the dead primary until they ran out."""
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True):
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health=check_health, retry_socket_connect=False)
 
 
 class Registry:

@@ -204,7 +204,7 @@ def test_the_control_plane_survives_the_death_of_each_member(ha):
     answered = [o for o in clients.outcomes if o.ended]
     for o in answered:
         if o.status != 200:
-            print(f"  failed: {o.request_id} via {o.gateways} status {o.status} at {o.started - clients.t0:.2f}s: {o.text}")
+            print(f"  failed: {o.request_id} via {o.gateways} {o.status} at {o.started - clients.t0:.2f}s: {o.text}")
     assert all(not t.is_alive() for t in clients.threads), "a request hung"
     assert [o.request_id for o in answered if o.status != 200] == [], "lost requests"
     assert [o.request_id for o in answered if o.text != reference[o.prompt]] == [], "answers that differ"
