@@ -8,7 +8,10 @@ pdd certs --config FILE --out DIR [--host NAME ...]
                               a cluster's CA, certificates and credentials (pdd/certs.py)
 pdd wan show | set | down | up [--bandwidth-mbps N --delay-ms N --jitter-ms N]
                               the emulated line of a running `pdd up` cluster (pdd/control.py)
-pdd status [--json]           instances by datacenter, their load and KV blocks, the line
+pdd status [--json]           every process (instances, gateways, schedulers, NATS and Redis servers),
+                              the instances' load and KV blocks, the line
+pdd k8s --config FILE [--out DIR]
+                              Kubernetes manifests, one Kustomize folder per site (pdd/k8s.py)
 pdd bench [--workload W --modes M1,M2 --out DIR ...]
                               PDD and its baselines side by side (benchmarks/bench.py)
 pdd bench handoff [--tokens 100 --reps 30]
@@ -73,6 +76,12 @@ def _certs(args: argparse.Namespace) -> int:
     from pdd import certs
 
     return certs.main(args)
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    from pdd import k8s
+
+    return k8s.main(["--config", args.config, "--out", args.out])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -171,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each site's nats-server config and redis.conf beside them (servers run outside `pdd up`)",
     )
     certs.set_defaults(func=_certs)
+    k8s = sub.add_parser("k8s", help="render Kubernetes manifests, one Kustomize folder per site (docs/deploy.md)")
+    k8s.add_argument("--config", required=True, help="the cluster YAML (e.g. configs/deploy.yaml)")
+    k8s.add_argument("--out", default="deploy/k8s", help="writes OUT/site-<dc>/ for each datacenter")
+    k8s.set_defaults(func=_k8s)
     add_wan_arguments(sub)
     add_status_arguments(sub)
     _add_bench(sub)
