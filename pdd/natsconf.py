@@ -166,7 +166,11 @@ def _cluster(
     cluster: dict = {
         "name": f"pdd-{dc.name}",
         "listen": f"{cfg.host}:{me.route_port}",
-        "routes": [f"nats-route://{creds}127.0.0.1:{s.route_port}" for s in servers if s.name != me.name],
+        "routes": [
+            f"nats-route://{creds}{cfg.control_plane.hosts.get(s.name) or '127.0.0.1'}:{s.route_port}"
+            for s in servers
+            if s.name != me.name
+        ],
     }
     if secrets is not None:
         cluster["authorization"] = {"user": "route", "password": secrets.route_password}

@@ -196,7 +196,7 @@ class ControlPlaneConfig:
     has `redis_replicas` with `sentinels` watching it (clients follow a failover). One of each is
     the single-host demo. `ports` is filled by the launcher: the extra processes' and servers'
     ports by name (`gateway-1`, `scheduler-1`, `nats-A-1`, `nats-A-1-route`, `nats-A-1-leaf`,
-    `redis-1`, `sentinel-0`, ...)."""
+    `redis-1`, `sentinel-0`, ...); a real site names them, and the servers' `hosts`."""
 
     gateways: int = 1
     schedulers: int = 1
@@ -206,6 +206,9 @@ class ControlPlaneConfig:
     sentinel_down_ms: int = 1000  # a primary silent this long is failed over
     redis_master: str = "pdd"  # the name the Sentinels know the primary by
     ports: dict[str, int] = field(default_factory=dict)
+    # where each NATS server of a clustered site is reached by the others of its site, by name
+    # (`nats-A-1: nats-a-1.internal`); "" or absent: 127.0.0.1 (every server on one host)
+    hosts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("gateways", "schedulers", "nats_servers"):
