@@ -96,6 +96,7 @@ class Load:
         self.run = secrets.token_hex(2)
         self.pending: dict[int, tuple[float, asyncio.Future]] = {}
         self.answered: set[int] = set()
+        self.counted: set[int] = set()  # requests sent in the window
         self.duplicates = 0
         self.results: list[tuple[float, float, bytes]] = []  # (sent, latency s, the plan) in the window
         self.window = (0.0, 0.0)
@@ -114,7 +115,7 @@ class Load:
     async def _on_reply(self, msg) -> None:
         n = int(msg.subject.rsplit(".", 1)[1])
         if n in self.answered:
-            self.duplicates += 1
+            self.duplicates += n in self.counted  # another scheduler's answer to a request in the window
             return
         self.answered.add(n)
         entry = self.pending.pop(n, None)
@@ -128,9 +129,11 @@ class Load:
         future = asyncio.get_running_loop().create_future()
         sent = time.perf_counter()
         self.pending[n] = (sent, future)
-        await self.nc.publish(subjects.SUBMIT, payload, reply=f"{self.inbox}.{n}")
         counted = self.window[0] <= sent < self.window[1]
-        self.sent += counted
+        if counted:
+            self.counted.add(n)
+            self.sent += 1
+        await self.nc.publish(subjects.SUBMIT, payload, reply=f"{self.inbox}.{n}")
         try:
             at, data = await asyncio.wait_for(future, timeout)
         except TimeoutError:
