@@ -31,7 +31,7 @@ class BadMessage(ValueError):
 
 class Message:
     def encode(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        return msgpack.packb(_plain(self), use_bin_type=True)
 
     @classmethod
     def decode(cls: type[M], data: bytes) -> M:
@@ -53,6 +53,25 @@ class Message:
             raise BadMessage(f"{cls.__name__}: {e}") from None
 
 
+def _plain(value: Any) -> Any:
+    """`dataclasses.asdict` without its deep copies: a list of numbers or strings (a prompt's
+    token ids, in every task the scheduler sends) goes to msgpack as it is."""
+    if dataclasses.is_dataclass(value):
+        return {name: _plain(getattr(value, name)) for name in _field_names(type(value))}
+    if isinstance(value, list):
+        return value if not value or isinstance(value[0], int | float | str) else [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 @cache
 def _hints(cls: type) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
@@ -71,6 +90,8 @@ def _check(value: Any, tp: Any, where: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise BadMessage(f"{where}: expected a list, got {type(value).__name__}")
+        if args[0] in (int, str) and all(type(v) is args[0] for v in value):  # token ids: no call each
+            return value
         return [_check(v, args[0], f"{where}[]") for v in value]
     if origin is dict:
         if not isinstance(value, dict):

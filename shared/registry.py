@@ -6,6 +6,7 @@ them here; the scheduler and the gateway read them.
 
 Keys
     pdd:instance:<id>          hash  InstanceInfo fields; expires unless refreshed by heartbeats
+    pdd:instances              set   the ids of those rows (an id whose row expired is dropped on read)
     pdd:request:<id>           hash  plan of an in-flight request; deleted when it ends, renewed
                                      while an instance reports holding it
     pdd:epoch                  str   when this Redis's data began (wall clock of the registrar that
@@ -51,6 +52,7 @@ REQUEST = "pdd:request:"
 EPOCH = "pdd:epoch"
 KV = "pdd:kv:"
 PLAN = "pdd:plan:"
+INSTANCES = "pdd:instances"
 PLANNING = "planning "  # a plan key's value while a scheduler plans it, before its name
 ADOPTED = "pdd:adopted:"
 INDEX_ORDER_WAIT_S = 0.2  # an index update that overtook its predecessor waits this long for it
@@ -63,14 +65,37 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# Drop from the set of instance ids (KEYS[1]) those whose row (prefix ARGV[1]) is still gone: a
+# heartbeat may have written one again since it was read.
+_DROP_EXPIRED_LUA = """
+for i = 2, #ARGV do
+  if redis.call('EXISTS', ARGV[1] .. ARGV[i]) == 0 then redis.call('SREM', KEYS[1], ARGV[i]) end
+end
+return 0
+"""
+
 # For each key (an instance's block set): how many of ARGV, in order, it holds before the first miss.
+# Most instances miss the first block: one SISMEMBER says so; one that holds it is asked for the
+# rest a chunk at a time (SMISMEMBER, Redis 6.2), not one call per block.
 _LEADING_HITS_LUA = """
 local out = {}
+local chunk = 256
 for k = 1, #KEYS do
   local n = 0
-  for i = 1, #ARGV do
-    if redis.call('SISMEMBER', KEYS[k], ARGV[i]) == 0 then break end
-    n = i
+  if #ARGV > 0 and redis.call('SISMEMBER', KEYS[k], ARGV[1]) == 1 then
+    n = 1
+    local from = 2
+    while from <= #ARGV do
+      local to = math.min(from + chunk - 1, #ARGV)
+      local held = redis.call('SMISMEMBER', KEYS[k], unpack(ARGV, from, to))
+      local missed = false
+      for i = 1, #held do
+        if held[i] == 0 then missed = true break end
+        n = n + 1
+      end
+      if missed then break end
+      from = to + 1
+    end
   end
   out[k] = n
 end
@@ -117,6 +142,7 @@ class Registry:
         self.replicas = replicas  # a request's record waits for one replica's copy (a failover keeps it)
         self._prefix_script = None
         self._release_script = None
+        self._drop_script = None
 
     @classmethod
     def of(cls, cfg: ClusterConfig) -> Registry:
@@ -134,6 +160,7 @@ class Registry:
         info.updated_at = sampled_at or time.time()
         key = INSTANCE + info.id
         async with self.r.pipeline(transaction=True) as pipe:
+            pipe.sadd(INSTANCES, info.id)
             pipe.hset(key, mapping={k: str(v) for k, v in dataclasses.asdict(info).items()})
             pipe.pexpire(key, int(ttl_s * 1000) or self.ttl_ms)
             pipe.set(EPOCH, repr(time.time()), nx=True)  # a Redis that (re)started empty begins its epoch
@@ -172,16 +199,25 @@ class Registry:
         return sorted(parsed, key=lambda p: (p.kind, p.name))
 
     async def remove(self, instance_id: str) -> None:
-        await self.r.delete(INSTANCE + instance_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.delete(INSTANCE + instance_id)
+            pipe.srem(INSTANCES, instance_id)
+            await pipe.execute()
 
     async def alive(self, role: str | None = None) -> list[InstanceInfo]:
-        keys = [k async for k in self.r.scan_iter(match=INSTANCE + "*", count=1000)]
-        if not keys:
+        """Every instance whose row has not expired (the ids from `pdd:instances`: a SCAN walked
+        every key, the requests' plans too; an id whose row expired is dropped from it here)."""
+        ids = sorted(await self.r.smembers(INSTANCES))
+        if not ids:
             return []
         async with self.r.pipeline(transaction=False) as pipe:
-            for k in keys:
-                pipe.hgetall(k)
+            for iid in ids:
+                pipe.hgetall(INSTANCE + iid)
             rows = await pipe.execute()
+        if gone := [iid for iid, row in zip(ids, rows) if not row]:
+            if self._drop_script is None:
+                self._drop_script = self.r.register_script(_DROP_EXPIRED_LUA)
+            await self._drop_script(keys=[INSTANCES], args=[INSTANCE, *gone])
         infos = [_info_from_hash(row) for row in rows if row]
         return sorted((i for i in infos if role is None or i.role == role), key=lambda i: i.id)
 

@@ -82,3 +82,20 @@ def test_no_message_or_frame_carries_an_untyped_field():
     }
     untyped = {f"{c.__name__}.{n}" for c in classes for n, tp in typing.get_type_hints(c).items() if _untyped(tp)}
     assert len(classes) > 30 and untyped == set(), untyped
+
+
+def test_a_message_encodes_as_asdict_did_without_copying_its_token_ids():
+    """`encode` skips `dataclasses.asdict`'s deep copies (a 4,000-token prompt in three tasks per
+    plan); the bytes are what they were, and a list of ids is still checked element by element
+    when one is not an int."""
+    import dataclasses
+
+    from shared.messages import Plan, PrefillTask, Sampling, Submit
+
+    targets = [KVTarget("md-0", Role.MD, "h", 1)]
+    task = PrefillTask("r", list(range(4000)), Sampling(stop=["x"]), targets, Plan("r", pipeline="p-md", md="md-0"))
+    assert task.encode() == msgpack.packb(dataclasses.asdict(task), use_bin_type=True)
+    assert PrefillTask.decode(task.encode()) == task
+    bad = msgpack.packb({"request_id": "r", "prompt_ids": [1, True, 3], "sampling": {}})
+    with pytest.raises(BadMessage, match=r"Submit.prompt_ids\[\]: expected int, got bool"):
+        Submit.decode(bad)

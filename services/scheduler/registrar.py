@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from shared import subjects
 from shared.bus import Bus
@@ -41,6 +42,33 @@ log = logging.getLogger(__name__)
 
 MISSED_REPLIES = 2  # heartbeat replies in a row an instance may miss before it is not refreshed
 QUEUE = "registrars"  # the NATS queue group of every scheduler's registrar
+
+
+@dataclass(frozen=True)
+class Heard:
+    sampled_at: float  # when its figures were read, on the hearer's clock
+    ttl_s: float  # how long it lives from now without another heartbeat
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """How long a heartbeat keeps an instance alive, by the hearer's clock (never the instance's:
+    two sites' clocks are not compared): the TTL, longer for another site's instances (the line's
+    delay, one lost heartbeat); none for an instance whose last replies did not reach it (the
+    line is down towards it: tasks would not reach it either). The registrar writes it to Redis,
+    and each scheduler's live view (services/scheduler/live_view.py) keeps it in memory."""
+
+    ttl_s: float
+    control_dc: str = "A"
+    line_delay_s: float = 0.0  # one way
+    heartbeat_s: float = 1.0
+
+    def heard(self, beat: Heartbeat, now: float) -> Heard | None:
+        if beat.missed_replies >= MISSED_REPLIES:
+            return None
+        remote = beat.info.dc != self.control_dc
+        delay = self.line_delay_s if remote else 0.0  # it sampled its figures about this long ago
+        return Heard(now - delay, self.ttl_s + (self.heartbeat_s + 2 * delay if remote else 0.0))
 
 
 class Registrar:
@@ -57,6 +85,7 @@ class Registrar:
         self.control_dc = control_dc  # the registrar's site: others' heartbeats cross the line
         self.line_delay_s = line_delay_s  # one way
         self.heartbeat_s = heartbeat_s
+        self.liveness = Liveness(registry.ttl_ms / 1000, control_dc, line_delay_s, heartbeat_s)
         self._index_lock: dict[str, asyncio.Lock] = {}  # instance -> its updates here, in arrival order
 
     async def serve(self, bus: Bus) -> None:
@@ -66,13 +95,10 @@ class Registrar:
 
     async def on_heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         info = beat.info
-        if beat.missed_replies >= MISSED_REPLIES:  # it hears nothing from here: tasks would not reach it
+        if (heard := self.liveness.heard(beat, time.time())) is None:  # it hears nothing from here
             log.warning("registrar: %s missed %d heartbeat replies; not refreshed", info.id, beat.missed_replies)
-        else:  # stamped by this clock, never the instance's: two sites' clocks are not compared
-            remote = info.dc != self.control_dc
-            delay = self.line_delay_s if remote else 0.0  # it sampled its figures about this long ago
-            ttl = self.registry.ttl_ms / 1000 + (self.heartbeat_s + 2 * delay if remote else 0.0)
-            await self.registry.heartbeat(info, time.time() - delay, ttl_s=ttl)
+        else:
+            await self.registry.heartbeat(info, heard.sampled_at, ttl_s=heard.ttl_s)
         resync = await self.registry.index_state(info.id)
         forget = await self._gone(beat) if beat.holding else []
         return HeartbeatReply(resync_index=resync, forget=forget)

@@ -49,6 +49,7 @@ from collections.abc import Collection
 
 from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.inputs import Dispatched, WanBacklog, cluster_policy_config, instance_view, wan_kv_bytes
+from services.scheduler.live_view import LiveView
 from services.scheduler.policy import NoCapacity, PlanRequest, PolicyConfig, choose_plan
 from services.scheduler.registrar import Registrar
 from shared import failpoints, subjects
@@ -61,9 +62,11 @@ from shared.messages import (
     DecodeTask,
     Drop,
     FinishOnRelay,
+    Heartbeat,
     Inspect,
     InstanceInfo,
     KVTarget,
+    Leave,
     LineBacklog,
     Plan,
     PrefillTask,
@@ -108,6 +111,7 @@ class Scheduler:
         self.wan = BandwidthEstimator(self.policy.wan_mbps, self.policy.wan_delay_ms)
         self.bus: Bus | None = None
         self.registry: Registry | None = None
+        self.view: LiveView | None = None  # the alive instances from the heartbeats (None: read Redis)
         # recent plans by request id, oldest first: a resubmission gets the same reply (idempotent);
         # kept 4 submit timeouts, at most MAX_PLANS (a cap alone grew memory for 10,000 plans)
         self.plans: dict[str, tuple[float, Plan]] = {}
@@ -146,6 +150,9 @@ class Scheduler:
             heartbeat_s=cfg.heartbeat_s,
         )
         await registrar.serve(self.bus)
+        self.view = LiveView(registrar.liveness)
+        await self.bus.subscribe(subjects.HEARTBEAT, Heartbeat, self.view.heard)
+        await self.bus.subscribe(subjects.LEAVE, Leave, self.view.left)
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
         self.metrics.serve(self.cfg.host, self.cfg.scheduler_metrics_port(self.name))
         await self.serve()
@@ -322,7 +329,9 @@ class Scheduler:
         return failed_at is None
 
     async def _plan_and_dispatch(self, sub: Submit, failed: Collection[str] = ()) -> Plan:
-        alive = {i.id: i for i in await self.registry.alive() if self._answering(i) and i.id not in failed}
+        listed = self.view.alive() if self.view is not None else None
+        listed = listed if listed is not None else await self.registry.alive()
+        alive = {i.id: i for i in listed if self._answering(i) and i.id not in failed}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids, sub.cache_salt)
         views = [
             instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()

@@ -35,3 +35,32 @@ async def test_the_count_follows_removals(registry):
     await registry.apply_kv_events("md-0", [IndexEvent("stored", ["b1"])])
     assert await registry.prefix_blocks(["md-0"], HASHES) == {"md-0": 4}
     assert await registry.prefix_blocks(["md-0"], []) == {"md-0": 0}
+
+
+async def test_a_long_prefix_is_counted_across_lookup_chunks(registry):
+    """A prompt of 600 blocks: one that holds them all, one with a hole at block 300 (past the
+    first chunk of 256 the lookup asks for at once), one holding only the first."""
+    chain = [f"c{i}" for i in range(600)]
+    await holds(registry, "all", chain)
+    await holds(registry, "hole", chain[:300] + chain[301:])
+    await holds(registry, "first", chain[:1])
+    counts = await registry.prefix_blocks(["all", "hole", "first"], chain)
+    assert counts == {"all": 600, "hole": 300, "first": 1}
+
+
+async def test_the_alive_list_drops_only_rows_that_expired(registry):
+    """`alive()` reads the set of ids, not every key; an id whose row expired leaves the set,
+    one written again meanwhile stays."""
+    from shared.messages import InstanceInfo
+    from shared.registry import INSTANCES
+
+    await registry.heartbeat(InstanceInfo("md-0", "md", "B"))
+    await registry.heartbeat(InstanceInfo("md-1", "md", "B"))
+    await registry.r.delete("pdd:instance:md-1")  # its heartbeat expired
+    assert [i.id for i in await registry.alive()] == ["md-0"]
+    assert await registry.r.smembers(INSTANCES) == {"md-0"}
+    await registry.r.sadd(INSTANCES, "md-2")  # read as gone, then written again before the drop
+    await registry.heartbeat(InstanceInfo("md-2", "md", "B"))
+    assert [i.id for i in await registry.alive()] == ["md-0", "md-2"]
+    await registry.remove("md-0")
+    assert await registry.r.smembers(INSTANCES) == {"md-2"}
