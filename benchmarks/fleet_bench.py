@@ -47,6 +47,7 @@ from benchmarks.fleet_index import BLOCK, Corpus, Heartbeats, fill_index, fleet,
 from benchmarks.fleet_pieces import time_pieces, time_registry
 from benchmarks.fleet_report import format_report, per_plan, pool, profile_top, summary_line
 from pdd.servers import EmbeddedServer, die_with_parent, free_port
+from shared.bus import Bus
 from shared.config import ClusterConfig, load_config
 from shared.prefix_hash import namespace_of
 from shared.registry import Registry, connect
@@ -116,16 +117,16 @@ def stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 
 
 def write_cluster(run_dir: Path, nats_url: str, redis_url: str, infos, schedulers: int = 1) -> Path:
-    """The schedulers' config: this fleet, these servers, no secrets, heartbeats that outlive
-    the bench's one-second refresh many times over, and `schedulers` of them where the config
-    knows how many run (control_plane, since the queue group)."""
+    """The schedulers' config: this fleet, these servers, no secrets, the shipped heartbeat TTL
+    (a scheduler plans from its live view once it has listened for one: the phases' warm-up
+    covers it), and `schedulers` of them (control_plane)."""
     model = run_dir / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     raw = {
         "model": str(model),
         "block_size": BLOCK,
-        "heartbeat_ttl_s": 30.0,
+        "heartbeat_ttl_s": 3.0,
         "redis_url": redis_url,
         "datacenters": {"A": {"nats_url": nats_url}, "B": {"nats_url": nats_url}},
         "instances": [{"id": i.id, "role": str(i.role), "dc": i.dc, "dtype": i.dtype} for i in infos],
@@ -275,7 +276,7 @@ async def prepare(run: Run) -> dict:
     config = write_cluster(run.dir, run.nats_url, run.redis_url, infos)
     namespace = namespace_of(str(run.dir / "model"))
     registry = run.registry = Registry(connect(run.redis_url), ttl_s=30.0)
-    run.heartbeats = Heartbeats(registry, infos, a.blocks)
+    run.heartbeats = Heartbeats(registry, infos, a.blocks, bus=await Bus.connect(run.nats_url, "fleet-heartbeats"))
     await run.heartbeats.start()
     corpus = Corpus.sized(a.instances, a.blocks, a.replicas, a.min_tokens, a.max_tokens)
     say(
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=float, default=4.0, help="instances caching each document, on average")
     p.add_argument("--schedulers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     p.add_argument("--duration", type=float, default=10.0, help="seconds measured per phase")
-    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring (> the heartbeat TTL + 1)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight per scheduler (closed loop)")
     p.add_argument("--paced", type=float, default=0.5, help="open-loop rate, a share of the saturated (0: none)")
     p.add_argument("--clients", type=int, default=1, help="load processes")

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.messages import InstanceInfo
+from shared import subjects
+from shared.bus import Bus
+from shared.messages import Heartbeat, InstanceInfo
 from shared.pipelines import Role
 from shared.prefix_hash import block_hashes
 from shared.registry import KV, Registry
@@ -140,21 +142,34 @@ def prompts(corpus: Corpus, count: int, hit_share: float, seed: int = 1) -> list
 
 class Heartbeats:
     """Every instance's heartbeat, refreshed every `every_s` (the registrar's cadence) with fresh
-    load figures, so they stay alive and their figures move as a fleet's do."""
+    load figures, so they stay alive and their figures move as a fleet's do: written to Redis (so
+    the fleet is there between phases, with no scheduler running) and, with `bus`, published as
+    the instances send them (the schedulers' registrars write them too, and their live views
+    plan from them: services/scheduler/live_view.py)."""
 
-    def __init__(self, registry: Registry, infos: list[InstanceInfo], blocks: int, every_s: float = 1.0) -> None:
-        self.registry, self.infos, self.blocks, self.every_s = registry, infos, blocks, every_s
+    def __init__(
+        self, registry: Registry, infos: list[InstanceInfo], blocks: int, every_s: float = 1.0, bus: Bus | None = None
+    ) -> None:
+        self.registry, self.infos, self.blocks, self.every_s, self.bus = registry, infos, blocks, every_s, bus
         self.rng = random.Random(7)
         self.task: asyncio.Task | None = None
 
-    async def beat(self) -> None:
+    async def beat(self, spread: bool = False) -> None:
+        """One heartbeat of each instance; `spread`: over the period, as a fleet's clocks spread
+        them (all at once, 200 handlers queue ahead of the plans in each registrar)."""
         for info in self.infos:
-            await self.registry.heartbeat(with_load(info, self.rng, self.blocks))
+            beat = with_load(info, self.rng, self.blocks)
+            await self.registry.heartbeat(beat)
+            if self.bus is not None:
+                await self.bus.publish(subjects.HEARTBEAT, Heartbeat(beat))
+            if spread:
+                await asyncio.sleep(self.every_s / len(self.infos) / 2)
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.every_s)
-            await self.beat()
+            started = time.monotonic()
+            await self.beat(spread=True)
+            await asyncio.sleep(max(0.0, self.every_s - (time.monotonic() - started)))
 
     async def start(self) -> None:
         await self.beat()
@@ -164,3 +179,5 @@ class Heartbeats:
         if self.task:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        if self.bus is not None:
+            await self.bus.close()

@@ -115,6 +115,9 @@ def connect(url: str, password: str | None = None, sentinels: str = "", master: 
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3 if not sentinels else 8),  # a failover: ~1-3 s
         retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionError, ReadOnlyError],
         health_check_interval=5,
+        # a burst of reports (200 instances' heartbeats) runs that many handlers at once: redis-py's
+        # default pool of 100 refused the rest ("Too many connections"); the server allows 10,000
+        max_connections=1024,
     )
     if not sentinels:
         return aioredis.Redis.from_url(url, password=password, **options)

@@ -13,6 +13,7 @@ shows it up, and both gateways serve again.
 from __future__ import annotations
 
 import asyncio
+import base64
 import signal
 import threading
 import time
@@ -24,6 +25,8 @@ import pytest
 
 from pdd.control import gather_status
 from pdd.launcher import Cluster
+from shared.messages import Plan
+from shared.registry import PLAN, Registry
 
 HA_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ha.yaml"
 PROMPTS = [
@@ -108,6 +111,16 @@ def ha():
 def status(cluster: Cluster) -> dict[str, dict]:
     view = asyncio.run(gather_status(cluster.cfg))
     return {row["id"]: row for row in view["processes"]}
+
+
+async def dispatch_of(cluster: Cluster, request_id: str) -> str:
+    """The dispatch the schedulers made of a request id: one plan per id, shared in Redis."""
+    registry = Registry.of(cluster.cfg)
+    try:
+        held = await registry.r.get(PLAN + request_id)
+    finally:
+        await registry.r.aclose()
+    return Plan.decode(base64.b64decode(held)).dispatch_id
 
 
 def until(predicate, timeout: float, what: str) -> None:
@@ -210,8 +223,10 @@ def test_the_control_plane_survives_the_death_of_each_member(ha):
     assert [o.request_id for o in answered if o.text != reference[o.prompt]] == [], "answers that differ"
     moved = [o for o in answered if len(o.gateways) > 1]
     assert moved, "no request was caught by the gateway's death"
-    for o in moved:  # picked up where it was (the same dispatch) or moved cleanly, never run twice at once
+    for o in moved:  # picked up where it was (the one dispatch the schedulers made of it), or moved cleanly
         assert o.gateways == ["gateway-1", "gateway-0"] and o.pdd["request_id"] == o.request_id
+        planned = asyncio.run(dispatch_of(ha, o.request_id))
+        assert o.pdd["migrations"] > 0 or o.pdd["dispatch_id"] == planned, (o.request_id, o.pdd, planned)
     schedulers = {o.pdd["scheduler"] for o in answered}
     assert schedulers == {"scheduler-0", "scheduler-1"}, schedulers
 
