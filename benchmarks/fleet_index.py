@@ -179,5 +179,5 @@ class Heartbeats:
         if self.task:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        if self.bus is not None:
-            await self.bus.close()
+        if self.bus is not None:  # a drain that does not end must not hold the report back
+            await asyncio.wait_for(self.bus.close(), 5.0)
