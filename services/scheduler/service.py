@@ -150,9 +150,15 @@ class Scheduler:
             heartbeat_s=cfg.heartbeat_s,
         )
         await registrar.serve(self.bus)
+        # the view listens on a connection of its own: NATS lets a client answer a request it got
+        # only once (allow_responses), and a second delivery on the registrar's connection had the
+        # server refuse the registrar's replies to the heartbeats
         self.view = LiveView(registrar.liveness)
-        await self.bus.subscribe(subjects.HEARTBEAT, Heartbeat, self.view.heard)
-        await self.bus.subscribe(subjects.LEAVE, Leave, self.view.left)
+        url = self.cfg.nats_url_for(self.cfg.control_dc)
+        self.view_bus = await Bus.connect(url, f"{self.name}-view", "scheduler", secrets)
+        await self.view_bus.subscribe(subjects.HEARTBEAT, Heartbeat, self.view.heard)
+        await self.view_bus.subscribe(subjects.LEAVE, Leave, self.view.left)
+        await self.view_bus.sync()
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
         self.metrics.serve(self.cfg.host, self.cfg.scheduler_metrics_port(self.name))
         await self.serve()
@@ -162,6 +168,7 @@ class Scheduler:
         log.info("%s ready", self.name)
         await stop.wait()
         presence.cancel()
+        await self.view_bus.close()
         await self.bus.close()
         await self.registry.r.aclose()
 
