@@ -291,7 +291,8 @@ class Scheduler:
                 if not held.startswith(PLANNING):
                     return Plan.decode(base64.b64decode(held))
                 owner = held[len(PLANNING) :]
-                if owner != self.name and not await self.registry.process_alive("scheduler", owner):
+                mine_before = owner == self.name and request_id not in self.planning  # this name's previous life
+                if mine_before or (owner != self.name and not await self.registry.process_alive("scheduler", owner)):
                     log.warning("%s: %s died planning %s; planning it here", self.name, owner, request_id)
                     await self.registry.release_claim(request_id, held)
                     continue

@@ -128,3 +128,11 @@ async def test_registrars_of_two_schedulers_apply_one_instances_updates_in_order
     assert await registry.r.smembers("pdd:kv:md-0") == {f"h{i}" for i in range(0, 19)}
     beat = Heartbeat(InstanceInfo("md-0", "md", "B"))
     assert not (await regs[1].on_heartbeat(beat)).resync_index
+
+
+async def test_a_claim_left_by_this_schedulers_previous_life_is_planned_over(schedulers, registry):
+    """scheduler-1 restarted: a claim under its own name that it is not planning now is stale."""
+    (_, second), tasks = schedulers
+    await registry.r.set(PLAN + "cmpl-6", "planning scheduler-1", px=60_000)
+    plan = await asyncio.wait_for(second.on_submit(submit("cmpl-6")), 5.0)
+    assert not plan.error and plan.scheduler == "scheduler-1" and len(tasks) == 2
