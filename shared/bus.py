@@ -33,6 +33,19 @@ class BusTimeout(TimeoutError):
     pass
 
 
+def _link_callbacks(on_link: Callable[[bool], None] | None) -> dict:
+    if on_link is None:
+        return {}
+
+    async def lost() -> None:
+        on_link(False)
+
+    async def back() -> None:
+        on_link(True)
+
+    return {"disconnected_cb": lost, "reconnected_cb": back}
+
+
 class Bus:
     def __init__(self, nc: Client, name: str) -> None:
         self.nc = nc
@@ -40,11 +53,19 @@ class Bus:
         self._tasks: set[asyncio.Task] = set()  # handler tasks, referenced so they are not collected
 
     @classmethod
-    async def connect(cls, url: str, name: str, role: str = "", secrets: Secrets | None = None) -> Bus:
+    async def connect(
+        cls,
+        url: str,
+        name: str,
+        role: str = "",
+        secrets: Secrets | None = None,
+        on_link: Callable[[bool], None] | None = None,
+    ) -> Bus:
         """Connect to a NATS server as `role`'s user (its password from `secrets`, when the
         cluster has them: the servers then refuse anyone without credentials). `url` may list
         several servers of one cluster, comma-separated: when one dies the client moves to
-        another and its subscriptions with it."""
+        another and its subscriptions with it. `on_link(False)` runs when the connection is
+        lost and `on_link(True)` once it is back: whatever was published meanwhile is gone."""
 
         async def on_error(e: Exception) -> None:
             log.warning("%s: NATS error: %s", name, e)
@@ -60,6 +81,7 @@ class Bus:
             error_cb=on_error,
             allow_reconnect=True,
             **creds,
+            **_link_callbacks(on_link),
         )
         return cls(nc, name)
 

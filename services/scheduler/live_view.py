@@ -6,6 +6,8 @@ liveness rule (`registrar.Liveness`), so a plan reads no registry: re-reading 20
 rows from Redis cost ~40 ms of a scheduler's CPU per plan (benchmarks/fleet_bench.py). Redis
 stays the registry others read (the gateway, `pdd status`, a scheduler that just started: the
 view answers only once it has listened for a whole TTL, when it holds everything Redis would).
+The same holds after its NATS connection drops (a server died): heartbeats sent meanwhile never
+reach it, so it answers None again until it has listened a whole TTL since it got back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ class LiveView:
         self.liveness = liveness
         self._rows: dict[str, tuple[float, InstanceInfo]] = {}  # id -> (alive until, wall clock; last figures)
         self._since = time.time() if now is None else now  # listening since
+
+    def link(self, up: bool, now: float | None = None) -> None:
+        """The view's NATS connection was lost (`up` False) or is back: deaf from the loss until a
+        whole TTL after it is back."""
+        self._since = (time.time() if now is None else now) if up else float("inf")
 
     def heard(self, beat: Heartbeat, now: float | None = None) -> None:
         now = time.time() if now is None else now

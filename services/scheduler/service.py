@@ -155,7 +155,7 @@ class Scheduler:
         # server refuse the registrar's replies to the heartbeats
         self.view = LiveView(registrar.liveness)
         url = self.cfg.nats_url_for(self.cfg.control_dc)
-        self.view_bus = await Bus.connect(url, f"{self.name}-view", "scheduler", secrets)
+        self.view_bus = await Bus.connect(url, f"{self.name}-view", "scheduler", secrets, on_link=self.view.link)
         await self.view_bus.subscribe(subjects.HEARTBEAT, Heartbeat, self.view.heard)
         await self.view_bus.subscribe(subjects.LEAVE, Leave, self.view.left)
         await self.view_bus.sync()

@@ -36,3 +36,16 @@ def test_the_registrars_rule_by_the_hearers_clock():
     assert md.updated_at == 20.0 - 0.05, "sampled a line delay before it was heard"
     view.left(Leave("md-0"))
     assert view.alive(now=20.1) == []
+
+
+def test_a_view_that_lost_its_connection_answers_again_only_a_whole_ttl_after_it_is_back():
+    view = LiveView(RULE, now=0.0)
+    view.heard(beat("rld-0"), now=10.0)
+    assert [i.id for i in view.alive(now=10.0)] == ["rld-0"]
+    view.link(False, now=11.0)  # the heartbeats sent now never reach it
+    assert view.alive(now=11.5) is None, "deaf: ask Redis"
+    view.link(True, now=20.0)
+    view.heard(beat("rld-0"), now=20.5)
+    view.heard(beat("rld-0"), now=23.5)
+    assert view.alive(now=23.9) is None, "an instance heard only before the loss may be missing"
+    assert [i.id for i in view.alive(now=24.1)] == ["rld-0"]
