@@ -5,7 +5,9 @@
                                   prefill presents its own (mutual TLS); the certificate names
                                   the instance (DNS SAN) and its role (OU)
     DIR/nats/<dc>.pem, .key       the scheduler's site serves its NATS leafnode port with its
-                                  certificate; every other site presents its own when it joins
+                                  certificate; every other site presents its own when it joins;
+                                  a clustered site's servers route to each other with it (it
+                                  names their `control_plane.hosts`)
     DIR/credentials.json          NATS passwords per role (gateway, scheduler, prefill, rld,
                                   md, wanlink, operator) and for the link between sites; the
                                   Redis password
@@ -22,12 +24,14 @@ import ipaddress
 import json
 import secrets
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from pdd.servers import sentinel_watch
 from shared.config import ClusterConfig
 from shared.security import NATS_ROLES
 
@@ -133,7 +137,9 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
     for inst in cfg.instances:
         _write(out / "kv" / f"{inst.id}.pem", *ca.issue(inst.id, inst.role, [inst.id, *LOCAL_NAMES, *hosts]))
     for dc in cfg.datacenters:
-        _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", [*LOCAL_NAMES, *hosts]))
+        routes = [cfg.control_plane.hosts.get(s.name, "") for s in cfg.nats_servers(dc.name)]
+        names = [*LOCAL_NAMES, *hosts, *filter(None, routes)]  # a route checks the name it dialed
+        _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", names))
     creds = {
         "nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf", "route")},
         "redis": secrets.token_urlsafe(18),
@@ -146,9 +152,9 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
 
 
 def write_server_configs(cfg: ClusterConfig, out: Path) -> list[Path]:
-    """Each site's nats-server config and redis.conf beside the secrets, for servers run outside
-    `pdd up` (containers, a real site). File paths inside are where the config says the secrets
-    are mounted (`secrets_dir`), else `out`."""
+    """Each NATS server's config and Redis's (`redis_configs`) beside the secrets, for servers
+    run outside `pdd up` (containers, a real site). File paths inside are where the config says
+    the secrets are mounted (`secrets_dir`), else `out`."""
     from pdd.natsconf import server_conf
     from shared.security import Secrets
 
@@ -159,12 +165,42 @@ def write_server_configs(cfg: ClusterConfig, out: Path) -> list[Path]:
             path = out / f"{server.name}.conf"
             path.write_text(server_conf(cfg, dc, secrets, mount, server))
             paths.append(path)
-    path = out / "redis.conf"
-    path.write_text(f'requirepass {secrets.redis_password}\nsave ""\nappendonly no\n')
-    paths.append(path)
+    for name, text in redis_configs(cfg, secrets.redis_password).items():
+        path = out / name
+        path.write_text(text)
+        paths.append(path)
     for p in paths:
         p.chmod(0o600)
     return paths
+
+
+def redis_configs(cfg: ClusterConfig, password: str) -> dict[str, str]:
+    """File name -> text: redis.conf (the primary's) and, when Redis is replicated, each replica's
+    `redis-<k>.conf` and each Sentinel's `sentinel-<k>.conf`. Each member announces the name the
+    others reach it by (the primary its `redis_url` host, the others their own names, as their
+    Services are called), not the address it sees: a failover hands those names on."""
+    plane = cfg.control_plane
+    own = [f"requirepass {password}", 'save ""', "appendonly no"]
+    confs = {"redis.conf": own}
+    if plane.redis_replicas or plane.sentinels:
+        url = urlsplit(cfg.redis_url)
+        host, port = url.hostname or "127.0.0.1", url.port or 6379
+        member = [*own, f"masterauth {password}"]  # a Sentinel may make any member another's replica
+        confs["redis.conf"] = [*member, f"replica-announce-ip {host}", f"replica-announce-port {port}"]
+        for name in (f"redis-{k}" for k in range(1, plane.redis_replicas + 1)):
+            listen = f"port {plane.ports.get(name) or 6379}"
+            confs[f"{name}.conf"] = [*member, listen, f"replica-announce-ip {name}", f"replicaof {host} {port}"]
+        quorum = plane.sentinels // 2 + 1
+        watch = sentinel_watch(plane.redis_master, host, port, quorum, plane.sentinel_down_ms, password)
+        for name in plane.sentinel_names:
+            confs[f"{name}.conf"] = [
+                f"port {plane.ports.get(name) or 26379}",
+                "sentinel resolve-hostnames yes",  # before `monitor`, which names the primary by host
+                "sentinel announce-hostnames yes",
+                f"sentinel announce-ip {name}",
+                *watch,
+            ]
+    return {name: "\n".join(lines) + "\n" for name, lines in confs.items()}
 
 
 def main(args) -> int:

@@ -101,6 +101,21 @@ def die_with_parent() -> None:
         pass
 
 
+def sentinel_watch(master: str, host: str, port: int, quorum: int, down_ms: int, password: str | None) -> list[str]:
+    """A Sentinel config's lines that watch the primary `master` at host:port: the launcher's
+    Sentinels and those `pdd certs --server-configs` writes for a real site fail over alike."""
+    lines = [
+        f"sentinel monitor {master} {host} {port} {quorum}",
+        f"sentinel down-after-milliseconds {master} {down_ms}",
+        f"sentinel failover-timeout {master} {max(3 * down_ms, 3000)}",
+        f"sentinel parallel-syncs {master} 1",
+    ]
+    if password:
+        lines += [f"sentinel auth-pass {master} {password}", f"sentinel sentinel-pass {password}"]
+        lines.append(f"requirepass {password}")
+    return lines
+
+
 class EmbeddedServer:
     """A real server process on a loopback port; `stop()` and `start()` again keep the port."""
 
@@ -153,18 +168,8 @@ class EmbeddedServer:
         """A Redis Sentinel watching the primary named `master` (redis-server --sentinel, which rewrites
         its config file as the primary moves); clients and the other Sentinels need `password`."""
         conf = run_dir / f"{name}.conf"
-        lines = [
-            "bind 127.0.0.1",
-            f"port {port}",
-            f"dir {run_dir}",
-            f"sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}",
-            f"sentinel down-after-milliseconds {master} {down_ms}",
-            f"sentinel failover-timeout {master} {max(3 * down_ms, 3000)}",
-            f"sentinel parallel-syncs {master} 1",
-        ]
-        if password:
-            lines += [f"sentinel auth-pass {master} {password}", f"sentinel sentinel-pass {password}"]
-            lines.append(f"requirepass {password}")
+        lines = ["bind 127.0.0.1", f"port {port}", f"dir {run_dir}"]
+        lines += sentinel_watch(master, "127.0.0.1", primary_port, quorum, down_ms, password)
         conf.write_text("\n".join(lines) + "\n")
         return cls(name, [redis_server_binary(), str(conf), "--sentinel"], port, run_dir / f"{name}.log")
 
