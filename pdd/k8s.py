@@ -5,13 +5,16 @@ datacenter (`kubectl apply -k deploy/k8s/site-a`), one object per file, as
 deploy/site-*.compose.yml run the site:
 1. the cluster config as a ConfigMap, mounted where the image keeps it (`/app/configs/<name>`),
    so each pod's command is exactly the argv `plan_processes(cfg, that path)` gives;
-2. the site's servers: its NATS server, with the config `pdd certs --server-configs` wrote
-   (`natsconf.server_conf`: it holds passwords, so it comes from the Secret), and Redis in
-   the scheduler's site; one function per kind (`nats_server`, `redis_server`);
+2. the site's servers: its NATS server, or each server of its NATS cluster, with the config
+   `pdd certs --server-configs` wrote for it (`natsconf.server_conf`: it holds passwords, so it
+   comes from the Secret), and Redis in the scheduler's site: the primary, each replica and
+   each Sentinel its own pod, running the config `certs.redis_configs` wrote for it; one
+   function per kind (`nats_server`, `redis_server`, `redis_replica`, `sentinel`);
 3. a Deployment per planned process of the site, and a Service for what is reached: the
-   gateway's port, each decoder's KV port, the NATS client and leafnode ports, Redis. What
-   clients or the other site reach (the gateway; what `ClusterConfig.wan_forwards` says
-   crosses the line) is a LoadBalancer; the rest stays inside the site.
+   gateway's port, each decoder's KV port, each NATS server's client, route and leafnode ports,
+   each Redis server and Sentinel. What clients or the other site reach (the gateway; what
+   `ClusterConfig.wan_forwards` says crosses the line) is a LoadBalancer; the rest stays inside
+   the site.
 The certificates and credentials are the Secret `pdd-secrets`, made from `pdd certs`'s folder
 (`secret_command`); each pod mounts only its own files of it, at `secrets_dir`, read-only.
 """
@@ -31,7 +34,7 @@ import yaml
 
 from pdd.natsconf import server_conf
 from pdd.topology import ProcessSpec, plan_processes
-from shared.config import ClusterConfig, ConfigError, InstanceConfig, load_config
+from shared.config import ClusterConfig, ConfigError, InstanceConfig, NatsServer, load_config
 from shared.pipelines import ROLES, Role
 from shared.security import Secrets
 
@@ -42,12 +45,14 @@ CONFIG_MAP, SECRET, API_KEYS = "pdd-config", "pdd-secrets", "pdd-api-keys"
 PDD_UID, REDIS_UID, NATS_UID = 10001, 999, 65534  # the image's `pdd` user, redis:7's, nobody
 CREDENTIALS, REDIS_CONF = PurePosixPath("credentials.json"), PurePosixPath("redis.conf")  # as pdd/certs.py names them
 CA = PurePosixPath(Secrets(Path()).ca)
+SENTINEL_DIR = PurePosixPath("/sentinel")  # a Sentinel's own copy of its config, which it rewrites
 REQUESTS = {  # a starting point: an engine needs its model plus `kv_tokens` of KV in memory
     "engine": {"memory": "4Gi"},
     "gateway": {"cpu": "500m", "memory": "1Gi"},
     "scheduler": {"cpu": "500m", "memory": "512Mi"},
     "nats": {"cpu": "100m", "memory": "128Mi"},
     "redis": {"cpu": "100m", "memory": "256Mi"},
+    "sentinel": {"cpu": "50m", "memory": "64Mi"},
 }
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 WAIT_FOR = """import socket, sys, time
@@ -60,6 +65,19 @@ for target in sys.argv[1:]:
         except OSError:
             print("waiting for", target, flush=True)
             time.sleep(2)
+"""
+WAIT_FOR_ANY = """import socket, sys, time
+def answers(target):
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), 2).close()
+        return True
+    except OSError:
+        return False
+for targets in sys.argv[1:]:
+    while not any(answers(target) for target in targets.split(",")):
+        print("waiting for one of", targets, flush=True)
+        time.sleep(2)
 """
 
 
@@ -119,9 +137,15 @@ def _key(path: PurePosixPath) -> str:
     return str(path).replace("/", "-")
 
 
+def _conf(server: str) -> PurePosixPath:
+    """The config `pdd certs --server-configs` writes for the server of that name."""
+    return PurePosixPath(f"{server}.conf")
+
+
 def secret_files(cfg: ClusterConfig, dc: str) -> dict[str, PurePosixPath]:
     """Key -> path in `pdd certs --server-configs`'s folder, of every file site `dc` needs."""
-    paths = [CA, CREDENTIALS, *_nats_files(dc), *([REDIS_CONF] if dc == cfg.control_dc else [])]
+    redis = [REDIS_CONF, *map(_conf, [*_replicas(cfg), *cfg.control_plane.sentinel_names])]
+    paths = [CA, CREDENTIALS, *_nats_files(cfg, dc), *(redis if dc == cfg.control_dc else [])]
     paths += [p for i in cfg.instances if i.dc == dc for p in _kv_files(i.id)]
     return {_key(p): p for p in dict.fromkeys(paths)}
 
@@ -130,8 +154,10 @@ def _kv_files(instance: str) -> list[PurePosixPath]:
     return [PurePosixPath(p) for p in Secrets(Path()).cert("kv", instance)]
 
 
-def _nats_files(dc: str) -> list[PurePosixPath]:
-    return [PurePosixPath(f"nats-{dc}.conf"), CA, *map(PurePosixPath, Secrets(Path()).cert("nats", dc))]
+def _nats_files(cfg: ClusterConfig, dc: str, servers: list[NatsServer] | None = None) -> list[PurePosixPath]:
+    """The configs of `servers` (default: every one of the site's), the CA, the site's certificate."""
+    confs = [_conf(s.name) for s in servers or cfg.nats_servers(dc)]
+    return [*confs, CA, *map(PurePosixPath, Secrets(Path()).cert("nats", dc))]
 
 
 def secret_command(cfg: ClusterConfig, dc: str, folder: str = "secrets") -> str:
@@ -169,13 +195,38 @@ def _server_pod(cfg: ClusterConfig, uid: int, container: dict, files: list[PureP
     return {"securityContext": pod_security, "containers": [container], "volumes": [volume]}
 
 
-def nats_server(cfg: ClusterConfig, dc: str) -> list[dict]:
-    """Site `dc`'s NATS server; its ports are those `server_conf` makes it listen on."""
-    name, client = _endpoint(cfg.datacenter(dc).nats_url, f"datacenters.{dc}.nats_url")
-    conf = json.loads(server_conf(cfg, cfg.datacenter(dc), None))
-    ports = {"client": int(conf["listen"].rsplit(":", 1)[1])}
+def nats_services(cfg: ClusterConfig, dc: str) -> dict[str, tuple[str, int]]:
+    """Each NATS server of site `dc`, by name: (its Service, the client port there). They are
+    what the site's `nats_url` lists; a clustered site's servers also route to each other at
+    the Services `control_plane.hosts` names, which must be the same."""
+    what = f"datacenters.{dc}.nats_url"
+    urls = dict(_endpoint(url, what) for url in cfg.datacenter(dc).nats_url.split(","))
+    servers = cfg.nats_servers(dc)
+    if len(servers) == 1 and len(urls) == 1:
+        return {servers[0].name: next(iter(urls.items()))}
+    hosts = {s.name: cfg.control_plane.hosts.get(s.name, "") for s in servers}
+    if sorted(hosts.values()) != sorted(urls):
+        named = ", ".join(f"{name}: {host or '(none)'}" for name, host in hosts.items())
+        raise ConfigError(
+            f"{what} must list each NATS server of site {dc} at its Service, as control_plane.hosts "
+            f"names them for the routes ({named})"
+        )
+    return {name: (_label(host, f"control_plane.hosts.{name}"), urls[host]) for name, host in hosts.items()}
+
+
+def _listen_port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def nats_server(cfg: ClusterConfig, dc: str, server: NatsServer) -> list[dict]:
+    """NATS server `server` of site `dc`; its ports are those `server_conf` makes it listen on."""
+    name, client = nats_services(cfg, dc)[server.name]
+    conf = json.loads(server_conf(cfg, cfg.datacenter(dc), None, server=server))
+    ports = {"client": _listen_port(conf["listen"])}
+    if "cluster" in conf:
+        ports["route"] = _listen_port(conf["cluster"]["listen"])
     if "listen" in conf.get("leafnodes", {}):
-        ports["leafnode"] = int(conf["leafnodes"]["listen"].rsplit(":", 1)[1])
+        ports["leafnode"] = _listen_port(conf["leafnodes"]["listen"])
     if conf.get("http_port"):
         ports["monitor"] = conf["http_port"]
     check = (
@@ -186,14 +237,16 @@ def nats_server(cfg: ClusterConfig, dc: str) -> list[dict]:
     container = {
         "name": "nats",
         "image": NATS_IMAGE,
-        "args": ["nats-server", "-c", f"{cfg.secrets_dir}/nats-{dc}.conf"],  # args: the image's entrypoint runs
+        "args": ["nats-server", "-c", f"{cfg.secrets_dir}/{_conf(server.name)}"],  # args: the image's entrypoint runs
         "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
         "resources": {"requests": REQUESTS["nats"]},
         **_probes(check),
     }
     selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "nats"}
-    out = [deployment(name, "nats", _server_pod(cfg, NATS_UID, container, _nats_files(dc)))]
-    out.append(service(name, selector, {"client": (client, ports["client"])}, exposed=False))
+    in_site = {"client": (client, ports["client"])}
+    in_site |= {"route": (server.route_port, ports["route"])} if "route" in ports else {}  # as the others dial it
+    out = [deployment(name, "nats", _server_pod(cfg, NATS_UID, container, _nats_files(cfg, dc, [server])))]
+    out.append(service(name, selector, in_site, exposed=False))
     if "leafnode" in ports:  # the other sites' servers join here, over the WAN
         leaf = ports["leafnode"]
         out.append(service(f"{name}-leaf", selector, {"leafnode": (leaf, leaf)}, exposed=True))
@@ -215,6 +268,80 @@ def redis_server(cfg: ClusterConfig) -> list[dict]:
     pod = _server_pod(cfg, REDIS_UID, container, [REDIS_CONF])
     selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "redis"}
     return [deployment(name, "redis", pod), service(name, selector, {"redis": (port, 6379)}, exposed=False)]
+
+
+def _replicas(cfg: ClusterConfig) -> list[str]:
+    return [f"redis-{k}" for k in range(1, cfg.control_plane.redis_replicas + 1)]
+
+
+def _member_port(cfg: ClusterConfig, name: str) -> int:
+    """A replica's or Sentinel's port: fixed in control_plane.ports, since its Service names it."""
+    port = cfg.control_plane.ports.get(name, 0)
+    if not port:
+        raise ConfigError(f"control_plane.ports must fix {name}'s port (not 0) for Kubernetes")
+    return port
+
+
+def _redis_member(cfg: ClusterConfig, name: str, component: str, args: list[str]) -> tuple[dict, dict]:
+    """(pod, Service) of a replica or a Sentinel: reached at its own name, the one its config
+    announces (`certs.redis_configs`), on the port it listens on."""
+    port = _member_port(cfg, name)
+    ping = {"exec": {"command": ["sh", "-c", f"redis-cli -p {port} ping 2>&1 | grep -qE 'PONG|NOAUTH'"]}}
+    container = {
+        "name": component,
+        "image": REDIS_IMAGE,
+        "args": args,
+        "ports": [{"name": component, "containerPort": port}],
+        "resources": {"requests": REQUESTS[component]},
+        **_probes(ping),
+    }
+    pod = _server_pod(cfg, REDIS_UID, container, [_conf(name)])
+    selector = {"app.kubernetes.io/name": _label(name, component), "app.kubernetes.io/component": component}
+    return pod, service(name, selector, {component: (port, port)}, exposed=False)
+
+
+def redis_replica(cfg: ClusterConfig, name: str) -> list[dict]:
+    """A replica of the primary (its config says `replicaof` the primary's Service)."""
+    pod, reached = _redis_member(cfg, name, "redis", ["redis-server", f"{cfg.secrets_dir}/{_conf(name)}"])
+    return [deployment(name, "redis", pod), reached]
+
+
+def sentinel(cfg: ClusterConfig, name: str) -> list[dict]:
+    """A Sentinel of the primary. It rewrites its config as the primary moves, and the Secret is
+    read-only: a first container copies the config into a volume of the pod's own, where the
+    Sentinel's record of the failovers outlives a restart of its container."""
+    copy = SENTINEL_DIR / "sentinel.conf"
+    pod, reached = _redis_member(cfg, name, "sentinel", ["redis-server", str(copy), "--sentinel"])
+    (container,) = pod["containers"]
+    writable = {"name": "sentinel", "mountPath": str(SENTINEL_DIR)}
+    container["volumeMounts"].append(writable)
+    command = ["install", "-m", "600", f"{cfg.secrets_dir}/{_conf(name)}", str(copy)]  # it refuses one it cannot write
+    copying = {"name": "copy-config", "image": REDIS_IMAGE, "command": command}
+    copying |= {"volumeMounts": list(container["volumeMounts"]), "securityContext": container["securityContext"]}
+    pod = {"securityContext": pod["securityContext"], "initContainers": [copying], **pod}
+    pod["volumes"].append({"name": "sentinel", "emptyDir": {}})
+    return [deployment(name, "sentinel", pod), reached]
+
+
+def sentinel_services(cfg: ClusterConfig) -> list[tuple[str, int]]:
+    """(Service, port) of each Sentinel. The gateways and schedulers ask them for the primary at
+    `redis_sentinels`, which must name exactly these."""
+    rendered = [(_label(name, "Sentinel"), _member_port(cfg, name)) for name in cfg.control_plane.sentinel_names]
+    expected = [f"{host}:{port}" for host, port in rendered]
+    if sorted(filter(None, cfg.redis_sentinels.split(","))) != sorted(expected):
+        given = cfg.redis_sentinels
+        raise ConfigError(f"redis_sentinels {given!r} must name the Sentinels' Services: {','.join(expected)!r}")
+    return rendered
+
+
+def redis_servers(cfg: ClusterConfig) -> list[dict]:
+    """The primary, its replicas, the Sentinels: each its own pod (in the scheduler's site only)."""
+    objects = redis_server(cfg)
+    for name in _replicas(cfg):
+        objects += redis_replica(cfg, name)
+    for name in cfg.control_plane.sentinel_names:
+        objects += sentinel(cfg, name)
+    return objects
 
 
 def _instance(cfg: ClusterConfig, spec: ProcessSpec) -> InstanceConfig | None:
@@ -253,10 +380,13 @@ def _process_services(cfg: ClusterConfig, spec: ProcessSpec, inst: InstanceConfi
 
 
 def _waits_for(cfg: ClusterConfig, dc: str) -> list[str]:
-    """host:port of the servers a process of site `dc` waits for (the compose files' depends_on)."""
-    servers = [_endpoint(cfg.datacenter(dc).nats_url, f"datacenters.{dc}.nats_url")]
-    servers += [_endpoint(cfg.redis_url, "redis_url")] if dc == cfg.control_dc else []
-    return [f"{host}:{port}" for host, port in servers]
+    """The servers a process of site `dc` waits for (the compose files' depends_on), each
+    argument `host:port,...` of which any one answering will do: a member of a cluster may be
+    down when the pod starts. Redis is reached through its Sentinels when it has them."""
+    groups = [list(nats_services(cfg, dc).values())]
+    if dc == cfg.control_dc:
+        groups.append(sentinel_services(cfg) or [_endpoint(cfg.redis_url, "redis_url")])
+    return [",".join(f"{host}:{port}" for host, port in group) for group in groups]
 
 
 def _requests(role: str, inst: InstanceConfig | None) -> dict:
@@ -286,8 +416,10 @@ def process(cfg: ClusterConfig, spec: ProcessSpec, config_path: PurePosixPath, c
     if role == "gateway":  # /health is 503 while any role is missing (site B behind a cut line): not a probe
         container |= _probes({"tcpSocket": {"port": "http"}})
         container["envFrom"] = [{"secretRef": {"name": API_KEYS, "optional": True}}]  # PDD_API_KEYS, ...
-    wait = {"name": "wait-for-servers", "image": IMAGE, "command": ["python", "-c", WAIT_FOR]}
-    wait |= {"args": _waits_for(cfg, spec.dc), "securityContext": container_security}
+    waits = _waits_for(cfg, spec.dc)
+    script = WAIT_FOR_ANY if any("," in targets for targets in waits) else WAIT_FOR
+    wait = {"name": "wait-for-servers", "image": IMAGE, "command": ["python", "-c", script]}
+    wait |= {"args": waits, "securityContext": container_security}
     pod = {
         "shareProcessNamespace": True,  # the compose files' `init: true`: the pause process is PID 1
         "securityContext": pod_security,
@@ -304,11 +436,6 @@ def site_objects(cfg: ClusterConfig, config_name: str, config_text: str, dc: str
     """Every object of site `dc`, in the order they start."""
     if not cfg.secrets_dir:
         raise ConfigError("secrets_dir must name where the pods mount the Secret (e.g. /etc/pdd/secrets)")
-    plane = cfg.control_plane
-    if plane.nats_servers > 1 or plane.redis_replicas or plane.sentinels:
-        raise ConfigError(
-            "control_plane: clustered NATS, Redis replicas and Sentinels are not rendered for Kubernetes yet"
-        )
     config_path = IMAGE_CONFIGS / config_name
     config_map = {
         "apiVersion": "v1",
@@ -316,8 +443,10 @@ def site_objects(cfg: ClusterConfig, config_name: str, config_text: str, dc: str
         "metadata": _meta(CONFIG_MAP, "config"),
         "data": {config_name: config_text},
     }
-    objects = [config_map, *nats_server(cfg, dc)]
-    objects += redis_server(cfg) if dc == cfg.control_dc else []
+    objects = [config_map]
+    for server in cfg.nats_servers(dc):
+        objects += nats_server(cfg, dc, server)
+    objects += redis_servers(cfg) if dc == cfg.control_dc else []
     config_hash = hashlib.sha256(config_text.encode()).hexdigest()
     for spec in plan_processes(cfg, str(config_path)):
         if spec.dc == dc:
