@@ -161,7 +161,7 @@ class Heartbeats:
             beat = with_load(info, self.rng, self.blocks)
             await self.registry.heartbeat(beat)
             if self.bus is not None:
-                await self.bus.publish(subjects.HEARTBEAT, Heartbeat(beat))
+                await self.bus.publish(subjects.heartbeat(beat.id), Heartbeat(beat))
             if spread:
                 await asyncio.sleep(self.every_s / len(self.infos) / 2)
 

@@ -8,9 +8,9 @@
                                   certificate; every other site presents its own when it joins;
                                   a clustered site's servers route to each other with it (it
                                   names their `control_plane.hosts`)
-    DIR/credentials.json          NATS passwords per role (gateway, scheduler, prefill, rld,
-                                  md, wanlink, operator) and for the link between sites; the
-                                  Redis password
+    DIR/credentials.json          NATS passwords per user (each model instance by its id;
+                                  gateway, scheduler, wanlink, operator) and for the links
+                                  between servers; the Redis password
 
 `pdd up` makes a throwaway set for the one-host demo on first start; a real deployment runs
 `pdd certs --config cluster.yaml --out secrets/ --host nats-a.example.com ...` once and copies
@@ -33,7 +33,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pdd.servers import sentinel_watch
 from shared.config import ClusterConfig
-from shared.security import NATS_ROLES
+from shared.security import NATS_USERS
 
 VALID_DAYS = 825
 LOCAL_NAMES = ("localhost", "127.0.0.1")
@@ -141,7 +141,7 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
         names = [*LOCAL_NAMES, *hosts, *filter(None, routes)]  # a route checks the name it dialed
         _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", names))
     creds = {
-        "nats": {role: secrets.token_urlsafe(18) for role in (*NATS_ROLES, "leaf", "route")},
+        "nats": {u: secrets.token_urlsafe(18) for u in (*NATS_USERS, *(i.id for i in cfg.instances), "leaf", "route")},
         "redis": secrets.token_urlsafe(18),
         "index_key": secrets.token_hex(32),
     }

@@ -3,8 +3,10 @@
 Each datacenter runs its own NATS server; its services connect only to it. The scheduler's
 site listens for leafnode connections (TLS, client certificates required, a password); every
 other site's server joins it as a leafnode through the line, so subjects span both sites while
-nothing crosses in the clear. Each role may publish and subscribe only what it uses
-(`PERMISSIONS`); replies to requests it received are always allowed.
+nothing crosses in the clear. Each process may publish and subscribe only what it uses
+(`PERMISSIONS`): a model instance is a user of its own, whose subjects name it, so md-0 reads no
+other decoder's tasks and reports as no other instance; replies to requests it received are
+always allowed.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import json
 from pathlib import Path
 
 from shared.config import ClusterConfig, DatacenterConfig, NatsServer
-from shared.pipelines import ROLES, Role
+from shared.pipelines import Role
 from shared.security import Secrets
 
-# subjects each role publishes / subscribes (shared/subjects.py names them all)
-_REPORT = ["pdd.registry.heartbeat", "pdd.registry.index", "pdd.registry.leave", "pdd.scheduler.wan_sample"]
-_OPERATED = ["pdd.abort", "pdd.inspect.*", "pdd.admin.*.flush"]
+# subjects each user publishes / subscribes (shared/subjects.py names them all); a model instance
+# is a user of its own, `{me}` its id: it takes only its own tasks and reports only as itself
+_REPORT = ["pdd.registry.{me}.>"]  # heartbeats, index updates, leaving, WAN samples
+_OPERATED = ["pdd.abort", "pdd.inspect.{me}", "pdd.admin.{me}.flush"]
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "gateway": {
         "publish": [
@@ -43,53 +46,59 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "subscribe": [
             "pdd.scheduler.submit",
             "pdd.scheduler.backlog",
-            "pdd.scheduler.wan_sample",
             "pdd.scheduler.status",
-            "pdd.registry.*",
+            "pdd.registry.>",
             "pdd.abort",  # aborts: the line's backlog forgets the request's KV
         ],
     },
     Role.PREFILL: {
         "publish": ["pdd.tokens.>", "pdd.handoff.*.finish", "pdd.decode.*.drop", *_REPORT],
-        "subscribe": ["pdd.prefill.*.task", "pdd.prefill.*.drop", "pdd.prefill.*.warm", *_OPERATED],
+        "subscribe": ["pdd.prefill.{me}.task", "pdd.prefill.{me}.drop", "pdd.prefill.{me}.warm", *_OPERATED],
     },
     Role.RLD: {
         "publish": ["pdd.tokens.>", "pdd.abort", "pdd.handoff.*.chunk", *_REPORT],
         "subscribe": [
-            "pdd.decode.*.task",
-            "pdd.decode.*.drop",
-            "pdd.decode.*.resend",
-            "pdd.handoff.*.ready",
-            "pdd.handoff.*.finish",
+            "pdd.decode.{me}.task",
+            "pdd.decode.{me}.drop",
+            "pdd.decode.{me}.resend",
+            "pdd.handoff.{me}.ready",
+            "pdd.handoff.{me}.finish",
             *_OPERATED,
         ],
     },
     Role.MD: {
         "publish": ["pdd.tokens.>", "pdd.handoff.*.ready", "pdd.handoff.*.finish", *_REPORT],
         "subscribe": [
-            "pdd.decode.*.task",
-            "pdd.decode.*.drop",
-            "pdd.decode.*.resend",
-            "pdd.handoff.*.chunk",
+            "pdd.decode.{me}.task",
+            "pdd.decode.{me}.drop",
+            "pdd.decode.{me}.resend",
+            "pdd.handoff.{me}.chunk",
             *_OPERATED,
         ],
     },
     "wanlink": {"publish": [], "subscribe": ["pdd.wanlink.*.control"]},
 }
-SITE_ROLES = {"control": ("gateway", "scheduler", *ROLES, "wanlink"), "other": ROLES}
+CONTROL_USERS = ("gateway", "scheduler", "wanlink")  # the scheduler's site's, beside its instances
 
 
-def _user(role: str, password: str) -> dict:
-    if role == "operator":  # tests, `pdd status`, `pdd wan`: everything
-        return {"user": role, "password": password}
-    perms = PERMISSIONS[role]
+def site_users(cfg: ClusterConfig, dc: str) -> dict[str, str]:
+    """Site `dc`'s NATS users, each with its permissions' role: every instance of the site by
+    its id, and in the scheduler's site the control plane's users."""
+    users = {i.id: str(i.role) for i in cfg.instances if i.dc == dc}
+    return (dict(zip(CONTROL_USERS, CONTROL_USERS)) if dc == cfg.control_dc else {}) | users
+
+
+def _user(user: str, role: str, password: str) -> dict:
+    if user == "operator":  # tests, `pdd status`, `pdd wan`: everything
+        return {"user": user, "password": password}
+    perms = {way: [s.replace("{me}", user) for s in subjects] for way, subjects in PERMISSIONS[role].items()}
     return {
-        "user": role,
+        "user": user,
         "password": password,
         "permissions": {
             "publish": {"allow": perms["publish"] or ["pdd.none"]},
             # replies to its own requests come on its own inbox prefix (shared/bus.py)
-            "subscribe": {"allow": [*perms["subscribe"], f"_INBOX.{role}.>"]},
+            "subscribe": {"allow": [*perms["subscribe"], f"_INBOX.{user}.>"]},
             "allow_responses": True,
         },
     }
@@ -131,8 +140,8 @@ def server_conf(
         conf["http_port"] = dc.monitor_port
     home = dc.name == cfg.control_dc
     if secrets is not None:
-        roles = SITE_ROLES["control" if home else "other"]
-        conf["authorization"] = {"users": [_user(r, secrets.nats_password(r)) for r in (*roles, "operator")]}
+        users = site_users(cfg, dc.name) | {"operator": "operator"}
+        conf["authorization"] = {"users": [_user(u, r, secrets.nats_password(u)) for u, r in users.items()]}
     if len(servers) > 1:
         conf["cluster"] = _cluster(cfg, dc, server, servers, secrets, mount)
     if home:
@@ -163,11 +172,16 @@ def _cluster(
 ) -> dict:
     """The `cluster` block of one server of a clustered site: routes to every other server."""
     creds = f"route:{secrets.route_password}@" if secrets else ""
+    hosts = cfg.control_plane.hosts
     cluster: dict = {
         "name": f"pdd-{dc.name}",
         "listen": f"{cfg.host}:{me.route_port}",
+        # the others reach it by its name, not an address it happens to have (a pod's IP); its
+        # clients keep the site's `nats_url`, which lists every server, rather than learn addresses
+        "advertise": f"{hosts.get(me.name) or '127.0.0.1'}:{me.route_port}",
+        "no_advertise": True,
         "routes": [
-            f"nats-route://{creds}{cfg.control_plane.hosts.get(s.name) or '127.0.0.1'}:{s.route_port}"
+            f"nats-route://{creds}{hosts.get(s.name) or '127.0.0.1'}:{s.route_port}"
             for s in servers
             if s.name != me.name
         ],

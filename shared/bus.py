@@ -23,6 +23,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from shared import subjects
 from shared.messages import BadMessage, M, Message
 from shared.security import Secrets
 
@@ -57,12 +58,13 @@ class Bus:
         cls,
         url: str,
         name: str,
-        role: str = "",
+        user: str = "",
         secrets: Secrets | None = None,
         on_link: Callable[[bool], None] | None = None,
     ) -> Bus:
-        """Connect to a NATS server as `role`'s user (its password from `secrets`, when the
-        cluster has them: the servers then refuse anyone without credentials). `url` may list
+        """Connect to a NATS server as `user` (a model instance's id, or gateway, scheduler, ...;
+        its password from `secrets`, when the cluster has them: the servers then refuse anyone
+        without credentials). `url` may list
         several servers of one cluster, comma-separated: when one dies the client moves to
         another and its subscriptions with it. `on_link(False)` runs when the connection is
         lost and `on_link(True)` once it is back: whatever was published meanwhile is gone."""
@@ -70,9 +72,9 @@ class Bus:
         async def on_error(e: Exception) -> None:
             log.warning("%s: NATS error: %s", name, e)
 
-        creds = {"user": role, "password": secrets.nats_password(role)} if secrets and role else {}
-        if role:  # replies come on the role's own inbox prefix: no role can read another's replies
-            creds["inbox_prefix"] = f"_INBOX.{role}"
+        creds = {"user": user, "password": secrets.nats_password(user)} if secrets and user else {}
+        if user:  # replies come on the user's own inbox prefix: no one can read another's replies
+            creds["inbox_prefix"] = f"_INBOX.{user}"
         nc = await nats.connect(
             url.split(","),
             name=name,
@@ -96,14 +98,20 @@ class Bus:
         return reply_type.decode(reply.data)
 
     async def serve(
-        self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]], queue: str = ""
+        self,
+        subject: str,
+        msg_type: type[M],
+        handler: Callable[..., Awaitable[Message | None]],
+        queue: str = "",
+        by_reporter: bool = False,
     ) -> None:
         """Subscribe; each message runs `handler` in its own task; a returned message is the reply.
         Returns once the server has the subscription: a service that then announces itself (its
-        heartbeat) is reachable, never answered "no responders"."""
+        heartbeat) is reachable, never answered "no responders". `by_reporter`: the handler also
+        gets the instance the subject names (`subjects.reporter`), which only it may publish on."""
 
         async def on_msg(raw: Msg) -> None:
-            task = asyncio.create_task(self._handle(raw, msg_type, handler))
+            task = asyncio.create_task(self._handle(raw, msg_type, handler, by_reporter))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -120,21 +128,30 @@ class Bus:
         await self.nc.flush()
         await self.nc.flush()
 
-    async def subscribe(self, subject: str, msg_type: type[M], callback: Callable[[M], None]) -> Subscription:
-        """Call `callback(msg)` on the event loop for each message on `subject`, in order."""
+    async def subscribe(
+        self, subject: str, msg_type: type[M], callback: Callable[..., None], by_reporter: bool = False
+    ) -> Subscription:
+        """Call `callback(msg)` on the event loop for each message on `subject`, in order
+        (`callback(msg, reporter)` with `by_reporter`, as `serve`)."""
 
         async def on_msg(raw: Msg) -> None:
             try:
-                callback(msg_type.decode(raw.data))
+                msg = msg_type.decode(raw.data)
+                if by_reporter:
+                    callback(msg, subjects.reporter(raw.subject))
+                else:
+                    callback(msg)
             except BadMessage as e:
                 log.warning("%s: dropped a bad message on %s: %s", self.name, raw.subject, e)
 
         return await self.nc.subscribe(subject, cb=on_msg)
 
-    async def _handle(self, raw: Msg, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]]) -> None:
+    async def _handle(
+        self, raw: Msg, msg_type: type[M], handler: Callable[..., Awaitable[Message | None]], by_reporter: bool
+    ) -> None:
         try:
             msg = msg_type.decode(raw.data)
-            reply = await handler(msg)
+            reply = await (handler(msg, subjects.reporter(raw.subject)) if by_reporter else handler(msg))
             if reply is not None and raw.reply:
                 await raw.respond(reply.encode())
         except BadMessage as e:

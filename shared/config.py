@@ -32,6 +32,7 @@ from shared.policy_knobs import PolicyKnobs
 
 AUTO = "auto"  # InstanceConfig.threads: the instance's share of its host's cores
 DEFAULT_CONFIG = Path(importlib.util.find_spec("configs").submodule_search_locations[0]) / "single-host.yaml"
+INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,8 @@ class InstanceConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N (the model, its KV pool and CUDA-graph decode steps)
 
     def __post_init__(self) -> None:
+        if not INSTANCE_ID.fullmatch(self.id):  # a NATS subject token, a user name, a file name
+            raise ConfigError(f"instance {self.id!r}: an id is letters, digits, '-' and '_' (at most 64)")
         try:
             object.__setattr__(self, "role", Role(self.role))
         except ValueError:

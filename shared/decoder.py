@@ -224,7 +224,11 @@ class DecoderService(InstanceService):
         req.stats.merge(t.first.stats)
         if t.via_wan:
             req.stats.wan_kv_bytes, req.stats.kv_wan_ms = t.wire_bytes, t.elapsed_ms
-            self.spawn(self.bus.publish(subjects.WAN_SAMPLE, WanSample(t.wire_bytes, t.elapsed_ms / 1000, req.id)))
+            self.spawn(
+                self.bus.publish(
+                    subjects.wan_sample(self.inst.id), WanSample(t.wire_bytes, t.elapsed_ms / 1000, req.id)
+                )
+            )
         else:
             req.stats.local_kv_bytes, req.stats.kv_local_ms = t.wire_bytes, t.elapsed_ms
         task = req.task

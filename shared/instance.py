@@ -173,7 +173,7 @@ class InstanceService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         failpoints.configure(self.inst.id, self.role)
-        bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.role, Secrets.of(self.cfg))
+        bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.inst.id, Secrets.of(self.cfg))
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
         await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.cfg.threads_of(self.inst)))
         self.metrics.serve(self.cfg.host, self.inst.metrics_port)
@@ -201,7 +201,7 @@ class InstanceService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            await self.bus.publish(subjects.LEAVE, Leave(self.inst.id))
+            await self.bus.publish(subjects.leave(self.inst.id), Leave(self.inst.id))
         except Exception:
             pass
         await asyncio.to_thread(self.worker.stop)
@@ -216,7 +216,9 @@ class InstanceService:
             held = self.holding_since(self.cfg.timeouts.control_s * 2)
             beat = Heartbeat(self.info, list(held), list(held.values()), missed_replies=self._missed)
             try:
-                reply = await self.bus.request(subjects.HEARTBEAT, beat, HeartbeatReply, self.cfg.timeouts.control_s)
+                reply = await self.bus.request(
+                    subjects.heartbeat(self.inst.id), beat, HeartbeatReply, self.cfg.timeouts.control_s
+                )
                 self._missed = 0
                 self._index_stale |= reply.resync_index
                 if reply.forget:
@@ -241,7 +243,7 @@ class InstanceService:
         self._index_stale = False
         for part in index_parts(events):
             self._index_seq += 1
-            await self.bus.publish(subjects.INDEX, IndexUpdate(self.inst.id, part, self._index_seq))
+            await self.bus.publish(subjects.index(self.inst.id), IndexUpdate(self.inst.id, part, self._index_seq))
 
     async def _index_loop(self) -> None:
         while True:

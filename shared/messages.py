@@ -638,6 +638,7 @@ class LineBacklog(Message):
     request_id: str
     nbytes: int
     scheduler: str
+    to: str = ""  # the decoder it crosses to: only its sample settles it
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """What a process needs of the cluster's secrets (made by `pdd certs`, pdd/certs.py).
 
-- NATS: a user per role with a password; the servers give each role only the subjects it uses
-  (pdd/natsconf.py), so for example main-decode cannot submit requests to the scheduler.
+- NATS: a user per model instance (its id) and per control-plane role, each with a password; the
+  servers give each only the subjects it uses (pdd/natsconf.py), so for example main-decode
+  cannot submit requests to the scheduler, read another decoder's tasks or report as another.
 - KV plane: mutual TLS. A decoder serves with its instance certificate and accepts only a
   peer whose certificate the cluster CA signed for a prefill instance (OU=prefill); prefill
   checks that the decoder it reached is the instance the scheduler named (its certificate's
@@ -20,9 +21,8 @@ from functools import cached_property
 from pathlib import Path
 
 from shared.config import ClusterConfig, ConfigError
-from shared.pipelines import ROLES
 
-NATS_ROLES = ("gateway", "scheduler", *ROLES, "wanlink", "operator")  # NATS users: the instances' roles and the rest
+NATS_USERS = ("gateway", "scheduler", "wanlink", "operator")  # beside one per model instance, by its id
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,14 @@ class Secrets:
     def ca(self) -> Path:
         return self.directory / "ca.pem"
 
-    def nats_password(self, role: str) -> str:
-        return self._credentials["nats"][role]
+    def nats_password(self, user: str) -> str:
+        try:
+            return self._credentials["nats"][user]
+        except KeyError:
+            raise ConfigError(
+                f"{self.directory / 'credentials.json'} has no NATS user {user!r} (made for another config,"
+                " or before each instance had a user of its own): run `pdd certs` again"
+            ) from None
 
     @property
     def route_password(self) -> str:

@@ -5,7 +5,7 @@ pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
 pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
 pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
 pdd.decode.<instance>.resend    gateway -> md / rld    Resend -> Resent (a lost token chunk, again)
-pdd.scheduler.wan_sample        decoders -> scheduler  WanSample (bandwidth estimate)
+pdd.registry.<instance>.wan_sample  decoders -> schedulers WanSample (bandwidth estimate)
 pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
 pdd.scheduler.backlog           scheduler -> schedulers LineBacklog (KV one of them sent across the line)
 pdd.handoff.<rld>.ready         md -> rld              KVReady (main-decode has the KV)
@@ -15,22 +15,48 @@ pdd.abort                       gateway, scheduler, rld -> everyone  Abort (broa
 pdd.decode.<instance>.drop      prefill, scheduler     Drop (this decoder's copy, by its secret: failed, re-planned)
 pdd.prefill.<instance>.drop     scheduler -> prefill   Drop (this copy only, by its secrets: re-planned)
 pdd.prefill.<instance>.warm     gateway -> prefill     Warm (a finished answer, for prefill's cache)
-pdd.registry.heartbeat          instances -> registrar InstanceInfo -> HeartbeatReply (load, liveness)
-pdd.registry.index              instances -> registrar IndexUpdate -> Ack (prefix-cache block events)
-pdd.registry.leave              instances -> registrar Leave (shutting down)
+pdd.registry.<instance>.heartbeat  instances -> registrar InstanceInfo -> HeartbeatReply (load, liveness)
+pdd.registry.<instance>.index   instances -> registrar IndexUpdate (prefix-cache block events)
+pdd.registry.<instance>.leave   instances -> registrar Leave (shutting down)
 pdd.inspect.<instance>          tests, tools -> any    Inspect -> InstanceState
 pdd.admin.<instance>.flush      operators -> any       Inspect -> InstanceState (drop unused cache)
 pdd.wanlink.<name>.control      tests, tools -> WAN    WanControl -> Ack
+
+An instance reports on subjects named after itself, and the NATS servers let each instance's
+user publish only its own (pdd/natsconf.py): the registrar and the schedulers take the sender's
+identity from the subject (`reporter`), never from what the message says of itself.
 """
 
 SUBMIT = "pdd.scheduler.submit"
-WAN_SAMPLE = "pdd.scheduler.wan_sample"
 STATUS = "pdd.scheduler.status"
 LINE_BACKLOG = "pdd.scheduler.backlog"
 ABORT = "pdd.abort"
-HEARTBEAT = "pdd.registry.heartbeat"
-INDEX = "pdd.registry.index"
-LEAVE = "pdd.registry.leave"
+# what the registrar and the schedulers subscribe to: every instance's reports of a kind
+HEARTBEATS = "pdd.registry.*.heartbeat"
+INDEXES = "pdd.registry.*.index"
+LEAVES = "pdd.registry.*.leave"
+WAN_SAMPLES = "pdd.registry.*.wan_sample"
+
+
+def heartbeat(instance_id: str) -> str:
+    return f"pdd.registry.{instance_id}.heartbeat"
+
+
+def index(instance_id: str) -> str:
+    return f"pdd.registry.{instance_id}.index"
+
+
+def leave(instance_id: str) -> str:
+    return f"pdd.registry.{instance_id}.leave"
+
+
+def wan_sample(instance_id: str) -> str:
+    return f"pdd.registry.{instance_id}.wan_sample"
+
+
+def reporter(subject: str) -> str:
+    """The instance a report came from: its subject's own name (`pdd.registry.<instance>.<kind>`)."""
+    return subject.split(".")[2]
 
 
 def prefill_task(instance_id: str) -> str:

@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from shared import subjects
 from shared.bus import BusTimeout
 from shared.messages import BadMessage, M, Message
 from shared.runtime.engine import Engine, TokenOutput
@@ -70,39 +71,65 @@ class InMemoryBus:
             self._subs.remove(sub)
             self.server.subs[sub.subject].remove(sub)
 
+    def _matching(self, subject: str) -> list[_Sub]:
+        """The subscriptions `subject` reaches, a `*` in theirs matching one token."""
+        tokens = subject.split(".")
+        return [
+            sub
+            for pattern, subs in self.server.subs.items()
+            if len(parts := pattern.split(".")) == len(tokens) and all(p in ("*", t) for p, t in zip(parts, tokens))
+            for sub in subs
+        ]
+
     async def publish(self, subject: str, msg: Message) -> None:
         self.server.published.append((subject, msg))
         data = msg.encode()
-        for sub in list(self.server.subs.get(subject, ())):
-            sub.deliver(data, None)
+        for sub in self._matching(subject):
+            sub.deliver(data, (subject, None))
 
     async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
-        subs = self.server.subs.get(subject)
+        subs = self._matching(subject)
         if not subs:
             raise BusTimeout(f"no reply on {subject} (no responders)")
         self.server.published.append((subject, msg))
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        subs[0].deliver(msg.encode(), future)
+        subs[0].deliver(msg.encode(), (subject, future))
         try:
             return reply_type.decode(await asyncio.wait_for(future, timeout))
         except TimeoutError:
             raise BusTimeout(f"no reply on {subject} within {timeout:.1f}s") from None
 
     async def serve(
-        self, subject: str, msg_type: type[M], handler: Callable[[M], Awaitable[Message | None]], queue: str = ""
+        self,
+        subject: str,
+        msg_type: type[M],
+        handler: Callable[..., Awaitable[Message | None]],
+        queue: str = "",
+        by_reporter: bool = False,
     ) -> None:
-        async def handle(data: bytes, reply: Any) -> None:
+        async def handle(data: bytes, sent: tuple[str, asyncio.Future | None]) -> None:
+            subject, reply = sent
             try:
-                response = await handler(msg_type.decode(data))
+                msg = msg_type.decode(data)
+                response = await (handler(msg, subjects.reporter(subject)) if by_reporter else handler(msg))
             except BadMessage:
                 return
-            if response is not None and isinstance(reply, asyncio.Future) and not reply.done():
+            if response is not None and reply is not None and not reply.done():
                 reply.set_result(response.encode())
 
-        self._add(subject, lambda data, reply: self._spawn(handle(data, reply)))
+        self._add(subject, lambda data, sent: self._spawn(handle(data, sent)))
 
-    async def subscribe(self, subject: str, msg_type: type[M], callback: Callable[[M], None]) -> _Sub:
-        return self._add(subject, lambda data, reply: callback(msg_type.decode(data)))
+    async def subscribe(
+        self, subject: str, msg_type: type[M], callback: Callable[..., None], by_reporter: bool = False
+    ) -> _Sub:
+        def deliver(data: bytes, sent: tuple[str, Any]) -> None:
+            msg = msg_type.decode(data)
+            if by_reporter:
+                callback(msg, subjects.reporter(sent[0]))
+            else:
+                callback(msg)
+
+        return self._add(subject, deliver)
 
     async def close(self) -> None:
         for sub in list(self._subs):

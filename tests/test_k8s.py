@@ -380,6 +380,7 @@ def test_every_nats_server_routes_to_the_other_servers_services_and_ports_as_ren
         conf = json.loads((folder / container["args"][-1].rsplit("/", 1)[1]).read_text())
         routes = {(u.hostname, u.port) for u in map(urlsplit, conf["cluster"]["routes"])}
         assert routes == {(other, port) for other, port in rendered.items() if other != name}, name
+        assert conf["cluster"]["advertise"] == f"{name}:{rendered[name]}", "gossiped by its Service, not its pod's IP"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["route"] == int(conf["cluster"]["listen"].rsplit(":", 1)[1]), name
         route = [p for p in services[name]["spec"]["ports"] if p["name"] == "route"]

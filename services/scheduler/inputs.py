@@ -126,25 +126,31 @@ class WanBacklog:
 
     def __init__(self, max_age_s: float = math.inf) -> None:
         self.max_age_s = max_age_s
-        self._owed: dict[str, tuple[float, int]] = {}  # request -> (dispatched at, bytes), oldest first
+        self._owed: dict[str, tuple[float, int, str]] = {}  # request -> (dispatched at, bytes, to), oldest first
         self._total = 0
 
-    def add(self, request_id: str, nbytes: int, at: float) -> None:
+    def add(self, request_id: str, nbytes: int, at: float, to: str = "") -> None:
+        """`to`: the decoder the bytes cross to (the only one whose sample settles them)."""
         self.settle(request_id)  # planned again: the new plan replaces the old one's bytes
         if nbytes > 0:
-            self._owed[request_id] = (at, nbytes)
+            self._owed[request_id] = (at, nbytes, to)
             self._total += nbytes
+
+    def receiver(self, request_id: str) -> str | None:
+        """The decoder `request_id`'s KV is crossing to; None when none is on the line for it."""
+        owed = self._owed.get(request_id)
+        return None if owed is None else owed[2]
 
     def settle(self, request_id: str) -> int:
         """Its KV landed or will not cross: its bytes leave the backlog (0 if it had none)."""
-        _, nbytes = self._owed.pop(request_id, (0.0, 0))
+        _, nbytes, _ = self._owed.pop(request_id, (0.0, 0, ""))
         self._total -= nbytes
         return nbytes
 
     def total(self, now: float) -> int:
         """Bytes on the line now, after dropping entries older than `max_age_s`."""
         while self._owed:
-            request_id, (at, _) = next(iter(self._owed.items()))
+            request_id, (at, _, _) = next(iter(self._owed.items()))
             if now - at <= self.max_age_s:
                 break
             self.settle(request_id)

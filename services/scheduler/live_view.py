@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 
-from services.scheduler.registrar import Liveness
+from services.scheduler.registrar import Liveness, Refused, Roster
 from shared.messages import Heartbeat, InstanceInfo, Leave
 
 
 class LiveView:
-    def __init__(self, liveness: Liveness, now: float | None = None) -> None:
+    def __init__(self, liveness: Liveness, now: float | None = None, roster: Roster | None = None) -> None:
         self.liveness = liveness
+        self.roster = roster or Roster()  # the registrar's vetting: the view takes no report it refuses
         self._rows: dict[str, tuple[float, InstanceInfo]] = {}  # id -> (alive until, wall clock; last figures)
         self._since = time.time() if now is None else now  # listening since
 
@@ -29,14 +30,19 @@ class LiveView:
         whole TTL after it is back."""
         self._since = (time.time() if now is None else now) if up else float("inf")
 
-    def heard(self, beat: Heartbeat, now: float | None = None) -> None:
+    def heard(self, beat: Heartbeat, reporter: str | None = None, now: float | None = None) -> None:
+        try:
+            self.roster.vet(beat.info.id if reporter is None else reporter, beat.info.id, beat.info)
+        except Refused:
+            return  # the registrar logs it
         now = time.time() if now is None else now
         if (heard := self.liveness.heard(beat, now)) is not None:
             beat.info.updated_at = heard.sampled_at
             self._rows[beat.info.id] = (now + heard.ttl_s, beat.info)
 
-    def left(self, msg: Leave) -> None:
-        self._rows.pop(msg.instance_id, None)
+    def left(self, msg: Leave, reporter: str | None = None) -> None:
+        if reporter in (None, msg.instance_id):
+            self._rows.pop(msg.instance_id, None)
 
     def alive(self, now: float | None = None) -> list[InstanceInfo] | None:
         """The instances alive now, by id; None while it has not listened for a whole TTL yet

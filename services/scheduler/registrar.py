@@ -23,18 +23,29 @@ or start at any time:
    update that overtook its predecessor on another registrar waits for it). A gap in the
    numbers marks the instance for a full resync on its next heartbeat.
 3. `Leave` -> the instance is forgotten at once instead of when its heartbeat expires.
+
+Every report is vetted first (`Roster.vet`): it must come from the instance it is about (the
+subject names the sender, and the NATS servers let each instance publish on its own subjects
+only), that instance must be one the cluster config lists, with its role and site and (when the
+config fixes it) its KV port, and its figures must be in range. A report that fails is dropped
+and logged: a compromised instance cannot register, re-address or remove another, nor invent
+instances that would draw requests or make every plan 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 from shared import subjects
 from shared.bus import Bus
-from shared.messages import Heartbeat, HeartbeatReply, IndexUpdate, Leave
+from shared.config import ClusterConfig, InstanceConfig
+from shared.messages import Heartbeat, HeartbeatReply, IndexUpdate, InstanceInfo, Leave
+from shared.pipelines import Role
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -71,6 +82,44 @@ class Liveness:
         return Heard(now - delay, self.ttl_s + (self.heartbeat_s + 2 * delay if remote else 0.0))
 
 
+class Refused(Exception):
+    """A report the registrar does not take: why, for the log."""
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The instances the cluster config lists; None: any (a bench or test without a config)."""
+
+    instances: dict[str, InstanceConfig] | None = None
+    endpoints: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)  # where prefill dials each
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig) -> Roster:
+        decoders = [i for i in cfg.instances if i.role != Role.PREFILL]  # prefill listens for no KV
+        return cls({i.id: i for i in cfg.instances}, {i.id: cfg.kv_endpoint(i) for i in decoders})
+
+    def vet(self, reporter: str, claimed: str, info: InstanceInfo | None = None) -> None:
+        """Raise Refused unless `reporter` (the subject's sender) sends about itself (`claimed`),
+        is listed, and `info` (a heartbeat's) matches its config, with every figure in range."""
+        if claimed != reporter:
+            raise Refused(f"{reporter} reported as {claimed!r}")
+        if self.instances is None:
+            return
+        if (inst := self.instances.get(reporter)) is None:
+            raise Refused(f"{reporter!r} is not an instance of the cluster config")
+        if info is None:
+            return
+        if (info.role, info.dc) != (inst.role, inst.dc):
+            raise Refused(f"{reporter} reported role {info.role} in {info.dc}; it is {inst.role} in {inst.dc}")
+        host, port = self.endpoints.get(reporter, ("", 0))  # port 0: any, picked when it starts
+        if (host and info.kv_host != host) or (port and info.kv_port != port):
+            raise Refused(f"{reporter} reported its KV at {info.kv_host}:{info.kv_port}; the config says {host}:{port}")
+        for f in dataclasses.fields(info):
+            value = getattr(info, f.name)
+            if isinstance(value, int | float) and not (math.isfinite(value) and 0 <= value < 2**53):
+                raise Refused(f"{reporter} reported {f.name} = {value!r}")
+
+
 class Registrar:
     def __init__(
         self,
@@ -79,8 +128,10 @@ class Registrar:
         control_dc: str = "A",
         line_delay_s: float = 0.0,
         heartbeat_s: float = 1.0,
+        roster: Roster | None = None,
     ) -> None:
         self.registry = registry
+        self.roster = roster or Roster()
         self.request_ttl_s = request_ttl_s
         self.control_dc = control_dc  # the registrar's site: others' heartbeats cross the line
         self.line_delay_s = line_delay_s  # one way
@@ -89,12 +140,24 @@ class Registrar:
         self._index_lock: dict[str, asyncio.Lock] = {}  # instance -> its updates here, in arrival order
 
     async def serve(self, bus: Bus) -> None:
-        await bus.serve(subjects.HEARTBEAT, Heartbeat, self.on_heartbeat, queue=QUEUE)
-        await bus.serve(subjects.INDEX, IndexUpdate, self.on_index, queue=QUEUE)
-        await bus.serve(subjects.LEAVE, Leave, self.on_leave, queue=QUEUE)
+        await bus.serve(subjects.HEARTBEATS, Heartbeat, self.on_heartbeat, queue=QUEUE, by_reporter=True)
+        await bus.serve(subjects.INDEXES, IndexUpdate, self.on_index, queue=QUEUE, by_reporter=True)
+        await bus.serve(subjects.LEAVES, Leave, self.on_leave, queue=QUEUE, by_reporter=True)
 
-    async def on_heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
+    def _refuses(self, what: str, reporter: str | None, claimed: str, info: InstanceInfo | None = None) -> bool:
+        """True (logged) when the report fails `Roster.vet`. `reporter` None: a call in this
+        process (tests), about the instance the message names."""
+        try:
+            self.roster.vet(claimed if reporter is None else reporter, claimed, info)
+            return False
+        except Refused as e:
+            log.warning("registrar: %s refused: %s", what, e)
+            return True
+
+    async def on_heartbeat(self, beat: Heartbeat, reporter: str | None = None) -> HeartbeatReply | None:
         info = beat.info
+        if self._refuses("heartbeat", reporter, info.id, info):
+            return None  # no reply: a real instance that sees this has a config to mend
         if (heard := self.liveness.heard(beat, time.time())) is None:  # it hears nothing from here
             log.warning("registrar: %s missed %d heartbeat replies; not refreshed", info.id, beat.missed_replies)
         else:
@@ -119,9 +182,11 @@ class Registrar:
             await self.registry.set_request(rid, {"holder": beat.info.id}, ttl_s=self.request_ttl_s)
         return [rid for rid in gone if rid not in lost]
 
-    async def on_index(self, update: IndexUpdate) -> None:
+    async def on_index(self, update: IndexUpdate, reporter: str | None = None) -> None:
         """Each update runs in its own task (Bus.serve): the instance's lock, taken in arrival
         order, has this registrar apply them in that order; Redis orders them across registrars."""
+        if self._refuses("index update", reporter, update.instance_id):
+            return
         async with self._index_lock.setdefault(update.instance_id, asyncio.Lock()):
             in_order = await self.registry.apply_index_update(update.instance_id, update)
         if not in_order:
@@ -131,7 +196,9 @@ class Registrar:
                 update.instance_id,
             )
 
-    async def on_leave(self, msg: Leave) -> None:
+    async def on_leave(self, msg: Leave, reporter: str | None = None) -> None:
+        if self._refuses("leave", reporter, msg.instance_id):
+            return
         self._index_lock.pop(msg.instance_id, None)
         await self.registry.forget_index_order(msg.instance_id)
         await self.registry.remove(msg.instance_id)

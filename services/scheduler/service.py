@@ -41,6 +41,7 @@ import asyncio
 import base64
 import dataclasses
 import logging
+import math
 import secrets
 import signal
 import time
@@ -51,7 +52,7 @@ from services.scheduler.estimates import BandwidthEstimator
 from services.scheduler.inputs import Dispatched, WanBacklog, cluster_policy_config, instance_view, wan_kv_bytes
 from services.scheduler.live_view import LiveView
 from services.scheduler.policy import NoCapacity, PlanRequest, PolicyConfig, choose_plan
-from services.scheduler.registrar import Registrar
+from services.scheduler.registrar import Registrar, Roster
 from shared import failpoints, subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
@@ -148,16 +149,17 @@ class Scheduler:
             control_dc=cfg.control_dc,
             line_delay_s=(cfg.wan.delay_ms + cfg.wan.jitter_ms) / 1000 if cfg.wan.enabled else 0.0,
             heartbeat_s=cfg.heartbeat_s,
+            roster=Roster.of(cfg),
         )
         await registrar.serve(self.bus)
         # the view listens on a connection of its own: NATS lets a client answer a request it got
         # only once (allow_responses), and a second delivery on the registrar's connection had the
         # server refuse the registrar's replies to the heartbeats
-        self.view = LiveView(registrar.liveness)
+        self.view = LiveView(registrar.liveness, roster=registrar.roster)
         url = self.cfg.nats_url_for(self.cfg.control_dc)
         self.view_bus = await Bus.connect(url, f"{self.name}-view", "scheduler", secrets, on_link=self.view.link)
-        await self.view_bus.subscribe(subjects.HEARTBEAT, Heartbeat, self.view.heard)
-        await self.view_bus.subscribe(subjects.LEAVE, Leave, self.view.left)
+        await self.view_bus.subscribe(subjects.HEARTBEATS, Heartbeat, self.view.heard, by_reporter=True)
+        await self.view_bus.subscribe(subjects.LEAVES, Leave, self.view.left, by_reporter=True)
         await self.view_bus.sync()
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
         self.metrics.serve(self.cfg.host, self.cfg.scheduler_metrics_port(self.name))
@@ -177,17 +179,23 @@ class Scheduler:
         the decoders' WAN samples, aborts and the other schedulers' backlog (every scheduler)."""
         await self.bus.serve(subjects.SUBMIT, Submit, self.on_submit, queue=QUEUE)
         await self.bus.serve(subjects.STATUS, Inspect, self.on_status, queue=QUEUE)
-        await self.bus.serve(subjects.WAN_SAMPLE, WanSample, self.on_wan_sample)
+        await self.bus.serve(subjects.WAN_SAMPLES, WanSample, self.on_wan_sample, by_reporter=True)
         await self.bus.serve(subjects.ABORT, Abort, self.on_abort)
         await self.bus.serve(subjects.LINE_BACKLOG, LineBacklog, self.on_line_backlog)
 
     async def on_line_backlog(self, msg: LineBacklog) -> None:
         """Another scheduler dispatched KV across the line (or settled what it had)."""
         if msg.scheduler != self.name:
-            self.backlog.add(msg.request_id, msg.nbytes, time.monotonic())
+            self.backlog.add(msg.request_id, msg.nbytes, time.monotonic(), to=msg.to)
             self.wan_backlog.set(self.backlog.total(time.monotonic()))
 
-    async def on_wan_sample(self, sample: WanSample) -> None:
+    async def on_wan_sample(self, sample: WanSample, reporter: str | None = None) -> None:
+        """Only the decoder a request's KV was dispatched to across the line reports its transfer
+        (one instance's made-up samples would set the estimate every plan reads)."""
+        to = self.backlog.receiver(sample.request_id)
+        if to is None or to != (reporter or to) or sample.nbytes <= 0 or not 0 < sample.seconds < math.inf:
+            log.warning("%s: WAN sample from %s for %r refused", self.name, reporter, sample.request_id)
+            return
         self.wan.add(sample.nbytes, sample.seconds, time.monotonic())
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
         self._settle(sample.request_id)
@@ -209,9 +217,9 @@ class Scheduler:
             if tell:
                 self._tell_backlog(request_id, 0)
 
-    def _tell_backlog(self, request_id: str, nbytes: int) -> None:
+    def _tell_backlog(self, request_id: str, nbytes: int, to: str = "") -> None:
         if self.cfg.control_plane.schedulers > 1:
-            msg = LineBacklog(request_id, nbytes, self.name)
+            msg = LineBacklog(request_id, nbytes, self.name, to=to)
             self._spawn(self.bus.publish(subjects.LINE_BACKLOG, msg))
 
     def _spawn(self, coro) -> None:
@@ -380,11 +388,13 @@ class Scheduler:
             _target(prefill, inst, d.starts[inst.role], plan.kv_wire, self.cfg.scheduler.kv_wire_in_dc)
             for inst in decoders
         ]
-        on_line = sum(wan_kv_bytes(len(sub.prompt_ids) - t.start, t.wire, self.policy) for t in targets if t.wan)
-        self.backlog.add(sub.request_id, on_line, now)  # before any await, as the dispatches above
+        crossing = [t for t in targets if t.wan]
+        on_line = sum(wan_kv_bytes(len(sub.prompt_ids) - t.start, t.wire, self.policy) for t in crossing)
+        to = crossing[0].instance_id if crossing else ""
+        self.backlog.add(sub.request_id, on_line, now, to=to)  # before any await, as the dispatches above
         self.wan_backlog.set(self.backlog.total(now))
         if on_line:
-            self._tell_backlog(sub.request_id, on_line)
+            self._tell_backlog(sub.request_id, on_line, to)
         try:
             return await self._dispatch(sub, plan, prefill, decoders, targets)
         except BaseException:  # nothing of it will cross (or, re-planned, the next plan counts it)

@@ -45,7 +45,7 @@ async def run(args: argparse.Namespace) -> None:
     name = f"wanlink-{cfg.wan.name}"
     bus = None
     if cfg.nats_url or cfg.datacenter(cfg.control_dc).nats_url:
-        bus = await Bus.connect(cfg.nats_url_for(cfg.control_dc), name, role="wanlink", secrets=Secrets.of(cfg))
+        bus = await Bus.connect(cfg.nats_url_for(cfg.control_dc), name, user="wanlink", secrets=Secrets.of(cfg))
     else:
         log.warning("%s: no NATS server in the config: running without runtime control", name)
     link = WanLink(cfg.wan, forwards_of(cfg), bus)

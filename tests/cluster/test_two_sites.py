@@ -134,7 +134,7 @@ def test_plaintext_and_anonymous_peers_are_refused(cluster):
     async def nats_checks() -> None:
         with pytest.raises(Exception, match="Authorization"):
             await nats.connect(cluster.nats_url("A"), allow_reconnect=False, max_reconnect_attempts=0)
-        md = await Bus.connect(cluster.nats_url("B"), "pretend-md", "md", cluster.secrets)
+        md = await Bus.connect(cluster.nats_url("B"), "pretend-md", "md-0", cluster.secrets)  # md-0's own user
         await md.nc.publish("pdd.scheduler.submit", b"forged")
         await md.nc.flush()
         for _ in range(100):  # the server answers the publish with -ERR

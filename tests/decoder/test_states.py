@@ -482,9 +482,10 @@ async def test_a_malformed_message_fails_nothing(pair, prompt, tiny_ref):
     await pair.dispatch("r1", prompt, N, Pipeline.P_MD)
     await pair.land("md", "r1", prompt)
     for sub in list(pair.nats.subs[subjects.decode_task("md-0")]):
-        sub.deliver(b"\xc1garbage", None)
+        sub.deliver(b"\xc1garbage", (subjects.decode_task("md-0"), None))
     for sub in list(pair.nats.subs[subjects.handoff_chunk("md-0")]):
-        sub.deliver(HandoffChunk("r1", "x", [1]).encode(), None)  # start_index of the wrong type
+        wrong_type = HandoffChunk("r1", "x", [1])  # start_index of the wrong type
+        sub.deliver(wrong_type.encode(), (subjects.handoff_chunk("md-0"), None))
     await pair.drive(lambda: pair.finished("r1"))
     assert [t for t, _ in pair.tokens("r1").values()] == _expected(tiny_ref, prompt)
     pair.assert_gone("r1")

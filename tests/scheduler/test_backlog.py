@@ -145,7 +145,7 @@ async def test_a_plan_whose_kv_crosses_puts_its_bytes_on_the_line_until_they_lan
     second = await c.submit("r2", 50)
     assert second.estimates.wan_backlog_bytes == 100 * 46_080  # planned behind r1's KV
     assert c.backlog == 150 * 46_080
-    await c.publish(subjects.WAN_SAMPLE, WanSample(100 * 46_080, 0.5, "r1"))  # r1's KV landed at MD
+    await c.publish(subjects.wan_sample("md-0"), WanSample(100 * 46_080, 0.5, "r1"))  # r1's KV landed at MD
     assert c.backlog == 50 * 46_080 and len(c.scheduler.wan) == 1  # and it fed the bandwidth estimate
     await c.publish(subjects.ABORT, Abort("r2"))  # the client went: MD's receiver cancels the rest
     assert c.backlog == 0 and len(c.scheduler.backlog) == 0
@@ -184,13 +184,20 @@ async def test_a_failed_dispatch_leaves_nothing_on_the_line():
     assert plan.status == 429 and c.backlog == 0 and len(c.scheduler.backlog) == 0
 
 
-async def test_an_old_decoders_sample_still_decodes_and_leaves_the_backlog_alone():
+async def test_only_the_decoder_a_requests_kv_crosses_to_may_report_its_transfer():
+    """A sample moves the bandwidth estimate every plan reads: one from any other instance, for
+    a request not on the line, or naming none (an old decoder's, which still decodes) is refused."""
     c = await Cluster(ttft_slo_ms=1e9).start()
     await c.submit("r1", 100)
     legacy = WanSample.decode(msgpack.packb({"nbytes": 4_608_000, "seconds": 0.5}))  # no request id
     assert legacy.request_id == ""
-    await c.publish(subjects.WAN_SAMPLE, legacy)
-    assert c.backlog == 100 * 46_080 and len(c.scheduler.wan) == 1
+    await c.publish(subjects.wan_sample("md-0"), legacy)
+    await c.publish(subjects.wan_sample("rld-0"), WanSample(100 * 46_080, 0.001, "r1"))  # not r1's receiver
+    await c.publish(subjects.wan_sample("md-0"), WanSample(100 * 46_080, 0.001, "r9"))  # never dispatched
+    await c.publish(subjects.wan_sample("md-0"), WanSample(100 * 46_080, float("inf"), "r1"))  # out of range
+    assert c.backlog == 100 * 46_080 and len(c.scheduler.wan) == 0
+    await c.publish(subjects.wan_sample("md-0"), WanSample(100 * 46_080, 0.5, "r1"))
+    assert c.backlog == 0 and len(c.scheduler.wan) == 1
 
 
 async def test_the_line_backlog_flips_the_next_plan_and_the_knob_ignores_it():

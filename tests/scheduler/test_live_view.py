@@ -4,14 +4,16 @@ the registrar's liveness rule on the heartbeats it hears, without reading Redis.
 from __future__ import annotations
 
 from services.scheduler.live_view import LiveView
-from services.scheduler.registrar import Liveness
+from services.scheduler.registrar import Liveness, Roster
+from shared.config import load_config
 from shared.messages import Heartbeat, InstanceInfo, Leave
 
 RULE = Liveness(ttl_s=3.0, control_dc="A", line_delay_s=0.05, heartbeat_s=1.0)
 
 
 def beat(iid: str, dc: str = "A", missed: int = 0, running: int = 0) -> Heartbeat:
-    return Heartbeat(InstanceInfo(iid, "md" if dc == "B" else "rld", dc, running=running), missed_replies=missed)
+    info = InstanceInfo(iid, "md" if dc == "B" else "rld", dc, kv_host="127.0.0.1", running=running)
+    return Heartbeat(info, missed_replies=missed)
 
 
 def test_the_view_answers_only_after_listening_for_a_whole_ttl():
@@ -49,3 +51,14 @@ def test_a_view_that_lost_its_connection_answers_again_only_a_whole_ttl_after_it
     view.heard(beat("rld-0"), now=23.5)
     assert view.alive(now=23.9) is None, "an instance heard only before the loss may be missing"
     assert [i.id for i in view.alive(now=24.1)] == ["rld-0"]
+
+
+def test_the_view_takes_no_report_the_registrar_would_refuse():
+    roster = Roster.of(load_config())  # the shipped fleet: prefill-0, rld-0, md-0
+    view = LiveView(RULE, now=0.0, roster=roster)
+    view.heard(beat("rld-0"), "md-0", now=10.0)  # md-0 speaking for rld-0
+    view.heard(beat("rld-9"), "rld-9", now=10.0)  # not in the config
+    assert view.alive(now=10.0) == []
+    view.heard(beat("rld-0"), "rld-0", now=10.0)
+    view.left(Leave("rld-0"), "md-0")
+    assert [i.id for i in view.alive(now=10.0)] == ["rld-0"]

@@ -5,9 +5,11 @@ and requests an instance still holds but that are no longer in flight are named 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
-from services.scheduler.registrar import Registrar
+from services.scheduler.registrar import Registrar, Roster
+from shared.config import config_from_dict
 from shared.messages import Heartbeat, IndexEvent, IndexUpdate, InstanceInfo, Leave
 
 
@@ -89,3 +91,49 @@ async def test_updates_handled_at_once_are_applied_in_their_order(registry):
     await asyncio.gather(*(reg.on_index(p) for p in parts))
     assert await registry.r.smembers("pdd:kv:md-0") == {f"h{i}" for i in range(1, 40)}
     assert not (await reg.on_heartbeat(beat())).resync_index, "no update taken for lost"
+
+
+FLEET = Roster.of(
+    config_from_dict(
+        {
+            "instances": [
+                {"id": "prefill-0", "role": "prefill", "dc": "A"},
+                {"id": "md-0", "role": "md", "dc": "B", "kv_port": 7500},
+            ]
+        }
+    )
+)
+MD = InstanceInfo("md-0", "md", "B", kv_host="127.0.0.1", kv_port=7500)
+
+
+async def test_an_instance_reports_only_about_itself_and_only_as_the_config_lists_it(registry):
+    """The subject names the sender (NATS lets md-0 publish on md-0's subjects only): a report
+    about another instance, from an instance the config does not list, with another role, site
+    or KV port, or with a figure out of range, is dropped and nothing of it reaches Redis."""
+    reg = Registrar(registry, roster=FLEET)
+    forged = [
+        ("md-0", InstanceInfo("prefill-0", "prefill", "A")),  # as another instance
+        ("prefill-9", InstanceInfo("prefill-9", "prefill", "A")),  # not in the config
+        ("md-0", dataclasses.replace(MD, role="prefill", dc="A")),  # another role and site
+        ("md-0", dataclasses.replace(MD, kv_port=6666)),  # re-addressed
+        ("md-0", dataclasses.replace(MD, kv_host="203.0.113.9")),
+        ("md-0", dataclasses.replace(MD, running=-5)),
+        ("md-0", dataclasses.replace(MD, step_ms=float("nan"))),
+    ]
+    for reporter, info in forged:
+        assert await reg.on_heartbeat(Heartbeat(info), reporter) is None, info
+    assert await registry.alive() == []
+    assert await reg.on_heartbeat(Heartbeat(MD), "md-0") is not None
+    assert [i.id for i in await registry.alive()] == ["md-0"]
+
+
+async def test_an_instance_can_neither_remove_nor_rewrite_the_index_of_another(registry):
+    reg = Registrar(registry, roster=FLEET)
+    await reg.on_heartbeat(Heartbeat(InstanceInfo("prefill-0", "prefill", "A")), "prefill-0")
+    await reg.on_index(IndexUpdate("prefill-0", [IndexEvent("stored", ["h1"])], seq=1), "prefill-0")
+    await reg.on_leave(Leave("prefill-0"), "md-0")
+    await reg.on_index(IndexUpdate("prefill-0", [IndexEvent("cleared")], seq=2), "md-0")
+    assert [i.id for i in await registry.alive()] == ["prefill-0"]
+    assert await registry.r.smembers("pdd:kv:prefill-0") == {"h1"}
+    await reg.on_leave(Leave("prefill-0"), "prefill-0")
+    assert await registry.alive() == []

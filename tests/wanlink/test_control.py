@@ -69,8 +69,8 @@ async def test_control_over_nats_with_credentials(make_link, secrets, nats_a):
     url, _ = nats_a
     with pytest.raises(nats.errors.Error, match="Authorization"):  # the server takes no one without credentials
         await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
-    bus = await Bus.connect(url, "wanlink-test", role="wanlink", secrets=secrets)
-    operator = await Bus.connect(url, "operator-test", role="operator", secrets=secrets)
+    bus = await Bus.connect(url, "wanlink-test", user="wanlink", secrets=secrets)
+    operator = await Bus.connect(url, "operator-test", user="operator", secrets=secrets)
     sink = await Sink(echo=True).start()
     link = await make_link({"md-0": ("A", sink.port)}, bus=bus, name="nats-test")
     subject = subjects.wan_control("nats-test")
@@ -129,7 +129,7 @@ async def test_the_process_runs_a_cluster_configs_forwards(secrets, nats_a, tmp_
         _, leaf = await asyncio.wait_for(
             asyncio.open_connection("127.0.0.1", ports["nats-B"], ssl=ctx, server_hostname="127.0.0.1"), 10
         )
-        operator = await Bus.connect(url, "operator-test", role="operator", secrets=secrets)
+        operator = await Bus.connect(url, "operator-test", user="operator", secrets=secrets)
         state = await operator.request(subjects.wan_control("proc"), WanControl(), WanState, 5.0)
         await operator.close()
         assert state.forwards == ports and state.accepted == {"md-0": 1, "nats-B": 1}

@@ -37,29 +37,31 @@ class CacheOf:
 async def test_a_whole_index_over_the_payload_limit_arrives_in_parts(nats_a, secrets, registry):
     url, _ = nats_a
     scheduler = await Bus.connect(url, "scheduler-index", "scheduler", secrets)
-    md = await Bus.connect(url, "md-0", "md", secrets)
+    instance = await Bus.connect(url, "prefill-0", "prefill-0", secrets)
     try:
         registrar = Registrar(registry)
         await registrar.serve(scheduler)
         hashes = [f"{i:024x}" for i in range(BLOCKS)]
         with pytest.raises(MaxPayloadError):  # what one message would do
-            await md.publish(subjects.INDEX, IndexUpdate("md-0", CacheOf(hashes).cache_events(True), 1))
+            await instance.publish(
+                subjects.index("prefill-0"), IndexUpdate("prefill-0", CacheOf(hashes).cache_events(True), 1)
+            )
 
         cfg = config_from_dict(cluster())
-        svc = InstanceService(cfg, cfg.instance("md-0"))
-        svc.bus, svc.worker = md, CacheOf(hashes)
+        svc = InstanceService(cfg, cfg.instance("prefill-0"))
+        svc.bus, svc.worker = instance, CacheOf(hashes)
         await svc.report_index()
         assert svc._index_seq == -(-BLOCKS // INDEX_HASHES_PER_UPDATE) > 1
 
         async def arrived() -> bool:
-            return await registry.r.scard("pdd:kv:md-0") == BLOCKS
+            return await registry.r.scard("pdd:kv:prefill-0") == BLOCKS
 
         await until(arrived, timeout=30, what="every hash in Redis")
-        assert await registry.prefix_blocks(["md-0"], hashes[:100]) == {"md-0": 100}
-        reply = await registrar.on_heartbeat(Heartbeat(InstanceInfo("md-0", "md", "B")))
+        assert await registry.prefix_blocks(["prefill-0"], hashes[:100]) == {"prefill-0": 100}
+        reply = await registrar.on_heartbeat(Heartbeat(InstanceInfo("prefill-0", "prefill", "A")))
         assert not reply.resync_index, "the parts came in order, none missing"
     finally:
-        await md.close()
+        await instance.close()
         await scheduler.close()
 
 

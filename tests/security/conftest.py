@@ -1,0 +1,3 @@
+"""The attack suite runs against the end-to-end tests' session cluster (tests/cluster/conftest.py)."""
+
+from tests.cluster.conftest import cluster, operator  # noqa: F401

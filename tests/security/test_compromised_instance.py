@@ -1,0 +1,169 @@
+"""One compromised instance against the running processes of the two-site test cluster: the
+attacker holds md-0's NATS credential (its user and password) and nothing else, and tries what
+issue #41 lists. Each test asserts the attempt fails; docs/security.md has the table.
+
+What stops it: NATS users per instance whose subjects name the instance (pdd/natsconf.py), the
+registrar's and the schedulers' vetting of every report by the subject it came on
+(services/scheduler/registrar.py `Roster`), and WAN samples taken only from the decoder a
+request's KV crosses to (services/scheduler/service.py `on_wan_sample`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.errors import Error as NatsError
+
+from shared import subjects
+from shared.bus import Bus, BusTimeout
+from shared.messages import ClusterStatus, Heartbeat, HeartbeatReply, Inspect, InstanceInfo, Leave, WanSample
+from tests.cluster.test_migration import until
+
+pytestmark = pytest.mark.slow
+
+ME = "md-0"  # the compromised instance
+
+
+async def _connect(cluster, user: str, password: str, errors: list[str], dc: str = "B"):
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e).lower())
+
+    return await nats.connect(
+        cluster.nats_url(dc),
+        user=user,
+        password=password,
+        error_cb=on_error,
+        allow_reconnect=False,
+        max_reconnect_attempts=0,
+        inbox_prefix=f"_INBOX.{user}",
+    )
+
+
+def _stolen(cluster) -> str:
+    return cluster.secrets.nats_password(ME)
+
+
+def _status(operator) -> ClusterStatus:
+    return operator.run(lambda bus: bus.request(subjects.STATUS, Inspect(""), ClusterStatus, 5))
+
+
+def test_its_password_logs_in_as_no_other_user(cluster):
+    async def attempts() -> dict[str, str]:
+        refused = {}
+        for user in ("md-1", "rld-0", "prefill-0", "gateway", "scheduler", "wanlink", "operator"):
+            for dc in ("A", "B"):
+                try:
+                    nc = await _connect(cluster, user, _stolen(cluster), [], dc)
+                except NatsError as e:
+                    refused[f"{user}@{dc}"] = str(e)
+                else:
+                    await nc.close()
+        return refused
+
+    refused = asyncio.run(attempts())
+    assert len(refused) == 14, f"refused only {sorted(refused)}"
+    assert all("authorization" in why.lower() for why in refused.values()), refused
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        subjects.decode_task("md-1"),  # another decoder's tasks: prompts and transfer secrets
+        subjects.decode_task("*"),
+        "pdd.decode.>",
+        subjects.prefill_task("prefill-0"),
+        subjects.handoff_chunk("md-1"),
+        "pdd.tokens.>",  # every tenant's output
+        "_INBOX.scheduler.>",  # the scheduler's replies: plans
+        "_INBOX.md-1.>",  # another instance's replies
+        "pdd.registry.>",  # the other instances' reports
+    ],
+)
+def test_it_reads_nothing_meant_for_another(cluster, subject):
+    async def attempt() -> list[str]:
+        errors: list[str] = []
+        nc = await _connect(cluster, ME, _stolen(cluster), errors)
+        try:
+            await nc.subscribe(subject)
+            await nc.flush()
+            for _ in range(200):  # the server answers the SUB with -ERR
+                if errors:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+        return errors
+
+    errors = asyncio.run(attempt())
+    assert any("permissions violation" in e and "subscription" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("kind", [subjects.heartbeat, subjects.leave, subjects.index, subjects.wan_sample])
+def test_it_reports_on_no_other_instances_subject(cluster, kind):
+    async def attempt() -> list[str]:
+        errors: list[str] = []
+        nc = await _connect(cluster, ME, _stolen(cluster), errors)
+        try:
+            await nc.publish(kind("prefill-0"), Leave("prefill-0").encode())
+            await nc.flush()
+            for _ in range(200):
+                if errors:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+        return errors
+
+    errors = asyncio.run(attempt())
+    assert any("permissions violation" in e and "publish" in e for e in errors), errors
+
+
+def test_it_can_neither_register_remove_nor_readdress_another_instance(cluster, operator):
+    """On its own subjects (which it may use), reports about others are refused by the registrar:
+    a forged heartbeat gets no reply and registers nothing, a forged leave removes nothing."""
+    log = cluster.run_dir / "scheduler.log"
+    refusals = log.read_text().count("refused")
+    rld = next(i for i in _status(operator).instances if i.id == "rld-0")
+
+    async def attack() -> None:
+        bus = await Bus.connect(cluster.nats_url("B"), "attacker", ME, cluster.secrets)
+        try:
+            fake = InstanceInfo("prefill-9", "prefill", "A", kv_host="203.0.113.9", kv_port=9)
+            readdressed = InstanceInfo("rld-0", "rld", "A", kv_host="203.0.113.9", kv_port=9)
+            for info in (fake, readdressed):
+                with pytest.raises(BusTimeout):
+                    await bus.request(subjects.heartbeat(ME), Heartbeat(info), HeartbeatReply, 2.0)
+            await bus.publish(subjects.leave(ME), Leave("rld-0"))
+        finally:
+            await bus.close()
+
+    asyncio.run(attack())
+    until(lambda: log.read_text().count("refused") >= refusals + 3, 30, "the registrar's three refusals")
+    status = _status(operator)
+    ids = {i.id for i in status.instances}
+    assert "prefill-9" not in ids and "rld-0" in ids, ids
+    after = next(i for i in status.instances if i.id == "rld-0")
+    assert (after.kv_host, after.kv_port) == (rld.kv_host, rld.kv_port)
+
+
+def test_it_cannot_move_the_bandwidth_estimate(cluster, operator):
+    """Samples for requests whose KV does not cross to md-0 (none here: nothing is in flight)
+    are refused; the estimate every plan reads stays where it was."""
+    log = cluster.run_dir / "scheduler.log"
+    refusals = log.read_text().count("WAN sample from md-0")
+    before = _status(operator).wan_estimate_mbps
+
+    async def attack() -> None:
+        bus = await Bus.connect(cluster.nats_url("B"), "attacker", ME, cluster.secrets)
+        try:
+            for k in range(20):  # more than the estimator's window
+                await bus.publish(subjects.wan_sample(ME), WanSample(1, 10.0, f"made-up-{k}"))
+            await bus.nc.flush()
+        finally:
+            await bus.close()
+
+    asyncio.run(attack())
+    until(lambda: log.read_text().count("WAN sample from md-0") >= refusals + 20, 30, "20 refused samples")
+    assert _status(operator).wan_estimate_mbps == before
