@@ -59,7 +59,7 @@ class DecoderService(InstanceService):
         self.replays = RecentIds(REPLAY_REQUESTS, REPLAY_S)  # finished requests' `Replay`s
         self.receiver: KVReceiver | None = None
         self.parked: deque[str] = deque()  # requests whose KV waits for pool room, in arrival order
-        self._out: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._out: asyncio.Queue[tuple[str, TokenChunk]] = asyncio.Queue()  # (its stream's subject, chunk)
         self._admitting = asyncio.Lock()
         self._room = asyncio.Event()  # set when blocks may have been freed
         # request id -> set when its task (or its abort) came: prefill is dispatched beside the
@@ -339,7 +339,12 @@ class DecoderService(InstanceService):
             req.replay.record(chunk)
         if out.finish_reason is not None:
             self.end(out.seq_id, End.FINISHED if out.error is None else End.FAILED)
-        self._out.put_nowait(chunk)
+        self._out.put_nowait((self._stream(req, out.seq_id), chunk))
+
+    @staticmethod
+    def _stream(req: DecodeRequest | None, request_id: str) -> str:
+        """The request's token stream: under its plan's key, which only the planned stages hold."""
+        return subjects.tokens(request_id, req.task.plan.stream_key if req is not None else "")
 
     async def on_resend(self, msg: Resend) -> Resent:
         """The gateway lost a chunk: everything sent from its index on, again (in one chunk)."""
@@ -354,21 +359,21 @@ class DecoderService(InstanceService):
         full report over the bus's payload limit, say) is logged and left to the index loop, and
         a publish that fails is tried again, then logged; the loop itself never ends."""
         while True:
-            chunk = await self._out.get()
+            subject, chunk = await self._out.get()
             if chunk.finish_reason is not None:
                 try:
                     await self.report_index()  # the next turn's plan must see this turn cached
                 except Exception as e:
                     log.warning("%s: index report before %s's last chunk failed: %s", self.inst.id, chunk.request_id, e)
-            await self._publish_chunk(chunk)
+            await self._publish_chunk(subject, chunk)
 
-    async def _publish_chunk(self, chunk: TokenChunk) -> None:
+    async def _publish_chunk(self, subject: str, chunk: TokenChunk) -> None:
         last = chunk.finish_reason is not None or bool(chunk.error)
         if failpoints.hit("decoder.final_chunk" if last else "decoder.token_chunk"):
             return  # lost on purpose (tests, the chaos bench): the gateway asks for it again
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
-                await self.bus.publish(subjects.tokens(chunk.request_id), chunk)
+                await self.bus.publish(subject, chunk)
                 return
             except Exception as e:  # a reconnecting or closed connection: the next try may go
                 if attempt + 1 == PUBLISH_ATTEMPTS:
@@ -385,7 +390,7 @@ class DecoderService(InstanceService):
                 error, me = f"{self.inst.id}: {rid} is no longer recorded as in flight; dropped", self.inst.id
                 chunk = TokenChunk(rid, 0, [], role=self.role, instance_id=me, error=error, blame=me)
                 req.replay.record(chunk)
-                self._out.put_nowait(chunk)
+                self._out.put_nowait((self._stream(req, rid), chunk))
         await super().forget(request_ids)
 
     async def on_abort(self, msg: Abort) -> None:

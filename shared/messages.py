@@ -202,6 +202,7 @@ class Submit(Message):
     cache_salt: str = ""  # the tenant's: its prompts share cached KV only with the same salt
     kv_wire: str | None = None  # forced WAN wire format (an admin's `pdd` override)
     ttft_slo_ms: float | None = None  # this request's TTFT SLO (an admin's `pdd` override), else the configured
+    stream_key: str = ""  # the gateway's: its token stream's subject (subjects.tokens), for the planned stages only
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms is not None and not 0 < self.ttft_slo_ms <= MAX_TTFT_SLO_MS:
@@ -247,6 +248,7 @@ class Plan(Message):
     dispatch_id: str = ""
     queue_ms: float = 0.0
     scheduler: str = ""  # which scheduler planned it (several may run)
+    stream_key: str = ""  # the Submit's: where the stages publish its tokens (never shown to a client)
     error: str = ""
     status: int = 200  # HTTP status the gateway should use when error is set
 

@@ -3,7 +3,7 @@
 pdd.scheduler.submit            gateway -> scheduler   Submit   -> Plan (request-reply)
 pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
 pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
-pdd.tokens.<request>            decoders -> gateway    TokenChunk (stream, in index order)
+pdd.tokens.<request>.<stream key>  stages -> gateway  TokenChunk (stream, in index order)
 pdd.decode.<instance>.resend    gateway -> md / rld    Resend -> Resent (a lost token chunk, again)
 pdd.registry.<instance>.wan_sample  decoders -> schedulers WanSample (bandwidth estimate)
 pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
@@ -95,8 +95,11 @@ def prefill_warm(instance_id: str) -> str:
     return f"pdd.prefill.{instance_id}.warm"
 
 
-def tokens(request_id: str) -> str:
-    return f"pdd.tokens.{request_id}"
+def tokens(request_id: str, stream_key: str = "") -> str:
+    """A request's token stream. The gateway mints `stream_key` per attempt and listens on this
+    subject only; the plan gives it to the stages planned for the request alone, so no other
+    instance can publish into the stream (it may publish on `pdd.tokens.>`, where no one hears)."""
+    return f"pdd.tokens.{request_id}.{stream_key}" if stream_key else f"pdd.tokens.{request_id}"
 
 
 def inspect(instance_id: str) -> str:

@@ -1,12 +1,14 @@
 """One request's life in the gateway, from submit to the last text delta.
 
-1. Subscribe to `pdd.tokens.<id>` first, so no token can be missed, then submit to the
-   schedulers (request-reply with a timeout, asked twice: the one that had it may have died). An
-   error plan becomes an HTTP error. A submission the gateway stops waiting for (timeout, client
-   gone) is aborted: it may still be dispatched. A request id the schedulers planned already
-   gets that plan back, so a client that lost its gateway and sends the same request to another
-   with the same `X-Request-Id` is picked up where it is (the decoders send the tokens it missed,
-   as for a lost chunk, below) or, when they no longer hold it, moved (5.).
+1. Subscribe to `pdd.tokens.<id>.<key>` first (a key minted per attempt, which the plan gives
+   to its stages alone: no other instance can publish into the stream), so no token can be
+   missed, then submit to the schedulers (request-reply with a timeout, asked twice: the one
+   that had it may have died). An error plan becomes an HTTP error. A submission the gateway
+   stops waiting for (timeout, client gone) is aborted: it may still be dispatched. A request
+   id the schedulers planned already gets that plan back, so a client that lost its gateway and
+   sends the same request to another with the same `X-Request-Id` is picked up where it is
+   (under the plan's stream key; the decoders send the tokens it missed, as for a lost chunk,
+   below) or, when they no longer hold it, moved (5.).
 2. Token chunks arrive from whichever decoder holds the request (relay, then main); they are
    put in index order and de-duplicated, detokenized incrementally, and cut at stop strings.
 3. The stream ends when the final chunk and every token before it have arrived; the last
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -77,6 +80,7 @@ class RequestFlow:
         self.request_id = request_id or ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())  # one value for every chunk of the response
         self.attempt_id = self.request_id  # the id the stages know; a migration starts a new one
+        self.stream_key = ""  # the attempt's token stream's (subjects.tokens)
         self.offset = 0  # client index of the current attempt's token 0
         self.generated: list[int] = []  # tokens the client has, in order
         self.holders: set[str] = set()  # instances that may still be needed to finish it
@@ -100,7 +104,8 @@ class RequestFlow:
         await self._submit(self.parsed.prompt_ids, self.parsed.sampling, self.parsed.pipeline)
 
     async def _submit(self, prompt_ids: list[int], sampling: Sampling, pipeline: str | None) -> None:
-        self._sub = await self.gw.bus.subscribe(subjects.tokens(self.attempt_id), TokenChunk, self._queue.put_nowait)
+        self.stream_key = secrets.token_urlsafe(16)
+        await self._listen()
         try:
             self.plan = await self._plan(
                 Submit(
@@ -113,13 +118,22 @@ class RequestFlow:
                     cache_salt=self.gw.cache_salt(self.key),
                     kv_wire=self.parsed.kv_wire,
                     ttft_slo_ms=self.parsed.ttft_slo_ms,
+                    stream_key=self.stream_key,
                 )
             )
+            if self.plan.stream_key and self.plan.stream_key != self.stream_key:  # planned before, elsewhere
+                self.stream_key = self.plan.stream_key  # what it missed meanwhile comes as a gap's resend
+                await self._sub.unsubscribe()
+                await self._listen()
         except BaseException:
             await self._sub.unsubscribe()
             self._sub = None
             raise
         self.holders = {i for i in (self.plan.prefill, self.plan.rld, self.plan.md) if i}
+
+    async def _listen(self) -> None:
+        subject = subjects.tokens(self.attempt_id, self.stream_key)
+        self._sub = await self.gw.bus.subscribe(subject, TokenChunk, self._queue.put_nowait)
 
     async def _plan(self, submit: Submit) -> Plan:
         """The plan, asked of the schedulers' queue group; asked once more when no answer came

@@ -46,6 +46,7 @@ from shared.messages import (
     Inspect,
     InstanceState,
     KVTarget,
+    Plan,
     PrefillTask,
     RequestStats,
     Sampling,
@@ -250,7 +251,7 @@ class Prefiller(InstanceService):
             dispatch_id=state.task.plan.dispatch_id,
             logprobs=None if out.logprob is None else [out.logprob],
         )
-        await self.bus.publish(subjects.tokens(rid), chunk)
+        await self.bus.publish(subjects.tokens(rid, state.task.plan.stream_key), chunk)
 
     async def _push(self, state: PrefillState, out: TokenOutput) -> None:
         task = state.task
@@ -291,7 +292,7 @@ class Prefiller(InstanceService):
             await self.bus.publish(subjects.decode_drop(task.plan.md), drop)
             return
         errors = "; ".join(str(e) for _, e in failed)
-        await self._fail(rid, errors, blame=failed[0][0].instance_id, dispatch_id=task.plan.dispatch_id)
+        await self._fail(rid, errors, blame=failed[0][0].instance_id, plan=task.plan)
 
     async def _send(
         self, target: KVTarget, rid: str, payload: KVPayload, first: FirstToken, early: EarlyConnection | None
@@ -345,7 +346,7 @@ class Prefiller(InstanceService):
         raise KVTransferError(f"KV push to {target.instance_id} failed: {error}")
 
     # -- 5. failure and abort -----------------------------------------------------------
-    async def _fail(self, rid: str, error: str, blame: str = "", dispatch_id: str = "") -> None:
+    async def _fail(self, rid: str, error: str, blame: str = "", plan: Plan | None = None) -> None:
         """Tell the gateway, stamped with the copy's dispatch: it ends the request, or moves it off
         `blame`, and its abort frees every stage. Not a broadcast abort from here: this copy may be
         one the scheduler is dropping and planning again under the same id (a decoder that took no
@@ -353,7 +354,8 @@ class Prefiller(InstanceService):
         log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
         if (state := self.requests.pop(rid, None)) is not None:
             self._settle_early(state)
-            dispatch_id = dispatch_id or state.task.plan.dispatch_id
+            plan = plan or state.task.plan
+        dispatch_id, stream_key = (plan.dispatch_id, plan.stream_key) if plan else ("", "")
         chunk = TokenChunk(
             rid,
             0,
@@ -365,7 +367,7 @@ class Prefiller(InstanceService):
             blame=blame,
             dispatch_id=dispatch_id,
         )
-        await self.bus.publish(subjects.tokens(rid), chunk)
+        await self.bus.publish(subjects.tokens(rid, stream_key), chunk)
 
     async def _flush_cache(self, msg: Inspect) -> InstanceState:
         """The cache flush, answers waiting to be warmed and the one being warmed included."""

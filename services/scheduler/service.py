@@ -379,6 +379,7 @@ class Scheduler:
             kv_wire=d.kv_wire,
             kv_wire_reason=d.kv_wire_reason,
             dispatch_id=secrets.token_hex(8),
+            stream_key=sub.stream_key,
         )
         decoders = [alive[i] for i in (plan.rld, plan.md) if i]
         for iid in d.instance_ids:  # before any await: a request planned meanwhile must see these

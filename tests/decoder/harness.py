@@ -104,6 +104,7 @@ class DecoderPair:
             prefill="prefill-0",
             rld="rld-0" if "rld" in pipeline else "",
             md="md-0" if pipeline.endswith("md") else "",
+            stream_key=f"key-{rid}",  # the gateway's: the decoders publish the stream under it
         )
         task = DecodeTask(
             rid,
@@ -114,7 +115,7 @@ class DecoderPair:
         )
         self.sampling[rid] = task.sampling
         self.chunks[rid] = []
-        await self.bus.subscribe(subjects.tokens(rid), TokenChunk, self.chunks[rid].append)
+        await self.bus.subscribe(subjects.tokens(rid, plan.stream_key), TokenChunk, self.chunks[rid].append)
         roles = roles or tuple(r for r in ("rld", "md") if getattr(plan, r))
         return [await self.bus.request(subjects.decode_task(getattr(plan, r)), task, Ack, 5) for r in roles]
 

@@ -19,7 +19,7 @@ from services.gateway.gateway import Gateway
 from services.gateway.openai_api import ParsedRequest
 from shared import subjects
 from shared.config import load_config
-from shared.messages import Plan, Sampling, Submit
+from shared.messages import Plan, Sampling, Submit, TokenChunk
 from tests.fakes import InMemoryNats
 from tests.helpers import until
 
@@ -104,3 +104,32 @@ async def test_two_requests_with_one_client_id_each_keep_their_own_flow():
     assert gw.inflight == {second.request_id: second}
     await gw.release(second)
     assert gw.inflight == {} and gw.admit(parsed, OPEN, "client-7").request_id == "client-7"
+
+
+async def test_the_stream_is_heard_only_under_the_key_the_plan_carries(nats):
+    """The gateway mints a key per attempt and hears its tokens only under it: a chunk on the
+    bare subject or another key (an instance not planned for it) never reaches the flow. A request
+    picked up again (planned before, by another gateway) follows the plan's key."""
+
+    async def plan_it(sub: Submit) -> Plan:
+        return Plan(sub.request_id, prefill="prefill-0", md="md-0", stream_key=sub.stream_key)
+
+    f, _ = await flow(nats, plan_it)
+    await f.start()
+    (sub,) = nats.sent(subjects.SUBMIT)
+    assert len(sub.stream_key) >= 16 and f.stream_key == sub.stream_key
+    prefill = nats.client("prefill-0")
+    for key in ("", "guess"):
+        await prefill.publish(subjects.tokens(f.attempt_id, key), TokenChunk(f.attempt_id, 0, [7], instance_id="md-0"))
+    assert f._queue.empty()
+    await prefill.publish(subjects.tokens(f.attempt_id, sub.stream_key), TokenChunk(f.attempt_id, 0, [7]))
+    assert f._queue.qsize() == 1
+
+    async def planned_before(sub: Submit) -> Plan:
+        return Plan(sub.request_id, prefill="prefill-0", md="md-0", stream_key="earlier-gateways-key")
+
+    g, _ = await flow(InMemoryNats(), planned_before)
+    await g.start()
+    assert g.stream_key == "earlier-gateways-key"
+    await g.gw.bus.publish(subjects.tokens(g.attempt_id, "earlier-gateways-key"), TokenChunk(g.attempt_id, 0, [7]))
+    assert g._queue.qsize() == 1

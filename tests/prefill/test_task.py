@@ -22,7 +22,11 @@ DEADLINE_S = 30.0  # a failure guard: the ack comes at once, or never (without t
 def _task(rid: str, secret: str = "t") -> PrefillTask:
     target = KVTarget("md-0", "md", "127.0.0.1", 9, transfer_secret=secret)  # never reached: aborted before it runs
     return PrefillTask(
-        rid, list(range(3, 40)), Sampling(max_tokens=4), [target], Plan(rid, prefill="prefill-0", md="md-0")
+        rid,
+        list(range(3, 40)),
+        Sampling(max_tokens=4),
+        [target],
+        Plan(rid, prefill="prefill-0", md="md-0", stream_key="k"),
     )
 
 
@@ -72,7 +76,7 @@ async def test_the_schedulers_drop_lets_go_of_a_late_task_and_ends_nothing_else(
     # nothing of either went out but r1's first token, if it was sampled before the drop came (the
     # gateway takes a first token only from its plan's prefill): no abort to every stage, no error
     out = [(s, m) for s, m in prefill.nats.published if s == subjects.ABORT or s.startswith("pdd.tokens.")]
-    assert all(s == subjects.tokens("r1") and m.index == 0 and not m.error for s, m in out), out
+    assert all(s == subjects.tokens("r1", "k") and m.index == 0 and not m.error for s, m in out), out
 
 
 async def test_a_drop_names_its_copy_and_a_re_plans_copy_on_the_same_prefill_goes_on(prefill):

@@ -5,12 +5,15 @@ issue #41 lists. Each test asserts the attempt fails; docs/security.md has the t
 What stops it: NATS users per instance whose subjects name the instance (pdd/natsconf.py), the
 registrar's and the schedulers' vetting of every report by the subject it came on
 (services/scheduler/registrar.py `Roster`), and WAN samples taken only from the decoder a
-request's KV crosses to (services/scheduler/service.py `on_wan_sample`).
+request's KV crosses to (services/scheduler/service.py `on_wan_sample`), and token streams
+under a key the gateway mints per attempt and the plan gives its stages alone (`subjects.tokens`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import uuid
 
 import nats
 import pytest
@@ -18,7 +21,17 @@ from nats.errors import Error as NatsError
 
 from shared import subjects
 from shared.bus import Bus, BusTimeout
-from shared.messages import ClusterStatus, Heartbeat, HeartbeatReply, Inspect, InstanceInfo, Leave, WanSample
+from shared.messages import (
+    ClusterStatus,
+    Heartbeat,
+    HeartbeatReply,
+    Inspect,
+    InstanceInfo,
+    Leave,
+    TokenChunk,
+    WanSample,
+)
+from tests.cluster.conftest import fresh_prompt, stream_completion
 from tests.cluster.test_migration import until
 
 pytestmark = pytest.mark.slow
@@ -167,3 +180,37 @@ def test_it_cannot_move_the_bandwidth_estimate(cluster, operator):
     asyncio.run(attack())
     until(lambda: log.read_text().count("WAN sample from md-0") >= refusals + 20, 30, "20 refused samples")
     assert _status(operator).wan_estimate_mbps == before
+
+
+def test_it_cannot_publish_into_a_stream_it_was_not_given(cluster, model_id, reference, smol_tokenizer):
+    """While a request streams, md-0's credential floods its stream's subject (and the subject
+    under guessed keys) with chunks that claim to be md-0's and rld-0's, every index, the last one
+    final: the client still gets the model's answer. The gateway listens only under the key it
+    minted for the attempt, which only the planned stages got with their tasks."""
+    rid = f"victim-{uuid.uuid4().hex[:12]}"
+    prompt = fresh_prompt(40, "forged")
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    stop = threading.Event()
+
+    async def flood() -> None:
+        bus = await Bus.connect(cluster.nats_url("B"), "attacker", ME, cluster.secrets)
+        try:
+            while not stop.is_set():
+                for who, role in (("md-0", "md"), ("rld-0", "rld"), ("prefill-0", "prefill")):
+                    for index in range(24):
+                        forged = TokenChunk(rid, index, [42], role=role, instance_id=who, finish_reason="length")
+                        for key in ("", "guess", "0" * 22):
+                            await bus.publish(subjects.tokens(rid, key), forged)
+                await bus.nc.flush()
+                await asyncio.sleep(0.01)
+        finally:
+            await bus.close()
+
+    flooder = threading.Thread(target=lambda: asyncio.run(flood()))
+    flooder.start()
+    try:
+        text, _, _ = stream_completion(cluster.url + "/v1/completions", body, headers={"X-Request-Id": rid})
+    finally:
+        stop.set()
+        flooder.join()
+    assert text == reference(smol_tokenizer(prompt)["input_ids"], 24, ignore_eos=True, draft=text)
