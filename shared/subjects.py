@@ -3,7 +3,7 @@
 pdd.scheduler.submit            gateway -> scheduler   Submit   -> Plan (request-reply)
 pdd.prefill.<instance>.task     scheduler -> prefill   PrefillTask -> Ack
 pdd.decode.<instance>.task      scheduler -> md / rld  DecodeTask -> Ack
-pdd.tokens.<request>.<stream key>  stages -> gateway  TokenChunk (stream, in index order)
+pdd.tokens.<request>.<key>      stages -> gateway      TokenChunk (stream, in index order, under the attempt's key)
 pdd.decode.<instance>.resend    gateway -> md / rld    Resend -> Resent (a lost token chunk, again)
 pdd.registry.<instance>.wan_sample  decoders -> schedulers WanSample (bandwidth estimate)
 pdd.scheduler.status            operators -> scheduler Inspect -> ClusterStatus (`pdd status`, dashboard)
