@@ -95,42 +95,31 @@ def test_its_password_logs_in_as_no_other_user(cluster):
     ],
 )
 def test_it_reads_nothing_meant_for_another(cluster, subject):
-    async def attempt() -> list[str]:
-        errors: list[str] = []
-        nc = await _connect(cluster, ME, _stolen(cluster), errors)
-        try:
-            await nc.subscribe(subject)
-            await nc.flush()
-            for _ in range(200):  # the server answers the SUB with -ERR
-                if errors:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await nc.close()
-        return errors
-
-    errors = asyncio.run(attempt())
+    errors = asyncio.run(_server_errors(cluster, lambda nc: nc.subscribe(subject)))
     assert any("permissions violation" in e and "subscription" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("kind", [subjects.heartbeat, subjects.leave, subjects.index, subjects.wan_sample])
 def test_it_reports_on_no_other_instances_subject(cluster, kind):
-    async def attempt() -> list[str]:
-        errors: list[str] = []
-        nc = await _connect(cluster, ME, _stolen(cluster), errors)
-        try:
-            await nc.publish(kind("prefill-0"), Leave("prefill-0").encode())
-            await nc.flush()
-            for _ in range(200):
-                if errors:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await nc.close()
-        return errors
-
-    errors = asyncio.run(attempt())
+    errors = asyncio.run(_server_errors(cluster, lambda nc: nc.publish(kind("prefill-0"), Leave("prefill-0").encode())))
     assert any("permissions violation" in e and "publish" in e for e in errors), errors
+
+
+async def _server_errors(cluster, act) -> list[str]:
+    """What the server answered `act(connection)` under md-0's credential with (its -ERR comes
+    asynchronously: waited for, up to 10 s)."""
+    errors: list[str] = []
+    nc = await _connect(cluster, ME, _stolen(cluster), errors)
+    try:
+        await act(nc)
+        await nc.flush()
+        for _ in range(200):
+            if errors:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+    return errors
 
 
 def test_it_can_neither_register_remove_nor_readdress_another_instance(cluster, operator):
