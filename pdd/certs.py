@@ -187,7 +187,7 @@ def redis_configs(cfg: ClusterConfig, password: str) -> dict[str, str]:
         host, port = url.hostname or "127.0.0.1", url.port or 6379
         member = [*own, f"masterauth {password}"]  # a Sentinel may make any member another's replica
         confs["redis.conf"] = [*member, f"replica-announce-ip {host}", f"replica-announce-port {port}"]
-        for name in (f"redis-{k}" for k in range(1, plane.redis_replicas + 1)):
+        for name in plane.replica_names:
             listen = f"port {plane.ports.get(name) or 6379}"
             confs[f"{name}.conf"] = [*member, listen, f"replica-announce-ip {name}", f"replicaof {host} {port}"]
         quorum = plane.sentinels // 2 + 1

@@ -107,9 +107,8 @@ async def members(cfg: ClusterConfig, pids: dict[str, int]) -> list[dict[str, An
     secrets = Secrets.of(cfg)
     password = secrets.redis_password if secrets else None
     plane = cfg.control_plane
-    replicas = [f"redis-{k}" for k in range(1, plane.redis_replicas + 1)]
     servers = [("redis", cfg.redis_url)]
-    servers += [(n, f"redis://127.0.0.1:{plane.ports[n]}") for n in (*replicas, *plane.sentinel_names)]
+    servers += [(n, f"redis://127.0.0.1:{plane.ports[n]}") for n in (*plane.replica_names, *plane.sentinel_names)]
     for name, url in servers:
         row = {"role": "redis", "id": name, "dc": cfg.control_dc, "pid": pids.get(name, 0), "state": "down"}
         if name.startswith("sentinel"):

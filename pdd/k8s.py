@@ -5,68 +5,59 @@ datacenter (`kubectl apply -k deploy/k8s/site-a`), one object per file, as
 deploy/site-*.compose.yml run the site:
 1. the cluster config as a ConfigMap, mounted where the image keeps it (`/app/configs/<name>`),
    so each pod's command is exactly the argv `plan_processes(cfg, that path)` gives;
-2. the site's servers: its NATS server, or each server of its NATS cluster, with the config
-   `pdd certs --server-configs` wrote for it (`natsconf.server_conf`: it holds passwords, so it
-   comes from the Secret), and Redis in the scheduler's site: the primary, each replica and
-   each Sentinel its own pod, running the config `certs.redis_configs` wrote for it; one
-   function per kind (`nats_server`, `redis_server`, `redis_replica`, `sentinel`);
+2. the site's servers (pdd/k8s_servers.py): its NATS server or each of its NATS cluster, and
+   Redis in the scheduler's site (the primary, each replica, each Sentinel);
 3. a Deployment per planned process of the site, and a Service for what is reached: the
    gateway's port, each decoder's KV port, each NATS server's client, route and leafnode ports,
    each Redis server and Sentinel. What clients or the other site reach (the gateway; what
    `ClusterConfig.wan_forwards` says crosses the line) is a LoadBalancer; the rest stays inside
    the site.
 The certificates and credentials are the Secret `pdd-secrets`, made from `pdd certs`'s folder
-(`secret_command`); each pod mounts only its own files of it, at `secrets_dir`, read-only.
+(`secret_command`); each pod mounts only its own files of it, at `secrets_dir`, read-only
+(pdd/k8s_objects.py has the pieces every object is made of).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import re
 import sys
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlsplit
 
 import yaml
 
-from pdd.natsconf import server_conf
+from pdd.k8s_objects import (
+    API_KEYS,
+    CA,
+    CONFIG_MAP,
+    CREDENTIALS,
+    DNS_LABEL,
+    IMAGE,
+    IMAGE_CONFIGS,
+    PDD_UID,
+    REDIS_CONF,
+    REQUESTS,
+    SECRET,
+    deployment,
+    endpoint,
+    kv_files,
+    label,
+    meta,
+    nats_files,
+    probes,
+    secret_key,
+    secrets_volume,
+    security,
+    server_conf_file,
+    service,
+)
+from pdd.k8s_servers import nats_server, nats_services, redis_servers, sentinel_services
 from pdd.topology import ProcessSpec, plan_processes
-from shared.config import ClusterConfig, ConfigError, InstanceConfig, NatsServer, load_config
+from shared.config import ClusterConfig, ConfigError, InstanceConfig, load_config
 from shared.pipelines import ROLES, Role
-from shared.security import Secrets
 
-IMAGE = "pdd:local"  # the compose files' tag; Kubernetes would pull a `:latest` on every start
-NATS_IMAGE, REDIS_IMAGE = "nats:2.10-alpine", "redis:7"
-IMAGE_CONFIGS = PurePosixPath("/app/configs")  # the Dockerfile's WORKDIR /app
-CONFIG_MAP, SECRET, API_KEYS = "pdd-config", "pdd-secrets", "pdd-api-keys"
-PDD_UID, REDIS_UID, NATS_UID = 10001, 999, 65534  # the image's `pdd` user, redis:7's, nobody
-CREDENTIALS, REDIS_CONF = PurePosixPath("credentials.json"), PurePosixPath("redis.conf")  # as pdd/certs.py names them
-CA = PurePosixPath(Secrets(Path()).ca)
-SENTINEL_DIR = PurePosixPath("/sentinel")  # a Sentinel's own copy of its config, which it rewrites
-REQUESTS = {  # a starting point: an engine needs its model plus `kv_tokens` of KV in memory
-    "engine": {"memory": "4Gi"},
-    "gateway": {"cpu": "500m", "memory": "1Gi"},
-    "scheduler": {"cpu": "500m", "memory": "512Mi"},
-    "nats": {"cpu": "100m", "memory": "128Mi"},
-    "redis": {"cpu": "100m", "memory": "256Mi"},
-    "sentinel": {"cpu": "50m", "memory": "64Mi"},
-}
-DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 WAIT_FOR = """import socket, sys, time
-for target in sys.argv[1:]:
-    host, port = target.rsplit(":", 1)
-    while True:
-        try:
-            socket.create_connection((host, int(port)), 2).close()
-            break
-        except OSError:
-            print("waiting for", target, flush=True)
-            time.sleep(2)
-"""
-WAIT_FOR_ANY = """import socket, sys, time
 def answers(target):
     host, port = target.rsplit(":", 1)
     try:
@@ -85,263 +76,18 @@ def site_folder(dc: str) -> str:
     return f"site-{dc.lower()}"
 
 
-def _label(name: str, what: str) -> str:
-    if not DNS_LABEL.fullmatch(name):
-        raise ConfigError(f"{what} {name!r} is not a Kubernetes name (lowercase letters, digits, '-')")
-    return name
-
-
-def _endpoint(url: str, what: str) -> tuple[str, int]:
-    """(Service name, port) of a `scheme://name:port` URL: in-site servers are reached by Service."""
-    parts = urlsplit(url)
-    if not parts.hostname or not parts.port:
-        raise ConfigError(f"{what} {url!r} must be scheme://service-name:port")
-    return _label(parts.hostname, what), parts.port
-
-
-def _meta(name: str, component: str) -> dict:
-    return {"name": name, "labels": {"app.kubernetes.io/name": name, "app.kubernetes.io/component": component}}
-
-
-def deployment(name: str, component: str, pod: dict, annotations: dict | None = None) -> dict:
-    """One pod, replaced rather than rolled: two pods of one instance id must never run at once."""
-    template = {"labels": _meta(name, component)["labels"]} | ({"annotations": annotations} if annotations else {})
-    pod = {"enableServiceLinks": False, **pod}  # no FOO_PORT=tcp://... variables beside PDD_PORT
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(name, component),
-        "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
-            "template": {"metadata": template, "spec": pod},
-        },
-    }
-
-
-def service(name: str, selector: dict, ports: dict[str, tuple[int, int | str]], exposed: bool) -> dict:
-    """`ports`: name -> (port, container port). `exposed`: reached from outside the site."""
-    spec = {"type": "LoadBalancer" if exposed else "ClusterIP", "selector": selector}
-    spec["ports"] = [{"name": n, "port": p, "targetPort": t, "protocol": "TCP"} for n, (p, t) in ports.items()]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(name, selector["app.kubernetes.io/component"]),
-        "spec": spec,
-    }
-
-
-def _key(path: PurePosixPath) -> str:
-    """A file's key in the Secret: keys hold no '/', so kv/md-0.pem is kv-md-0.pem."""
-    return str(path).replace("/", "-")
-
-
-def _conf(server: str) -> PurePosixPath:
-    """The config `pdd certs --server-configs` writes for the server of that name."""
-    return PurePosixPath(f"{server}.conf")
-
-
 def secret_files(cfg: ClusterConfig, dc: str) -> dict[str, PurePosixPath]:
     """Key -> path in `pdd certs --server-configs`'s folder, of every file site `dc` needs."""
-    redis = [REDIS_CONF, *map(_conf, [*_replicas(cfg), *cfg.control_plane.sentinel_names])]
-    paths = [CA, CREDENTIALS, *_nats_files(cfg, dc), *(redis if dc == cfg.control_dc else [])]
-    paths += [p for i in cfg.instances if i.dc == dc for p in _kv_files(i.id)]
-    return {_key(p): p for p in dict.fromkeys(paths)}
-
-
-def _kv_files(instance: str) -> list[PurePosixPath]:
-    return [PurePosixPath(p) for p in Secrets(Path()).cert("kv", instance)]
-
-
-def _nats_files(cfg: ClusterConfig, dc: str, servers: list[NatsServer] | None = None) -> list[PurePosixPath]:
-    """The configs of `servers` (default: every one of the site's), the CA, the site's certificate."""
-    confs = [_conf(s.name) for s in servers or cfg.nats_servers(dc)]
-    return [*confs, CA, *map(PurePosixPath, Secrets(Path()).cert("nats", dc))]
+    redis = [REDIS_CONF, *map(server_conf_file, [*cfg.control_plane.replica_names, *cfg.control_plane.sentinel_names])]
+    paths = [CA, CREDENTIALS, *nats_files(cfg, dc), *(redis if dc == cfg.control_dc else [])]
+    paths += [p for i in cfg.instances if i.dc == dc for p in kv_files(i.id)]
+    return {secret_key(p): p for p in dict.fromkeys(paths)}
 
 
 def secret_command(cfg: ClusterConfig, dc: str, folder: str = "secrets") -> str:
     """The `kubectl` line that makes site `dc`'s Secret from `pdd certs --server-configs`'s output."""
     files = [f"--from-file={key}={folder}/{path}" for key, path in secret_files(cfg, dc).items()]
     return " \\\n    ".join([f"kubectl create secret generic {SECRET}", *files])
-
-
-def _secrets_volume(cfg: ClusterConfig, paths: list[PurePosixPath]) -> tuple[dict, dict]:
-    """(volume, mount) of these files of the Secret only, group-readable by the pod's fsGroup."""
-    items = [{"key": _key(p), "path": str(p)} for p in paths]
-    volume = {"name": "secrets", "secret": {"secretName": SECRET, "defaultMode": 0o440, "items": items}}
-    return volume, {"name": "secrets", "mountPath": cfg.secrets_dir, "readOnly": True}
-
-
-def _security(uid: int) -> tuple[dict, dict]:
-    """(pod, container) security contexts: a fixed non-root user, as the compose files' images."""
-    pod = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
-    pod["seccompProfile"] = {"type": "RuntimeDefault"}
-    return pod, {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-
-
-def _probes(handler: dict) -> dict:
-    """The compose healthchecks' test, every 2 s, as readiness; liveness the same, less eager."""
-    return {
-        "readinessProbe": {**handler, "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3},
-        "livenessProbe": {**handler, "periodSeconds": 10, "timeoutSeconds": 2, "failureThreshold": 3},
-    }
-
-
-def _server_pod(cfg: ClusterConfig, uid: int, container: dict, files: list[PurePosixPath]) -> dict:
-    volume, mount = _secrets_volume(cfg, files)
-    pod_security, container_security = _security(uid)
-    container |= {"volumeMounts": [mount], "securityContext": container_security}
-    return {"securityContext": pod_security, "containers": [container], "volumes": [volume]}
-
-
-def nats_services(cfg: ClusterConfig, dc: str) -> dict[str, tuple[str, int]]:
-    """Each NATS server of site `dc`, by name: (its Service, the client port there). They are
-    what the site's `nats_url` lists; a clustered site's servers also route to each other at
-    the Services `control_plane.hosts` names, which must be the same."""
-    what = f"datacenters.{dc}.nats_url"
-    urls = dict(_endpoint(url, what) for url in cfg.datacenter(dc).nats_url.split(","))
-    servers = cfg.nats_servers(dc)
-    if len(servers) == 1 and len(urls) == 1:
-        return {servers[0].name: next(iter(urls.items()))}
-    hosts = {s.name: cfg.control_plane.hosts.get(s.name, "") for s in servers}
-    if sorted(hosts.values()) != sorted(urls):
-        named = ", ".join(f"{name}: {host or '(none)'}" for name, host in hosts.items())
-        raise ConfigError(
-            f"{what} must list each NATS server of site {dc} at its Service, as control_plane.hosts "
-            f"names them for the routes ({named})"
-        )
-    return {name: (_label(host, f"control_plane.hosts.{name}"), urls[host]) for name, host in hosts.items()}
-
-
-def _listen_port(address: str) -> int:
-    return int(address.rsplit(":", 1)[1])
-
-
-def nats_server(cfg: ClusterConfig, dc: str, server: NatsServer) -> list[dict]:
-    """NATS server `server` of site `dc`; its ports are those `server_conf` makes it listen on."""
-    name, client = nats_services(cfg, dc)[server.name]
-    conf = json.loads(server_conf(cfg, cfg.datacenter(dc), None, server=server))
-    ports = {"client": _listen_port(conf["listen"])}
-    if "cluster" in conf:
-        ports["route"] = _listen_port(conf["cluster"]["listen"])
-    if "listen" in conf.get("leafnodes", {}):
-        ports["leafnode"] = _listen_port(conf["leafnodes"]["listen"])
-    if conf.get("http_port"):
-        ports["monitor"] = conf["http_port"]
-    check = (
-        {"httpGet": {"path": "/healthz", "port": "monitor"}}
-        if "monitor" in ports
-        else {"tcpSocket": {"port": "client"}}
-    )
-    container = {
-        "name": "nats",
-        "image": NATS_IMAGE,
-        "args": ["nats-server", "-c", f"{cfg.secrets_dir}/{_conf(server.name)}"],  # args: the image's entrypoint runs
-        "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
-        "resources": {"requests": REQUESTS["nats"]},
-        **_probes(check),
-    }
-    selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "nats"}
-    in_site = {"client": (client, ports["client"])}
-    in_site |= {"route": (server.route_port, ports["route"])} if "route" in ports else {}  # as the others dial it
-    out = [deployment(name, "nats", _server_pod(cfg, NATS_UID, container, _nats_files(cfg, dc, [server])))]
-    out.append(service(name, selector, in_site, exposed=False))
-    if "leafnode" in ports:  # the other sites' servers join here, over the WAN
-        leaf = ports["leafnode"]
-        out.append(service(f"{name}-leaf", selector, {"leafnode": (leaf, leaf)}, exposed=True))
-    return out
-
-
-def redis_server(cfg: ClusterConfig) -> list[dict]:
-    """Redis, in the scheduler's site only (no TLS: it never faces the WAN)."""
-    name, port = _endpoint(cfg.redis_url, "redis_url")
-    ping = {"exec": {"command": ["sh", "-c", "redis-cli ping 2>&1 | grep -qE 'PONG|NOAUTH'"]}}
-    container = {
-        "name": "redis",
-        "image": REDIS_IMAGE,
-        "args": ["redis-server", f"{cfg.secrets_dir}/{REDIS_CONF}"],
-        "ports": [{"name": "redis", "containerPort": 6379}],
-        "resources": {"requests": REQUESTS["redis"]},
-        **_probes(ping),
-    }
-    pod = _server_pod(cfg, REDIS_UID, container, [REDIS_CONF])
-    selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "redis"}
-    return [deployment(name, "redis", pod), service(name, selector, {"redis": (port, 6379)}, exposed=False)]
-
-
-def _replicas(cfg: ClusterConfig) -> list[str]:
-    return [f"redis-{k}" for k in range(1, cfg.control_plane.redis_replicas + 1)]
-
-
-def _member_port(cfg: ClusterConfig, name: str) -> int:
-    """A replica's or Sentinel's port: fixed in control_plane.ports, since its Service names it."""
-    port = cfg.control_plane.ports.get(name, 0)
-    if not port:
-        raise ConfigError(f"control_plane.ports must fix {name}'s port (not 0) for Kubernetes")
-    return port
-
-
-def _redis_member(cfg: ClusterConfig, name: str, component: str, args: list[str]) -> tuple[dict, dict]:
-    """(pod, Service) of a replica or a Sentinel: reached at its own name, the one its config
-    announces (`certs.redis_configs`), on the port it listens on."""
-    port = _member_port(cfg, name)
-    ping = {"exec": {"command": ["sh", "-c", f"redis-cli -p {port} ping 2>&1 | grep -qE 'PONG|NOAUTH'"]}}
-    container = {
-        "name": component,
-        "image": REDIS_IMAGE,
-        "args": args,
-        "ports": [{"name": component, "containerPort": port}],
-        "resources": {"requests": REQUESTS[component]},
-        **_probes(ping),
-    }
-    pod = _server_pod(cfg, REDIS_UID, container, [_conf(name)])
-    selector = {"app.kubernetes.io/name": _label(name, component), "app.kubernetes.io/component": component}
-    return pod, service(name, selector, {component: (port, port)}, exposed=False)
-
-
-def redis_replica(cfg: ClusterConfig, name: str) -> list[dict]:
-    """A replica of the primary (its config says `replicaof` the primary's Service)."""
-    pod, reached = _redis_member(cfg, name, "redis", ["redis-server", f"{cfg.secrets_dir}/{_conf(name)}"])
-    return [deployment(name, "redis", pod), reached]
-
-
-def sentinel(cfg: ClusterConfig, name: str) -> list[dict]:
-    """A Sentinel of the primary. It rewrites its config as the primary moves, and the Secret is
-    read-only: a first container copies the config into a volume of the pod's own, where the
-    Sentinel's record of the failovers outlives a restart of its container."""
-    copy = SENTINEL_DIR / "sentinel.conf"
-    pod, reached = _redis_member(cfg, name, "sentinel", ["redis-server", str(copy), "--sentinel"])
-    (container,) = pod["containers"]
-    writable = {"name": "sentinel", "mountPath": str(SENTINEL_DIR)}
-    container["volumeMounts"].append(writable)
-    command = ["install", "-m", "600", f"{cfg.secrets_dir}/{_conf(name)}", str(copy)]  # it refuses one it cannot write
-    copying = {"name": "copy-config", "image": REDIS_IMAGE, "command": command}
-    copying |= {"volumeMounts": list(container["volumeMounts"]), "securityContext": container["securityContext"]}
-    pod = {"securityContext": pod["securityContext"], "initContainers": [copying], **pod}
-    pod["volumes"].append({"name": "sentinel", "emptyDir": {}})
-    return [deployment(name, "sentinel", pod), reached]
-
-
-def sentinel_services(cfg: ClusterConfig) -> list[tuple[str, int]]:
-    """(Service, port) of each Sentinel. The gateways and schedulers ask them for the primary at
-    `redis_sentinels`, which must name exactly these."""
-    rendered = [(_label(name, "Sentinel"), _member_port(cfg, name)) for name in cfg.control_plane.sentinel_names]
-    expected = [f"{host}:{port}" for host, port in rendered]
-    if sorted(filter(None, cfg.redis_sentinels.split(","))) != sorted(expected):
-        given = cfg.redis_sentinels
-        raise ConfigError(f"redis_sentinels {given!r} must name the Sentinels' Services: {','.join(expected)!r}")
-    return rendered
-
-
-def redis_servers(cfg: ClusterConfig) -> list[dict]:
-    """The primary, its replicas, the Sentinels: each its own pod (in the scheduler's site only)."""
-    objects = redis_server(cfg)
-    for name in _replicas(cfg):
-        objects += redis_replica(cfg, name)
-    for name in cfg.control_plane.sentinel_names:
-        objects += sentinel(cfg, name)
-    return objects
 
 
 def _instance(cfg: ClusterConfig, spec: ProcessSpec) -> InstanceConfig | None:
@@ -376,7 +122,7 @@ def _process_services(cfg: ClusterConfig, spec: ProcessSpec, inst: InstanceConfi
     name = inst.host if DNS_LABEL.fullmatch(inst.host) else inst.id  # else reached by an outside name
     crosses = inst.id in {forward for forward, *_ in cfg.wan_forwards()}
     selector = {"app.kubernetes.io/name": spec.name} | selector
-    return [service(_label(name, "Service"), selector, {"kv": (ports["kv"], ports["kv"])}, exposed=crosses)]
+    return [service(label(name, "Service"), selector, {"kv": (ports["kv"], ports["kv"])}, exposed=crosses)]
 
 
 def _waits_for(cfg: ClusterConfig, dc: str) -> list[str]:
@@ -385,7 +131,7 @@ def _waits_for(cfg: ClusterConfig, dc: str) -> list[str]:
     down when the pod starts. Redis is reached through its Sentinels when it has them."""
     groups = [list(nats_services(cfg, dc).values())]
     if dc == cfg.control_dc:
-        groups.append(sentinel_services(cfg) or [_endpoint(cfg.redis_url, "redis_url")])
+        groups.append(sentinel_services(cfg) or [endpoint(cfg.redis_url, "redis_url")])
     return [",".join(f"{host}:{port}" for host, port in group) for group in groups]
 
 
@@ -399,8 +145,8 @@ def process(cfg: ClusterConfig, spec: ProcessSpec, config_path: PurePosixPath, c
     """A planned process: its Deployment (command: the plan's argv) and what reaches it."""
     inst, role = _instance(cfg, spec), str(spec.role)
     ports = _process_ports(cfg, spec, inst)
-    secrets, secrets_mount = _secrets_volume(cfg, [CA, CREDENTIALS, *(_kv_files(inst.id) if inst else [])])
-    pod_security, container_security = _security(PDD_UID)
+    secrets, secrets_mount = secrets_volume(cfg, [CA, CREDENTIALS, *(kv_files(inst.id) if inst else [])])
+    pod_security, container_security = security(PDD_UID)
     container = {
         "name": role,
         "image": IMAGE,
@@ -414,12 +160,10 @@ def process(cfg: ClusterConfig, spec: ProcessSpec, config_path: PurePosixPath, c
         "securityContext": container_security,
     }
     if role == "gateway":  # /health is 503 while any role is missing (site B behind a cut line): not a probe
-        container |= _probes({"tcpSocket": {"port": "http"}})
+        container |= probes({"tcpSocket": {"port": "http"}})
         container["envFrom"] = [{"secretRef": {"name": API_KEYS, "optional": True}}]  # PDD_API_KEYS, ...
-    waits = _waits_for(cfg, spec.dc)
-    script = WAIT_FOR_ANY if any("," in targets for targets in waits) else WAIT_FOR
-    wait = {"name": "wait-for-servers", "image": IMAGE, "command": ["python", "-c", script]}
-    wait |= {"args": waits, "securityContext": container_security}
+    wait = {"name": "wait-for-servers", "image": IMAGE, "command": ["python", "-c", WAIT_FOR]}
+    wait |= {"args": _waits_for(cfg, spec.dc), "securityContext": container_security}
     pod = {
         "shareProcessNamespace": True,  # the compose files' `init: true`: the pause process is PID 1
         "securityContext": pod_security,
@@ -428,7 +172,7 @@ def process(cfg: ClusterConfig, spec: ProcessSpec, config_path: PurePosixPath, c
         "volumes": [{"name": "config", "configMap": {"name": CONFIG_MAP}}, secrets],
     }
     annotations = {"pdd/config-sha256": config_hash}  # a new config replaces the pods
-    deployed = deployment(_label(spec.name, "process"), role, pod, annotations)
+    deployed = deployment(label(spec.name, "process"), role, pod, annotations)
     return [deployed, *_process_services(cfg, spec, inst, ports)]
 
 
@@ -440,7 +184,7 @@ def site_objects(cfg: ClusterConfig, config_name: str, config_text: str, dc: str
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(CONFIG_MAP, "config"),
+        "metadata": meta(CONFIG_MAP, "config"),
         "data": {config_name: config_text},
     }
     objects = [config_map]

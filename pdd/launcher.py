@@ -183,8 +183,7 @@ class Cluster:
         password = self.secrets.redis_password if self.secrets else None
         self.log(f"pdd: starting Redis (datacenter {self.cfg.control_dc})")
         self.servers["redis"] = EmbeddedServer.redis(primary, password, self.run_dir).start()
-        for k in range(1, plane.redis_replicas + 1):
-            name = f"redis-{k}"
+        for name in plane.replica_names:
             self.log(f"pdd: starting the Redis replica {name}")
             server = EmbeddedServer.redis(plane.ports[name], password, self.run_dir, name, replica_of=primary)
             self.servers[name] = server.start()

@@ -56,7 +56,7 @@ def control_plane_ports(cfg: ClusterConfig) -> dict[str, int]:
             server = f"nats-{dc.name}-{k}"
             names += [f"{server}-route"] + ([server] if k else [])
             names += [f"{server}-leaf"] if k and dc.name == cfg.control_dc else []
-    names += [f"redis-{k}" for k in range(1, plane.redis_replicas + 1)] + plane.sentinel_names
+    names += plane.replica_names + plane.sentinel_names
     return {name: _port(given.get(name, 0)) for name in names}
 
 

@@ -236,6 +236,10 @@ class ControlPlaneConfig:
         return self.names("scheduler", self.schedulers)
 
     @property
+    def replica_names(self) -> list[str]:
+        return [f"redis-{k}" for k in range(1, self.redis_replicas + 1)]
+
+    @property
     def sentinel_names(self) -> list[str]:
         return [f"sentinel-{i}" for i in range(self.sentinels)]
 

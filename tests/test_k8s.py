@@ -335,7 +335,7 @@ def test_the_servers_run_the_configs_pdd_certs_wrote(tmp_path, r):
             )
             assert probe.items() <= container["readinessProbe"].items(), server.name  # monitor on the first only
     deployments = of_kind(r.sites["A"], "Deployment")
-    for name in ["redis", *(f"redis-{k}" for k in range(1, cfg.control_plane.redis_replicas + 1))]:
+    for name in ["redis", *cfg.control_plane.replica_names]:
         (redis,) = pod(deployments[name])["containers"]
         assert (
             redis["args"] == ["redis-server", f"{cfg.secrets_dir}/{name}.conf"] and (folder / f"{name}.conf").is_file()
@@ -477,7 +477,7 @@ def test_processes_wait_for_any_server_of_their_site_and_redis_through_its_senti
         nats = ",".join(f"{h}:{p}" for h, p in k8s.nats_services(cfg, dc).values())
         for name, d in pdd_deployments(site).items():
             (wait,) = pod(d)["initContainers"]
-            assert wait["command"] == ["python", "-c", k8s.WAIT_FOR_ANY]
+            assert wait["command"] == ["python", "-c", k8s.WAIT_FOR]
             assert wait["args"] == [nats, cfg.redis_sentinels] if dc == cfg.control_dc else [nats], name
 
 
@@ -489,5 +489,5 @@ def test_the_wait_ends_when_any_one_of_a_group_answers():
         with socket.socket() as closed:
             closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
             silent = f"127.0.0.1:{closed.getsockname()[1]}"
-            done = subprocess.run([sys.executable, "-c", k8s.WAIT_FOR_ANY, f"{silent},{answers}"], timeout=30)
+            done = subprocess.run([sys.executable, "-c", k8s.WAIT_FOR, f"{silent},{answers}"], timeout=30)
     assert done.returncode == 0

@@ -192,8 +192,9 @@ class Scheduler:
     async def on_wan_sample(self, sample: WanSample, reporter: str | None = None) -> None:
         """Only the decoder a request's KV was dispatched to across the line reports its transfer
         (one instance's made-up samples would set the estimate every plan reads)."""
-        to = self.backlog.receiver(sample.request_id)
-        if to is None or to != (reporter or to) or sample.nbytes <= 0 or not 0 < sample.seconds < math.inf:
+        to = self.backlog.receiver(sample.request_id)  # None: no KV of it is on the line
+        sender_ok = to is not None and (reporter is None or reporter == to)  # None: a call in this process
+        if not sender_ok or sample.nbytes <= 0 or not 0 < sample.seconds < math.inf:
             log.warning("%s: WAN sample from %s for %r refused", self.name, reporter, sample.request_id)
             return
         self.wan.add(sample.nbytes, sample.seconds, time.monotonic())
