@@ -178,7 +178,11 @@ class GatewayConfig:
     PDD_ADMIN_KEYS and `keys_file`; with none the gateway is open (the demo)."""
 
     keys_file: str = ""  # YAML list of {name, sha256, scope, max_concurrent, tokens_per_minute, cache_salt}
-    metrics_need_key: bool = True  # with keys on, /metrics and /dashboard need one too
+    # the limits of a key that names none (every PDD_API_KEYS/PDD_ADMIN_KEYS key, a file key
+    # without the field): a leaked key cannot take the whole gateway; 0 here means no limit
+    default_max_concurrent: int = 32
+    default_tokens_per_minute: int = 1_000_000
+    metrics_need_key: bool = True  # with keys on, /metrics needs one too (the dashboard always does)
     pdd_object: str = "redacted"  # what user (non-admin) keys get: full | redacted | none
     # each client connection's kernel send buffer (SO_SNDBUF; 0: the kernel's own, autotuned up to
     # a few MB): what a client that stops reading is sent before a write waits (timeouts.client_s)
@@ -189,6 +193,9 @@ class GatewayConfig:
             raise ConfigError(f"gateway.pdd_object {self.pdd_object!r} must be full, redacted or none")
         if self.send_buffer_kib < 0:
             raise ConfigError(f"gateway.send_buffer_kib must be >= 0, got {self.send_buffer_kib}")
+        for name in ("default_max_concurrent", "default_tokens_per_minute"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"gateway.{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

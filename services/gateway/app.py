@@ -13,7 +13,10 @@ Lifecycle of a request here:
 4. Streamed as SSE (`data: {...}` ... `data: [DONE]`, the usage in its own last chunk when
    asked) or returned whole. The last chunk carries the `pdd` object as the key may see it.
    An error after streaming began is sent as an SSE error event. Every response carries
-   `X-Request-Id` (the client's, when it sent a usable one).
+   `X-Request-Id` (the client's, when it sent one: letters, digits, `_`, `:` and `-`; anything
+   else is 400). The stages know it in the key's namespace (`auth.scoped_request_id`): one
+   key's id never names another key's request. No error body names an instance, a host, an
+   address or a port (`errors.APIError.to_json`); the log has them.
 5. Whatever happens — finish, error, a streaming or a waiting client gone, a streaming client
    that takes no data for `timeouts.client_s` — the flow is closed:
    an unfinished request is aborted in every stage.
@@ -31,9 +34,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from services.gateway import dashboard, responses
-from services.gateway.auth import Key
+from services.gateway.auth import Key, scoped_request_id
 from services.gateway.deadlines import DeadlineStream, read_body
-from services.gateway.errors import APIError
+from services.gateway.errors import APIError, internal_names
 from services.gateway.flow import RequestFlow, StreamError
 from services.gateway.gateway import Gateway
 from services.gateway.openai_api import ParsedRequest, parse_chat, parse_completion
@@ -41,7 +44,8 @@ from services.gateway.tool_calls import ToolCallStream
 from shared.telemetry import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
-REQUEST_ID = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,127}")  # usable in NATS subjects as is
+# usable in NATS subjects as is; no `.` (a moved attempt is `<id>.m1`) and no `@` (auth.scoped_request_id)
+REQUEST_ID = re.compile(r"[A-Za-z0-9_:-]{1,128}")
 
 
 def create_app(gw: Gateway) -> FastAPI:
@@ -62,7 +66,7 @@ def create_app(gw: Gateway) -> FastAPI:
         headers = {"X-Request-Id": request.state.request_id} if hasattr(request.state, "request_id") else {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
-        return JSONResponse(e.to_json(i.id for i in gw.cfg.instances), status_code=e.status, headers=headers)
+        return JSONResponse(e.to_json(internal_names(gw.cfg)), status_code=e.status, headers=headers)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -129,11 +133,18 @@ def create_app(gw: Gateway) -> FastAPI:
 
 
 def _front_door(gw: Gateway, request: Request) -> Key:
-    """The request's id and key, before reading or tokenizing anything: a full gateway or a
-    client without a key is answered at once."""
-    given = request.headers.get("x-request-id", "")
-    request.state.request_id = given if REQUEST_ID.fullmatch(given) and given not in gw.inflight else ""
+    """The request's key and id, before reading or tokenizing anything: a client without a key,
+    with an id that is not one, or to a full gateway is answered at once."""
     key = gw.keys.authenticate(request.headers.get("authorization"))
+    given = request.headers.get("x-request-id", "")
+    if given and not REQUEST_ID.fullmatch(given):
+        raise APIError(
+            400,
+            "X-Request-Id must be 1-128 letters, digits, '_', ':' or '-'",
+            param="X-Request-Id",
+            code="invalid_request_id",
+        )
+    request.state.request_id = "" if scoped_request_id(key, given) in gw.inflight else given  # in flight: a fresh one
     gw.check_capacity()
     gw.keys.check(key)  # the key's own limits, before its body costs any parsing
     return key
@@ -226,7 +237,7 @@ async def _sse(gw: Gateway, flow: RequestFlow) -> AsyncIterator[bytes]:
             yield responses.event(responses.usage_chunk(flow, gw.served_model))
     except StreamError as e:
         flow.error = str(e)
-        yield responses.event(APIError(500, str(e), type="server_error").to_json(i.id for i in gw.cfg.instances))
+        yield responses.event(APIError(500, str(e), type="server_error").to_json(internal_names(gw.cfg)))
     finally:
         await gw.release(flow)
     yield b"data: [DONE]\n\n"

@@ -8,9 +8,14 @@ says so at start.
 
 Per key: at most `max_concurrent` requests in flight and `tokens_per_minute` tokens (prompt and
 completion) in any 60 s; past either, that key gets 429 with Retry-After while other keys go on.
+A key that names no limit of its own (every env key; a file key without the field) gets the
+gateway's defaults (`gateway.default_max_concurrent`, `gateway.default_tokens_per_minute`); 0,
+given explicitly, is no limit.
 Admin keys may force `pdd` overrides and see the whole `pdd` object; user keys may not, and see
 it without instance ids, cache-hit counts and estimates (or not at all: `gateway.pdd_object`).
 Each key names its tenant's cache salt: tenants never share cached KV unless given one salt.
+Each key is its own namespace of request ids (`scoped_request_id`): a client's `X-Request-Id`
+names only its own key's requests.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from pathlib import Path
 import yaml
 
 from services.gateway.errors import APIError
+from shared.config import GatewayConfig
 
 WINDOW_S = 60.0
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+TAG_CHARS = 12  # of a key's request-id tag: 48 bits, no two keys of one gateway share one
 
 
 def digest(key: str) -> str:
@@ -50,6 +57,19 @@ class Key:
 OPEN = Key("open", "", admin=True)  # no keys configured: everyone is admin of the demo
 
 
+def scoped_request_id(key: Key, request_id: str) -> str:
+    """The id the schedulers and stages know a client's request by: `<request_id>@<tag>`, the tag
+    a digest of the key's hash (the same on every gateway: a client that retries elsewhere with
+    its id finds its request again). The tag has a fixed length, so two keys' ids never meet:
+    another key's `X-Request-Id` cannot name this key's request, its plan (the schedulers' memory
+    of ids) or its stream, nor a moved attempt (`<id>.m1`: client ids have no `.`). The open
+    gateway has one tenant: its ids are used as given."""
+    if key is OPEN:
+        return request_id
+    tag = hashlib.sha256(f"pdd request ids {key.sha256}".encode()).hexdigest()[:TAG_CHARS]
+    return f"{request_id}@{tag}"
+
+
 @dataclass
 class _Usage:
     in_flight: int = 0
@@ -67,12 +87,23 @@ class KeyRing:
         self._usage: dict[str, _Usage] = {k.sha256: _Usage() for k in keys}
 
     @classmethod
-    def from_settings(cls, keys_file: str = "", env: dict[str, str] | None = None) -> KeyRing:
+    def of(cls, cfg: GatewayConfig, env: dict[str, str] | None = None) -> KeyRing:
+        """The gateway's keys, from every source, each limited by `cfg`'s defaults where it names
+        no limit of its own."""
+        return cls.from_settings(cfg.keys_file, env, (cfg.default_max_concurrent, cfg.default_tokens_per_minute))
+
+    @classmethod
+    def from_settings(
+        cls, keys_file: str = "", env: dict[str, str] | None = None, defaults: tuple[int, int] = (0, 0)
+    ) -> KeyRing:
+        """Env keys (limited by `defaults`: max_concurrent, tokens_per_minute) and a keys file's
+        (each limit it leaves out is the default's)."""
         env = os.environ if env is None else env
-        keys = [Key(f"key-{i}", digest(k), admin=False) for i, k in enumerate(_split(env.get("PDD_API_KEYS")))]
-        keys += [Key(f"admin-{i}", digest(k), admin=True) for i, k in enumerate(_split(env.get("PDD_ADMIN_KEYS")))]
+        users, admins = _split(env.get("PDD_API_KEYS")), _split(env.get("PDD_ADMIN_KEYS"))
+        keys = [Key(f"key-{i}", digest(k), False, *defaults) for i, k in enumerate(users)]
+        keys += [Key(f"admin-{i}", digest(k), True, *defaults) for i, k in enumerate(admins)]
         if keys_file:
-            keys += _load_keys_file(keys_file)
+            keys += _load_keys_file(keys_file, defaults)
         return cls(keys)
 
     @property
@@ -154,7 +185,7 @@ def _split(value: str | None) -> list[str]:
     return [k.strip() for k in (value or "").split(",") if k.strip()]
 
 
-def _load_keys_file(path: str) -> list[Key]:
+def _load_keys_file(path: str, defaults: tuple[int, int] = (0, 0)) -> list[Key]:
     """The keys of a keys file; anything malformed is a ValueError naming the file."""
     try:
         entries = yaml.safe_load(Path(path).read_text())
@@ -164,10 +195,10 @@ def _load_keys_file(path: str) -> list[Key]:
         raise ValueError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or type(e).__name__}") from None
     if entries is not None and not isinstance(entries, list):
         raise ValueError(f"{path}: a keys file is a YAML list of keys; got {type(entries).__name__}")
-    return [_from_file_entry(e, path) for e in entries or []]
+    return [_from_file_entry(e, path, defaults) for e in entries or []]
 
 
-def _from_file_entry(entry: dict, where: str) -> Key:
+def _from_file_entry(entry: dict, where: str, defaults: tuple[int, int] = (0, 0)) -> Key:
     """`{name, sha256, scope: user|admin, max_concurrent, tokens_per_minute, cache_salt}`."""
     known = {"name", "sha256", "scope", "max_concurrent", "tokens_per_minute", "cache_salt"}
     if not isinstance(entry, dict) or set(entry) - known or "sha256" not in entry or "name" not in entry:
@@ -185,14 +216,14 @@ def _from_file_entry(entry: dict, where: str) -> Key:
         str(entry["name"]),
         sha256,
         entry.get("scope") == "admin",
-        _limit(entry, "max_concurrent", where),
-        _limit(entry, "tokens_per_minute", where),
+        _limit(entry, "max_concurrent", where, defaults[0]),
+        _limit(entry, "tokens_per_minute", where, defaults[1]),
         str(entry.get("cache_salt", "")),
     )
 
 
-def _limit(entry: dict, name: str, where: str) -> int:
-    value = entry.get(name, 0)
+def _limit(entry: dict, name: str, where: str, default: int) -> int:
+    value = entry.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{where}: key {entry['name']!r}: {name} must be an integer >= 0 (0: no limit); got {value!r}")
     return value

@@ -10,11 +10,16 @@ The page polls `api/state` about once a second. Polling rather than server-sent 
 response that never ends would hold the gateway's graceful shutdown open for as long as a page
 is open somewhere, and a poll costs one small request.
 
-Access: with API keys on and `gateway.metrics_need_key` (the default), like `/metrics`, the page
-and its data need a key: `Authorization: Bearer K`, or `?key=K` on the page's address (a browser
-cannot send a header when it opens a page). The page's answer stores the key in an HttpOnly,
-SameSite=Strict cookie scoped to `/dashboard`, which the page's own polls then carry; the page
-drops `?key=` from its address bar. A user key sees its own requests only, an admin key all.
+Access: with API keys on, the page and its data need a key, whatever `gateway.metrics_need_key`
+says (that opens `/metrics` alone: counters, no instance and no request): `Authorization: Bearer
+K`, or `?key=K` on the page's address (a browser cannot send a header when it opens a page). The
+page's answer stores the key in an HttpOnly, SameSite=Strict cookie scoped to `/dashboard`, which
+the page's own polls then carry; the page drops `?key=` from its address bar.
+
+What a key sees: an admin key, the fleet (instances, processes, the line) and every request, by
+the id the stages know it by (`auth.scoped_request_id`: two keys may send one id). A user key,
+as the API redacts its `pdd` object: its own requests only, by its own ids, with no instance, no
+fleet and no process; the fleet's place says the view is an admin key's.
 """
 
 from __future__ import annotations
@@ -43,11 +48,20 @@ COOKIE = "pdd_dashboard_key"
 CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
 
 
-def request_row(flow, running: bool, now: float | None = None) -> dict[str, Any]:
-    """One line of the requests table."""
+USER_FLEET = {"error": "the fleet is shown to admin keys only"}
+
+
+def shown_id(key: Key, flow) -> str:
+    """A request's id as `key` knows it: a user key's own id; for an admin, the scoped one (two
+    keys may send the same id)."""
+    return flow.scoped_id if key.admin else flow.request_id
+
+
+def request_row(flow, running: bool, now: float | None = None, key: Key = OPEN) -> dict[str, Any]:
+    """One line of the requests table, as `key` sees it."""
     s, plan, d = flow.stats, flow.plan, flow.stats.decoder_stats
     return {
-        "id": flow.request_id,
+        "id": shown_id(key, flow),
         "created": flow.created,
         "pipeline": plan.pipeline if plan else "",
         "handoff": plan.handoff if plan else "",
@@ -70,16 +84,17 @@ def _end_ms(flow, running: bool, now: float | None) -> float:
     return (end - s.arrived) * 1000
 
 
-def waterfall(flow, running: bool, now: float | None = None) -> dict[str, Any]:
-    """A request's row, its timings exactly as its `pdd` object reports them, and their layout."""
+def waterfall(flow, running: bool, now: float | None = None, key: Key = OPEN) -> dict[str, Any]:
+    """A request's row, its timings exactly as its `pdd` object reports them, and their layout;
+    its instances for an admin key only."""
     s, d = flow.stats, flow.stats.decoder_stats
     timings = build_pdd(flow.request_id, flow.plan, s)["timings_ms"]
     timings["e2e"] = _end_ms(flow, running, now)  # the pdd object's e2e is taken at its last chunk
     marks = [(at * 1000, role) for at, role in s.token_marks]
     plan = flow.plan
-    instances = plan.instances() if plan else {}
+    instances = plan.instances() if plan and key.admin else {}
     return {
-        "request": request_row(flow, running, now),
+        "request": request_row(flow, running, now, key),
         "timings_ms": timings,
         "instances": instances,
         **layout(timings, marks, d.handoff_chunks, s.handoff_gap_s * 1000, timings["e2e"]),
@@ -140,14 +155,17 @@ def recent_requests(gw, key: Key, limit: int = 50) -> list[dict[str, Any]]:
     running = sorted((f for f in gw.inflight.values() if _may_see(key, f)), key=lambda f: -f.stats.arrived)
     done = [f for f in reversed(gw.recent) if _may_see(key, f)]  # gw.recent is oldest first
     shown = [(f, True) for f in running] + [(f, False) for f in done]
-    return [request_row(f, live, now) for f, live in shown[:limit]]
+    return [request_row(f, live, now, key) for f, live in shown[:limit]]
 
 
-def find_flow(gw, request_id: str):
-    """(flow, running) for an id in flight or recently finished; (None, False) otherwise."""
-    if request_id in gw.inflight:
-        return gw.inflight[request_id], True
-    return next((f for f in reversed(gw.recent) if f.request_id == request_id), None), False
+def find_flow(gw, key: Key, request_id: str):
+    """(flow, running) for a request `key` may see, by the id it knows it by, in flight or recently
+    finished; (None, False) otherwise."""
+    running = [(f, True) for f in gw.inflight.values()]
+    done = [(f, False) for f in reversed(gw.recent)]
+    return next(
+        ((f, live) for f, live in running + done if _may_see(key, f) and shown_id(key, f) == request_id), (None, False)
+    )
 
 
 def _may_see(key: Key, flow) -> bool:
@@ -155,9 +173,10 @@ def _may_see(key: Key, flow) -> bool:
 
 
 def authorize(gw, request: Request) -> tuple[Key, str]:
-    """The key that may see the dashboard (401 like `/metrics` when none), and the key as
-    presented by query or cookie ("" when it came in a header or none was needed)."""
-    if gw.keys.open or not gw.cfg.gateway.metrics_need_key:
+    """The key that may see the dashboard (401 when none: with keys on there is no anonymous
+    view), and the key as presented by query or cookie ("" when it came in a header or none was
+    needed)."""
+    if gw.keys.open:
         return OPEN, ""
     header = request.headers.get("authorization")
     if header:
@@ -203,15 +222,16 @@ def mount(app: FastAPI, gw) -> None:
     @app.get("/dashboard/api/state")
     async def state(request: Request) -> JSONResponse:
         key, _ = authorize(gw, request)
+        fleet = await sampler.view() if key.admin else USER_FLEET
         return JSONResponse(
-            {"fleet": await sampler.view(), "requests": recent_requests(gw, key), "model": gw.served_model},
+            {"fleet": fleet, "requests": recent_requests(gw, key), "model": gw.served_model},
             headers={"Cache-Control": "no-store"},
         )
 
     @app.get("/dashboard/api/requests/{request_id}")
     async def one(request_id: str, request: Request) -> JSONResponse:
         key, _ = authorize(gw, request)
-        flow, running = find_flow(gw, request_id)
-        if flow is None or not _may_see(key, flow):
+        flow, running = find_flow(gw, key, request_id)
+        if flow is None:
             raise _not_an_api_request(404, f"no recent request {request_id!r}")
-        return JSONResponse(waterfall(flow, running), headers={"Cache-Control": "no-store"})
+        return JSONResponse(waterfall(flow, running, key=key), headers={"Cache-Control": "no-store"})

@@ -4,9 +4,10 @@
    to its stages alone: no other instance can publish into the stream), so no token can be
    missed, then submit to the schedulers (request-reply with a timeout, asked twice: the one
    that had it may have died). An error plan becomes an HTTP error. A submission the gateway
-   stops waiting for (timeout, client gone) is aborted: it may still be dispatched. A request
-   id the schedulers planned already gets that plan back, so a client that lost its gateway and
-   sends the same request to another with the same `X-Request-Id` is picked up where it is
+   stops waiting for (timeout, client gone) is aborted: it may still be dispatched. The stages
+   know a request by its id in its key's namespace (`auth.scoped_request_id`). A request id the
+   schedulers planned already gets that plan back, so a client that lost its gateway and sends
+   the same request to another with the same `X-Request-Id` and key is picked up where it is
    (under the plan's stream key; the decoders send the tokens it missed, as for a lost chunk,
    below) or, when they no longer hold it, moved (5.).
 2. Token chunks arrive from whichever decoder holds the request (relay, then main); they are
@@ -43,7 +44,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.gateway.auth import Key
+from services.gateway.auth import Key, scoped_request_id
 from services.gateway.detokenize import IncrementalDetokenizer, StopChecker
 from services.gateway.errors import APIError
 from services.gateway.gaps import GapWatch
@@ -77,9 +78,11 @@ class RequestFlow:
         self.gw = gateway
         self.parsed = parsed
         self.key = key  # who asked: their limits, their tenant's cache salt, what of `pdd` they see
+        # the client's id (its headers and bodies); the stages know it in its key's namespace
         self.request_id = request_id or ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.scoped_id = scoped_request_id(key, self.request_id)
         self.created = int(time.time())  # one value for every chunk of the response
-        self.attempt_id = self.request_id  # the id the stages know; a migration starts a new one
+        self.attempt_id = self.scoped_id  # the id the stages know; a migration starts a new one
         self.stream_key = ""  # the attempt's token stream's (subjects.tokens)
         self.offset = 0  # client index of the current attempt's token 0
         self.generated: list[int] = []  # tokens the client has, in order
@@ -330,7 +333,7 @@ class RequestFlow:
         wait_s = 0.1
         pipeline = self.parsed.pipeline  # a forced plan is kept while it can be served at all
         for retry in itertools.count():
-            self.attempt_id = f"{self.request_id}.m{self.stats.migrations}" + (f".r{retry}" if retry else "")
+            self.attempt_id = f"{self.scoped_id}.m{self.stats.migrations}" + (f".r{retry}" if retry else "")
             try:
                 # the policy replans among the survivors (p-rld when no main-decode is reachable)
                 await self._submit(self.parsed.prompt_ids + self.generated, sampling, pipeline)

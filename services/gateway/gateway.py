@@ -12,7 +12,7 @@ from collections import deque
 
 import llguidance
 
-from services.gateway.auth import OPEN, Key, KeyRing
+from services.gateway.auth import OPEN, Key, KeyRing, scoped_request_id
 from services.gateway.errors import APIError
 from services.gateway.flow import RequestFlow
 from services.gateway.metrics import GatewayMetrics
@@ -46,9 +46,9 @@ class Gateway:
         self.registry: Registry | None = None
         self._presence: asyncio.Task | None = None
         self.metrics = GatewayMetrics(self.served_model)
-        self.inflight: dict[str, RequestFlow] = {}
+        self.inflight: dict[str, RequestFlow] = {}  # by scoped id (auth.scoped_request_id): each key's own
         self.recent: deque[RequestFlow] = deque(maxlen=100)  # finished requests, oldest first: the dashboard's list
-        self.keys = KeyRing.from_settings(cfg.gateway.keys_file)
+        self.keys = KeyRing.of(cfg.gateway)
         self.started = int(time.time())
         if self.keys.open:
             log.warning(
@@ -102,15 +102,16 @@ class Gateway:
     def admit(self, parsed: ParsedRequest, key: Key = OPEN, request_id: str = "") -> RequestFlow:
         self.check_capacity()
         self.keys.admit(key, len(parsed.prompt_ids))
-        # a client's own id, unless a request with it came in while this one was read and parsed
-        flow = RequestFlow(self, parsed, key, "" if request_id in self.inflight else request_id)
-        self.inflight[flow.request_id] = flow
+        # a client's own id, unless a request of its key with it came in while this one was read
+        taken = scoped_request_id(key, request_id) in self.inflight
+        flow = RequestFlow(self, parsed, key, "" if taken else request_id)
+        self.inflight[flow.scoped_id] = flow
         self.metrics.running.set(len(self.inflight))
         return flow
 
     async def release(self, flow: RequestFlow) -> None:
         """Book-keeping first, then the (shielded) cleanup: a cancelled caller skips nothing."""
-        if self.inflight.pop(flow.request_id, None) is None:
+        if self.inflight.pop(flow.scoped_id, None) is None:
             return
         self.keys.release(flow.key)
         self.keys.count_tokens(flow.key, flow.stats.completion_tokens)
@@ -171,6 +172,7 @@ def _log_request(flow: RequestFlow) -> None:
     s, plan, d = flow.stats, flow.plan, flow.stats.decoder_stats
     fields = {
         "request_id": flow.request_id,
+        "attempt": flow.attempt_id,  # the id the other services' logs have (its key's namespace, moves)
         "pipeline": plan.pipeline if plan else "",
         "instances": ",".join(i for i in (plan.prefill, plan.rld, plan.md) if i) if plan else "",
         "prompt_tokens": len(flow.parsed.prompt_ids),

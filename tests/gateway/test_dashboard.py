@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from services.gateway import dashboard
-from services.gateway.auth import OPEN, KeyRing
+from services.gateway.auth import OPEN, KeyRing, scoped_request_id
 from services.gateway.errors import APIError
 from services.gateway.flow import RequestFlow
 from services.gateway.openai_api import ParsedRequest
@@ -144,8 +144,8 @@ def test_requests_running_first_then_finished_newest_first_with_their_figures():
     assert row["ttft_ms"] == pytest.approx(200.0) and row["e2e_ms"] == pytest.approx(750.0)
     assert row["wan_kv_bytes"] == 5000 and row["handoff_chunks"] == 3
     assert len(dashboard.recent_requests(gw, OPEN, limit=2)) == 2
-    assert dashboard.find_flow(gw, "live") == (live, True) and dashboard.find_flow(gw, "old") == (old, False)
-    assert dashboard.find_flow(gw, "gone") == (None, False)
+    assert dashboard.find_flow(gw, OPEN, "live") == (live, True) and dashboard.find_flow(gw, OPEN, "old") == (old, False)
+    assert dashboard.find_flow(gw, OPEN, "gone") == (None, False)
 
 
 def test_the_lines_rate_comes_from_successive_polls():
@@ -210,10 +210,41 @@ def test_with_keys_on_the_dashboard_needs_one_by_header_query_or_cookie():
     assert state.status_code == 200 and [r["id"] for r in state.json()["requests"]] == ["mine"]  # a user key: its own
     assert c.get("/dashboard/api/requests/theirs").status_code == 404
     admin = make_app(gw).get("/dashboard/api/state", headers={"Authorization": "Bearer admin-k"})
-    assert [r["id"] for r in admin.json()["requests"]] == ["theirs", "mine"]
+    # an admin sees every key's requests, by the ids the stages know (two keys may send one id)
+    assert [r["id"] for r in admin.json()["requests"]] == ["theirs", scoped_request_id(user, "mine")]
     assert make_app(gw).get("/dashboard/api/state?key=admin-k").status_code == 200
-    unguarded = make_app(fake_gateway({"PDD_API_KEYS": "user-k"}, need_key=False))
-    assert unguarded.get("/dashboard/api/state").status_code == 200  # gateway.metrics_need_key: false
+
+
+def test_with_keys_on_no_anonymous_visitor_sees_the_dashboard_even_with_open_metrics():
+    """`gateway.metrics_need_key: false` opens /metrics; the dashboard, which names instances and
+    requests, still needs a key (it gave anonymous visitors the admin view)."""
+    gw = fake_gateway({"PDD_API_KEYS": "user-k"}, need_key=False)
+    gw.recent.append(make_flow("r1", key=gw.keys.keys[0]))
+    c = make_app(gw)
+    for path in ("/dashboard", "/dashboard/api/state", "/dashboard/api/requests/r1"):
+        assert c.get(path).status_code == 401, path
+    assert c.get("/dashboard/api/state", headers={"Authorization": "Bearer user-k"}).status_code == 200
+
+
+def test_a_user_key_sees_its_own_requests_and_no_instance_or_process():
+    gw = fake_gateway({"PDD_API_KEYS": "user-k", "PDD_ADMIN_KEYS": "admin-k"})
+    user, admin = gw.keys.keys
+    gw.recent.append(make_flow("mine", key=user))
+    c = make_app(gw)
+    state = c.get("/dashboard/api/state", headers={"Authorization": "Bearer user-k"})
+    mine = c.get("/dashboard/api/requests/mine", headers={"Authorization": "Bearer user-k"})
+    assert state.status_code == mine.status_code == 200
+    assert [r["id"] for r in state.json()["requests"]] == ["mine"] and mine.json()["request"]["id"] == "mine"
+    assert state.json()["fleet"] == dashboard.USER_FLEET and mine.json()["instances"] == {}
+    names = [i.id for i in gw.cfg.instances] + ["scheduler", "pid", "url"]
+    for body in (state.text, mine.text):
+        assert not any(n in body for n in names), body
+    assert gw.bus.asked == []  # the fleet was not even sampled for it
+    as_admin = {"Authorization": "Bearer admin-k"}
+    scoped = scoped_request_id(user, "mine")
+    assert c.get("/dashboard/api/state", headers=as_admin).json()["fleet"]["datacenters"]["B"][0]["id"] == "md-0"
+    assert c.get(f"/dashboard/api/requests/{scoped}", headers=as_admin).json()["instances"]["md"] == "md-0"
+    assert c.get(f"/dashboard/api/requests/{scoped}", headers={"Authorization": "Bearer user-k"}).status_code == 404
 
 
 def test_the_static_files_reach_nothing_but_the_gateway():
