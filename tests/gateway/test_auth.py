@@ -17,7 +17,7 @@ from services.gateway.app import create_app
 from services.gateway.auth import OPEN, WINDOW_S, KeyRing, digest
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 
 USER, USER2, ADMIN = "sk-user-4c1f0e9b7a2d", "sk-user-second-93ab", "sk-admin-d08e51c6"
 
@@ -206,6 +206,35 @@ def test_an_empty_keys_file_adds_no_key(tmp_path):
 # --- per-key limits ------------------------------------------------------------------------
 
 
+def test_every_key_source_gets_the_gateways_default_limits_unless_it_names_its_own(tmp_path):
+    """An env key has no field to name a limit: it had none at all (a leaked one could take the
+    whole gateway). Now every key without a limit of its own gets `gateway.default_*`; a file key's
+    own value wins, 0 included (no limit, said explicitly)."""
+    shipped = load_config(None).gateway
+    assert shipped.default_max_concurrent > 0 and shipped.default_tokens_per_minute > 0
+    cfg = dataclasses.replace(shipped, default_max_concurrent=3, default_tokens_per_minute=500)
+    entries = [
+        {"name": "plain", "sha256": digest(USER)},
+        {"name": "own", "sha256": digest(USER2), "max_concurrent": 7, "tokens_per_minute": 0},
+    ]
+    cfg = dataclasses.replace(cfg, keys_file=keys_file(tmp_path, entries))
+    r = KeyRing.of(cfg, {"PDD_API_KEYS": "sk-env", "PDD_ADMIN_KEYS": "sk-env-admin"})
+    limits = {k.name: (k.max_concurrent, k.tokens_per_minute) for k in r.keys}
+    assert limits == {"key-0": (3, 500), "admin-0": (3, 500), "plain": (3, 500), "own": (7, 0)}
+    env_key = r.authenticate("Bearer sk-env")
+    for _ in range(3):
+        r.admit(env_key, 1)
+    assert refused(lambda: r.admit(env_key, 1)).code == "concurrency_limit"
+    unlimited = KeyRing.of(dataclasses.replace(cfg, default_max_concurrent=0, default_tokens_per_minute=0), {})
+    assert [(k.max_concurrent, k.tokens_per_minute) for k in unlimited.keys] == [(0, 0), (7, 0)]
+
+
+@pytest.mark.parametrize("field", ["default_max_concurrent", "default_tokens_per_minute"])
+def test_a_negative_default_limit_is_a_config_error_naming_it(field):
+    with pytest.raises(ConfigError, match=f"gateway.{field} must be >= 0"):
+        dataclasses.replace(load_config(None).gateway, **{field: -1})
+
+
 def test_a_key_past_its_concurrency_limit_gets_429_while_other_keys_go_on(tmp_path):
     r = limited(tmp_path, max_concurrent=2)
     alice, bob = r.authenticate(f"Bearer {USER}"), r.authenticate(f"Bearer {USER2}")
@@ -370,6 +399,29 @@ def test_only_admin_keys_may_force_a_plan():
         "test_admitted"
     )
     assert gw.admitted == [("admin-0", "p-md"), ("key-0", None)]
+
+
+@pytest.mark.parametrize("given", ["job.m1", "job@0123456789ab", "has space", "x" * 129])
+def test_an_x_request_id_that_could_forge_another_id_is_400_before_the_body(given):
+    """A `.` could name a moved attempt (`<id>.m1`), an `@` another key's namespace: refused,
+    before the body is read (it is not even valid JSON here)."""
+    gw = fake_gateway(ring(PDD_API_KEYS=USER))
+    headers = {**bearer(USER), "content-type": "application/json", "X-Request-Id": given}
+    r = client(gw).post("/v1/completions", content=b'{"prompt": ', headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_id" and gw.admitted == []
+
+
+def test_a_usable_x_request_id_reaches_admission_as_the_client_sent_it():
+    gw = fake_gateway(ring(PDD_API_KEYS=USER))
+    seen = []
+
+    def admit(parsed, key, request_id):
+        seen.append(request_id)
+        raise APIError(503, "admitted; no cluster behind this test")
+
+    gw.admit = admit
+    r = client(gw).post("/v1/completions", json={"prompt": "hi"}, headers={**bearer(USER), "X-Request-Id": "a:b_c-9"})
+    assert seen == ["a:b_c-9"] and r.headers["x-request-id"] == "a:b_c-9"
 
 
 def test_a_key_past_its_limit_gets_429_with_retry_after_from_the_routes(tmp_path):

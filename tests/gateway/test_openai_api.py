@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 
 from services.gateway.deadlines import MAX_BODY_BYTES, check_body_size
-from services.gateway.errors import APIError
+from services.gateway.errors import APIError, internal_names
 from services.gateway.openai_api import ParsedRequest, parse_chat, parse_completion
+from shared.config import ControlPlaneConfig, load_config
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 64
@@ -218,6 +220,18 @@ def test_an_error_names_no_instance_to_a_client():
     moved = APIError(500, "could not move the request after ['prefill-0'] failed").to_json(ids)
     assert moved["error"]["message"] == "could not move the request after ['<instance>'] failed"
     assert APIError(400, "'md-1x' is not a model").to_json(ids)["error"]["message"] == "'md-1x' is not a model"
+
+
+def test_a_client_error_names_no_host_address_port_or_process_either():
+    """4xx bodies are scrubbed as 5xx are: a scheduler's 429 may carry an instance's refusal with
+    its endpoint; the client learns the cluster is full, not where or what is in it."""
+    cfg = dataclasses.replace(load_config(None), control_plane=ControlPlaneConfig(gateways=2, schedulers=2))
+    inside = "md-0 refused: KV listener md-0.site-b.internal:7500 (10.1.2.3:7500) full; scheduler-1 saw it"
+    for status in (400, 404, 409, 429):
+        message = APIError(status, inside).to_json(internal_names(cfg))["error"]["message"]
+        assert message == "<instance> refused: KV listener <internal> (<internal>) full; <instance> saw it"
+    lone = internal_names(load_config(None))  # a lone scheduler's name is only its role's word: kept
+    assert "scheduler" not in lone and "md-0" in lone
 
 
 def test_unknown_model_is_404():
