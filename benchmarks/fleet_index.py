@@ -153,6 +153,7 @@ class Heartbeats:
         self.registry, self.infos, self.blocks, self.every_s, self.bus = registry, infos, blocks, every_s, bus
         self.rng = random.Random(7)
         self.task: asyncio.Task | None = None
+        self.stopping = asyncio.Event()
 
     async def beat(self, spread: bool = False) -> None:
         """One heartbeat of each instance; `spread`: over the period, as a fleet's clocks spread
@@ -166,7 +167,7 @@ class Heartbeats:
                 await asyncio.sleep(self.every_s / len(self.infos) / 2)
 
     async def _loop(self) -> None:
-        while True:
+        while not self.stopping.is_set():
             started = time.monotonic()
             await self.beat(spread=True)
             await asyncio.sleep(max(0.0, self.every_s - (time.monotonic() - started)))
@@ -176,8 +177,11 @@ class Heartbeats:
         self.task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self.task:
+        """A cancel that lands inside a redis-py pipeline can be swallowed there (the bench then
+        beat on and never ended): the loop also checks `stopping`, and is cancelled until it ends."""
+        self.stopping.set()
+        while self.task is not None and not self.task.done():
             self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await asyncio.wait([self.task], timeout=1.0)
         if self.bus is not None:  # a drain that does not end must not hold the report back
             await asyncio.wait_for(self.bus.close(), 5.0)
