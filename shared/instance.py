@@ -27,7 +27,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from shared import failpoints, subjects
+from shared import failpoints, heap, subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig, InstanceConfig, service_args
 from shared.messages import (
@@ -177,6 +177,7 @@ class InstanceService:
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
         await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.cfg.threads_of(self.inst)))
         self.metrics.serve(self.cfg.host, self.inst.metrics_port)
+        heap.settle(self.metrics)  # the model's objects out of the collector's reach (shared/heap.py)
         log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)
         await self._stop.wait()
         await self.shutdown()

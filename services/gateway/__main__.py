@@ -7,6 +7,7 @@ import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.gateway import Gateway
+from shared import heap
 from shared.config import ClusterConfig, service_args
 
 
@@ -24,5 +25,8 @@ def listening_socket(cfg: ClusterConfig, port: int) -> socket.socket:
 if __name__ == "__main__":
     cfg, name = service_args("gateway")
     name = name or cfg.control_plane.gateway_names[0]
-    server = uvicorn.Server(uvicorn.Config(create_app(Gateway(cfg, name)), log_level="warning"))
+    gateway = Gateway(cfg, name)
+    app = create_app(gateway)
+    heap.settle(gateway.metrics.metrics)  # the tokenizer's and the app's objects out of the collector's reach
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[listening_socket(cfg, cfg.gateway_port(name))])

@@ -140,6 +140,10 @@ def test_every_process_serves_prometheus_metrics(cluster, model_id):
         assert all(dict(labels).get("model_name") == model_id for f in fam.values() for labels in f), name
     assert "pdd:prefix_cache_hits" in families["prefill-0"] and "pdd:kv_transfer_bytes" in families["prefill-0"]
     assert "pdd:wan_bandwidth_estimate_mbps" in families["scheduler"] and "pdd:plans" in families["scheduler"]
+    # every process froze its startup objects (shared/heap.py): a full collection no longer walks
+    # the model's and the libraries' ~370k objects while a step waits
+    for name, fam in families.items():
+        assert max(fam["pdd:gc_frozen_objects"].values()) > 50_000, name
 
 
 def test_a_request_id_is_found_in_every_services_log(cluster, model_id):
