@@ -144,7 +144,8 @@ def test_requests_running_first_then_finished_newest_first_with_their_figures():
     assert row["ttft_ms"] == pytest.approx(200.0) and row["e2e_ms"] == pytest.approx(750.0)
     assert row["wan_kv_bytes"] == 5000 and row["handoff_chunks"] == 3
     assert len(dashboard.recent_requests(gw, OPEN, limit=2)) == 2
-    assert dashboard.find_flow(gw, OPEN, "live") == (live, True) and dashboard.find_flow(gw, OPEN, "old") == (old, False)
+    assert dashboard.find_flow(gw, OPEN, "live") == (live, True)
+    assert dashboard.find_flow(gw, OPEN, "old") == (old, False)
     assert dashboard.find_flow(gw, OPEN, "gone") == (None, False)
 
 
