@@ -32,12 +32,15 @@ def next_hash(parent: str, tokens: tuple[int, ...] | list[int], namespace: str =
 def block_hashes(
     tokens: list[int], block_size: int, namespace: str = "", limit: int | None = None, key: bytes = b""
 ) -> list[str]:
-    """Hashes of the full blocks of `tokens` (at most `limit` of them)."""
+    """Hashes of the full blocks of `tokens` (at most `limit` of them): `next_hash` down the chain,
+    the tokens packed once (the scheduler hashes every prompt it plans)."""
     n = len(tokens) // block_size
     if limit is not None:
         n = min(n, limit)
-    out, parent = [], ROOT
+    data, step = array("q", tokens[: n * block_size]).tobytes(), 8 * block_size
+    out, parent = [], b"\0" + namespace.encode()  # the root's, as next_hash seeds it
     for i in range(n):
-        parent = next_hash(parent, tokens[i * block_size : (i + 1) * block_size], namespace, key)
-        out.append(parent)
+        digest = hashlib.blake2b(parent + data[i * step : (i + 1) * step], digest_size=12, key=key).hexdigest()
+        out.append(digest)
+        parent = digest.encode()
     return out

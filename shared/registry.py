@@ -74,38 +74,71 @@ end
 return 0
 """
 
-# For each key (an instance's block set): how many of ARGV, in order, it holds before the first miss.
+# For each key (an instance's block set): how many of the hashes in ARGV[1] (space-separated, in
+# order) it holds before the first miss; returns "k:n ..." for the keys (by position) holding any.
 # Most instances miss the first block: one SISMEMBER says so; one that holds it is asked for the
-# rest a chunk at a time (SMISMEMBER, Redis 6.2), not one call per block.
+# rest in chunks that double (SMISMEMBER, Redis 6.2), not one call per block nor 256 members for
+# a run of a few. One argument and one short string each way: packing 256 hashes and parsing 200
+# counts was most of the scheduler's CPU for the lookup (benchmarks/fleet_bench.py).
 _LEADING_HITS_LUA = """
+local hashes = {}
+for h in string.gmatch(ARGV[1], '%S+') do hashes[#hashes + 1] = h end
 local out = {}
-local chunk = 256
 for k = 1, #KEYS do
-  local n = 0
-  if #ARGV > 0 and redis.call('SISMEMBER', KEYS[k], ARGV[1]) == 1 then
-    n = 1
-    local from = 2
-    while from <= #ARGV do
-      local to = math.min(from + chunk - 1, #ARGV)
-      local held = redis.call('SMISMEMBER', KEYS[k], unpack(ARGV, from, to))
+  if #hashes > 0 and redis.call('SISMEMBER', KEYS[k], hashes[1]) == 1 then
+    local n, from, chunk = 1, 2, 8
+    while from <= #hashes do
+      local to = math.min(from + chunk - 1, #hashes)
+      local held = redis.call('SMISMEMBER', KEYS[k], unpack(hashes, from, to))
       local missed = false
       for i = 1, #held do
         if held[i] == 0 then missed = true break end
         n = n + 1
       end
       if missed then break end
-      from = to + 1
+      from, chunk = to + 1, math.min(2 * chunk, 256)
     end
+    out[#out + 1] = k .. ':' .. n
   end
-  out[k] = n
 end
-return out
+return table.concat(out, ' ')
+"""
+
+# A request's record (KEYS[1]): ARGV[1] its TTL (s), then its fields and values; one transaction.
+_RECORD_LUA = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 0
+"""
+
+# What a heartbeat changes, in one round trip (the registrar handles every instance's, each second):
+# KEYS pdd:instances, pdd:instance:<id>, pdd:epoch, pdd:kv:<id>, its :seq, :update and :resync;
+# ARGV the id, the row's TTL (ms; 0: the row is left as it is), now (the epoch if none is set),
+# the index's TTL (ms; 0: the index is left as it is), then the row's fields and values.
+# Returns 1 when the instance must send its whole index (`Registry.index_state`), else 0.
+_HEARD_LUA = """
+if ARGV[2] ~= '0' then
+  redis.call('SADD', KEYS[1], ARGV[1])
+  redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('SET', KEYS[3], ARGV[3], 'NX')
+end
+if ARGV[4] == '0' then return 0 end
+redis.call('PEXPIRE', KEYS[4], ARGV[4])
+local seq_alive = redis.call('PEXPIRE', KEYS[5], ARGV[4])
+local numbered = redis.call('PEXPIRE', KEYS[6], ARGV[4])
+local missed = redis.call('GETDEL', KEYS[7])
+if seq_alive == 0 or numbered == 0 or missed then return 1 end
+return 0
 """
 
 
-def connect(url: str, password: str | None = None, sentinels: str = "", master: str = "pdd") -> aioredis.Redis:
+def connect(
+    url: str, password: str | None = None, sentinels: str = "", master: str = "pdd", username: str | None = None
+) -> aioredis.Redis:
     """A client that rides out a Redis restart: a command on a dropped connection is retried on
-    a fresh one instead of failing. `password`: the cluster's (pdd certs), unless the URL has one.
+    a fresh one instead of failing. `username`, `password`: the process's login (pdd certs),
+    unless the URL has one.
     With `sentinels` ("host:port,..."), the client asks them where primary `master` is, on every
     new connection: after a failover the retried command reaches the promoted replica."""
     options = dict(
@@ -120,9 +153,10 @@ def connect(url: str, password: str | None = None, sentinels: str = "", master: 
         max_connections=1024,
     )
     if not sentinels:
-        return aioredis.Redis.from_url(url, password=password, **options)
+        return aioredis.Redis.from_url(url, username=username, password=password, **options)
     where = [(h, int(p)) for h, p in (hp.rsplit(":", 1) for hp in sentinels.split(",") if hp)]
-    watchers = Sentinel(where, sentinel_kwargs={"password": password, "socket_timeout": 1.0}, password=password)
+    login = {"username": username, "password": password}
+    watchers = Sentinel(where, sentinel_kwargs=login | {"socket_timeout": 1.0}, **login)
     return watchers.master_for(master, connection_class=_PrimaryConnection, **options)
 
 
@@ -146,28 +180,48 @@ class Registry:
         self._prefix_script = None
         self._release_script = None
         self._drop_script = None
+        self._heard_script = None
+        self._record_script = None
+        self._kv_keys: dict[str, bytes] = {}  # instance -> its block set's key, encoded once
 
     @classmethod
     def of(cls, cfg: ClusterConfig) -> Registry:
         """The cluster's registry, as its gateway and schedulers reach it (through its Sentinels
         when it is replicated)."""
         secrets = Secrets.of(cfg)
-        password = secrets.redis_password if secrets else None
-        client = connect(cfg.redis_url, password, cfg.redis_sentinels, cfg.control_plane.redis_master)
+        login = (secrets.redis_password, secrets.redis_user) if secrets else (None, None)
+        client = connect(cfg.redis_url, login[0], cfg.redis_sentinels, cfg.control_plane.redis_master, login[1])
         return cls(client, cfg.heartbeat_ttl_s, replicas=cfg.control_plane.redis_replicas)
 
     async def heartbeat(self, info: InstanceInfo, sampled_at: float | None = None, ttl_s: float = 0.0) -> None:
         """Publish `info` for `ttl_s` (default: the registry's). `sampled_at`: when its load
         figures were read (default now); the scheduler counts its dispatches after that moment
         on top of them."""
-        info.updated_at = sampled_at or time.time()
-        key = INSTANCE + info.id
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.sadd(INSTANCES, info.id)
-            pipe.hset(key, mapping={k: str(v) for k, v in dataclasses.asdict(info).items()})
-            pipe.pexpire(key, int(ttl_s * 1000) or self.ttl_ms)
-            pipe.set(EPOCH, repr(time.time()), nx=True)  # a Redis that (re)started empty begins its epoch
-            await pipe.execute()
+        await self._heard(info.id, info, sampled_at, ttl_s, index=False)
+
+    async def heard(self, info: InstanceInfo, sampled_at: float | None = None, ttl_s: float = 0.0) -> bool:
+        """`heartbeat` and `index_state` in one round trip: what the registrar does with each
+        heartbeat it hears (200 a second at fleet size)."""
+        return await self._heard(info.id, info, sampled_at, ttl_s, index=True)
+
+    async def _heard(
+        self, instance_id: str, info: InstanceInfo | None, sampled_at: float | None, ttl_s: float, index: bool
+    ) -> bool:
+        """The row of `info` (None: left as it is) and, with `index`, the index's expiry refreshed
+        (one Lua call: a row alone is one transaction, as before)."""
+        row: list[str] = []
+        row_ttl_ms = 0
+        if info is not None:
+            info.updated_at = sampled_at or time.time()
+            row = [str(v) for name in _INFO_FIELDS for v in (name, getattr(info, name))]  # no asdict deep copy
+            row_ttl_ms = int(ttl_s * 1000) or self.ttl_ms
+        if self._heard_script is None:
+            self._heard_script = self.r.register_script(_HEARD_LUA)
+        key = KV + instance_id
+        keys = [INSTANCES, INSTANCE + instance_id, EPOCH, key, key + ":seq", key + ":update", key + ":resync"]
+        index_ttl_ms = self.ttl_ms * 10 if index else 0
+        args = [instance_id, row_ttl_ms, repr(time.time()), index_ttl_ms, *row]
+        return bool(await self._heard_script(keys=keys, args=args))
 
     async def announce(
         self, kind: str, name: str, dc: str, every_s: float, figures: Callable[[], dict[str, str]] = dict, **fields: str
@@ -227,10 +281,10 @@ class Registry:
     async def set_request(self, request_id: str, fields: dict[str, str], ttl_s: float) -> None:
         """Record a request. With replicas, returns once one of them has it too: a holder drops a
         request whose record is gone, so a failover must not lose a record written just before."""
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(REQUEST + request_id, mapping=fields)
-            pipe.expire(REQUEST + request_id, int(ttl_s))
-            await pipe.execute()
+        if self._record_script is None:
+            self._record_script = self.r.register_script(_RECORD_LUA)
+        args = [int(ttl_s), *(v for kv in fields.items() for v in kv)]
+        await self._record_script(keys=[REQUEST + request_id], args=args)  # one reply, not MULTI's four
         if self.replicas:
             await self.r.execute_command("WAIT", 1, REPLICA_WAIT_MS)
 
@@ -304,14 +358,7 @@ class Registry:
     async def index_state(self, instance_id: str) -> bool:
         """Refresh the index's expiry; True when the instance must send it whole: Redis lost it
         (restarted empty), an update went missing, or no update of its was ever applied."""
-        key = KV + instance_id
-        async with self.r.pipeline(transaction=False) as pipe:
-            pipe.pexpire(key, self.ttl_ms * 10)
-            pipe.pexpire(key + ":seq", self.ttl_ms * 10)
-            pipe.pexpire(key + ":update", self.ttl_ms * 10)
-            pipe.getdel(key + ":resync")
-            _, seq_alive, numbered, missed = await pipe.execute()
-        return not (seq_alive and numbered) or bool(missed)
+        return await self._heard(instance_id, None, None, 0.0, index=True)
 
     async def forget_index_order(self, instance_id: str) -> None:
         """It left: its next update after a return starts a new count (and a whole index)."""
@@ -344,13 +391,24 @@ class Registry:
 
     async def prefix_blocks(self, instance_ids: list[str], hashes: list[str]) -> dict[str, int]:
         """How many leading blocks of `hashes` each instance holds: one round trip for all,
-        counted inside Redis so only one integer per instance comes back."""
+        counted inside Redis so only the instances holding some come back."""
+        counts = dict.fromkeys(instance_ids, 0)
         if not hashes or not instance_ids:
-            return {i: 0 for i in instance_ids}
+            return counts
         if self._prefix_script is None:
             self._prefix_script = self.r.register_script(_LEADING_HITS_LUA)
-        counts = await self._prefix_script(keys=[KV + i for i in instance_ids], args=hashes)
-        return {iid: int(n) for iid, n in zip(instance_ids, counts)}
+        keys = [self._kv_key(i) for i in instance_ids]
+        held = await self._prefix_script(keys=keys, args=[" ".join(hashes)])
+        for pair in held.split():
+            position, n = pair.split(":")
+            counts[instance_ids[int(position) - 1]] = int(n)
+        return counts
+
+    def _kv_key(self, instance_id: str) -> bytes:
+        """`pdd:kv:<id>` as bytes, made once: redis-py passes bytes through as they are."""
+        if (key := self._kv_keys.get(instance_id)) is None:
+            key = self._kv_keys[instance_id] = (KV + instance_id).encode()
+        return key
 
 
 def _queue_events(pipe, key: str, events: list[IndexEvent]) -> None:
@@ -363,6 +421,9 @@ def _queue_events(pipe, key: str, events: list[IndexEvent]) -> None:
         elif ev.kind == "cleared":
             pipe.delete(key)
         pipe.incr(key + ":seq")
+
+
+_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(InstanceInfo))
 
 
 def _info_from_hash(raw: dict[str, str]) -> InstanceInfo:

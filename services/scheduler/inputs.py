@@ -9,7 +9,7 @@ The scheduler service builds these from the cluster config and the registry; the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from services.scheduler.policy import InstanceView, PolicyConfig, with_wire
@@ -96,14 +96,51 @@ class Dispatched:
 
     def __init__(self) -> None:
         self._at: dict[str, list[float]] = {}
+        # instance -> the earliest of its dispatches held: a heartbeat before it counts them all, so
+        # the plans between two heartbeats (hundreds at fleet rates) count without filtering
+        self._earliest: dict[str, float] = {}
 
     def add(self, instance_id: str, at: float) -> None:
         self._at.setdefault(instance_id, []).append(at)
+        self._earliest[instance_id] = min(at, self._earliest.get(instance_id, at))
 
     def unseen(self, instance_id: str, heartbeat_at: float) -> int:
-        times = [t for t in self._at.get(instance_id, ()) if t > heartbeat_at]
-        self._at[instance_id] = times
+        if not (times := self._at.get(instance_id)):  # most instances, most plans: nothing sent lately
+            return 0
+        if self._earliest[instance_id] > heartbeat_at:
+            return len(times)
+        times = self._at[instance_id] = [t for t in times if t > heartbeat_at]
+        self._earliest[instance_id] = min(times, default=math.inf)
         return len(times)
+
+
+class Views:
+    """The policy's views of the alive instances, for one plan after another.
+
+    A view without a prefix hit depends on the heartbeat and the unseen dispatches alone: it is
+    made again only when either changed (the live view's rows are replaced, never changed:
+    services/scheduler/live_view.py), so a plan builds views for the few instances it hits or
+    sent a task to since, not for all 200 of a fleet.
+    """
+
+    def __init__(self) -> None:
+        # id -> (its heartbeat, unseen dispatches, its view without a hit): an instance is sent a
+        # task every few hundred plans, so its count stays put from one plan to the next
+        self._made: dict[str, tuple[InstanceInfo, int, InstanceView]] = {}
+
+    def of(self, infos: Iterable[InstanceInfo], hits: Mapping[str, int], dispatched: Dispatched) -> list[InstanceView]:
+        """`instance_view` of each of `infos`, with its hit and unseen dispatches."""
+        out = []
+        for info in infos:
+            unseen = dispatched.unseen(info.id, info.updated_at)
+            if hit := hits.get(info.id, 0):
+                out.append(instance_view(info, hit, unseen))
+                continue
+            made = self._made.get(info.id)
+            if made is None or made[0] is not info or made[1] != unseen:
+                made = self._made[info.id] = (info, unseen, instance_view(info, 0, unseen))
+            out.append(made[2])
+        return out
 
 
 def wan_kv_bytes(tokens: int, wire: str, config: PolicyConfig) -> int:

@@ -22,7 +22,10 @@ class LiveView:
     def __init__(self, liveness: Liveness, now: float | None = None, roster: Roster | None = None) -> None:
         self.liveness = liveness
         self.roster = roster or Roster()  # the registrar's vetting: the view takes no report it refuses
-        self._rows: dict[str, tuple[float, InstanceInfo]] = {}  # id -> (alive until, wall clock; last figures)
+        # id -> (alive until, wall clock; last figures), by id once `_in_order` (a heartbeat replaces
+        # its row in place: only a newcomer puts the rows out of order)
+        self._rows: dict[str, tuple[float, InstanceInfo]] = {}
+        self._in_order = True
         self._since = time.time() if now is None else now  # listening since
 
     def link(self, up: bool, now: float | None = None) -> None:
@@ -38,6 +41,7 @@ class LiveView:
         now = time.time() if now is None else now
         if (heard := self.liveness.heard(beat, now)) is not None:
             beat.info.updated_at = heard.sampled_at
+            self._in_order = self._in_order and beat.info.id in self._rows
             self._rows[beat.info.id] = (now + heard.ttl_s, beat.info)
 
     def left(self, msg: Leave, reporter: str | None = None) -> None:
@@ -50,6 +54,11 @@ class LiveView:
         now = time.time() if now is None else now
         if now - self._since < self.liveness.ttl_s + self.liveness.heartbeat_s:
             return None
-        for iid in [iid for iid, (until, _) in self._rows.items() if until <= now]:
-            del self._rows[iid]
-        return [info for _, info in sorted(self._rows.values(), key=lambda row: row[1].id)]
+        if not self._in_order:
+            self._rows = dict(sorted(self._rows.items()))
+            self._in_order = True
+        alive = [info for until, info in self._rows.values() if until > now]
+        if len(alive) < len(self._rows):
+            for iid in [iid for iid, (until, _) in self._rows.items() if until <= now]:
+                del self._rows[iid]
+        return alive

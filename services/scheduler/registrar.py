@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 MISSED_REPLIES = 2  # heartbeat replies in a row an instance may miss before it is not refreshed
 QUEUE = "registrars"  # the NATS queue group of every scheduler's registrar
+_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(InstanceInfo))  # vetted on every heartbeat, twice
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,10 @@ class Roster:
         host, port = self.endpoints.get(reporter, ("", 0))  # port 0: any, picked when it starts
         if (host and info.kv_host != host) or (port and info.kv_port != port):
             raise Refused(f"{reporter} reported its KV at {info.kv_host}:{info.kv_port}; the config says {host}:{port}")
-        for f in dataclasses.fields(info):
-            value = getattr(info, f.name)
+        for name in _INFO_FIELDS:
+            value = getattr(info, name)
             if isinstance(value, int | float) and not (math.isfinite(value) and 0 <= value < 2**53):
-                raise Refused(f"{reporter} reported {f.name} = {value!r}")
+                raise Refused(f"{reporter} reported {name} = {value!r}")
 
 
 class Registrar:
@@ -160,9 +161,9 @@ class Registrar:
             return None  # no reply: a real instance that sees this has a config to mend
         if (heard := self.liveness.heard(beat, time.time())) is None:  # it hears nothing from here
             log.warning("registrar: %s missed %d heartbeat replies; not refreshed", info.id, beat.missed_replies)
-        else:
-            await self.registry.heartbeat(info, heard.sampled_at, ttl_s=heard.ttl_s)
-        resync = await self.registry.index_state(info.id)
+            resync = await self.registry.index_state(info.id)
+        else:  # the row and the index's state in one round trip
+            resync = await self.registry.heard(info, heard.sampled_at, ttl_s=heard.ttl_s)
         forget = await self._gone(beat) if beat.holding else []
         return HeartbeatReply(resync_index=resync, forget=forget)
 

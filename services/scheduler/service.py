@@ -49,11 +49,11 @@ from collections import Counter
 from collections.abc import Collection
 
 from services.scheduler.estimates import BandwidthEstimator
-from services.scheduler.inputs import Dispatched, WanBacklog, cluster_policy_config, instance_view, wan_kv_bytes
+from services.scheduler.inputs import Dispatched, Views, WanBacklog, cluster_policy_config, wan_kv_bytes
 from services.scheduler.live_view import LiveView
 from services.scheduler.policy import NoCapacity, PlanRequest, PolicyConfig, choose_plan
 from services.scheduler.registrar import Registrar, Roster
-from shared import failpoints, subjects
+from shared import failpoints, heap, subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig
 from shared.messages import (
@@ -119,6 +119,7 @@ class Scheduler:
         self.plan_memory_s = 4 * 3 * cfg.timeouts.control_s
         self.claim_s = 4 * cfg.timeouts.control_s  # how long a claim may stand unplanned (3 tries, then some)
         self.dispatched = Dispatched()
+        self.views = Views()
         self.planning: dict[str, bool] = {}  # request id -> aborted while it was being planned
         self.backlog = WanBacklog(max_age_s=cfg.timeouts.request_s)  # KV on the line, by request
         self.unreachable: dict[str, float] = {}  # instance -> when it failed to answer (wall clock)
@@ -164,6 +165,7 @@ class Scheduler:
         self.wan_estimate.set(self.wan.mbps(time.monotonic()))
         self.metrics.serve(self.cfg.host, self.cfg.scheduler_metrics_port(self.name))
         await self.serve()
+        heap.settle(self.metrics)
         presence = asyncio.create_task(
             self.registry.announce("scheduler", self.name, self.cfg.control_dc, self.cfg.heartbeat_s, self._figures)
         )
@@ -348,11 +350,11 @@ class Scheduler:
     async def _plan_and_dispatch(self, sub: Submit, failed: Collection[str] = ()) -> Plan:
         listed = self.view.alive() if self.view is not None else None
         listed = listed if listed is not None else await self.registry.alive()
-        alive = {i.id: i for i in listed if self._answering(i) and i.id not in failed}
+        if self.unreachable or failed:
+            listed = [i for i in listed if self._answering(i) and i.id not in failed]
+        alive = {i.id: i for i in listed}
         hits = await self._prefix_hits(list(alive), sub.prompt_ids, sub.cache_salt)
-        views = [
-            instance_view(i, hits.get(i.id, 0), self.dispatched.unseen(i.id, i.updated_at)) for i in alive.values()
-        ]
+        views = self.views.of(alive.values(), hits, self.dispatched)
         req = PlanRequest(
             sub.request_id,
             prompt_len=len(sub.prompt_ids),

@@ -32,3 +32,36 @@ def test_the_policy_sees_what_the_heartbeat_measured():
     v = _view(info, hit_tokens=32, unseen=2)
     assert (v.queued_tokens, v.prefill_tok_s, v.step_ms) == (900, 640.0, None)  # 0 = not measured: the prior
     assert (v.held, v.pending, v.capacity, v.hit_tokens) == (5, 3, 96, 32)
+
+
+def test_counting_without_filtering_agrees_with_the_filter():
+    """The count skips its filter while every dispatch held is newer than the heartbeat: the same
+    counts as filtering each time, clock steps back included."""
+    d = Dispatched()
+    times = [5.0, 5.1, 4.0, 5.3, 6.0]  # 4.0: the wall clock stepped back
+    for at in times:
+        d.add("rld-0", at)
+    for beat_at in (3.0, 3.0, 4.5, 4.5, 5.2, 7.0):
+        expected = sum(1 for t in times if t > beat_at)
+        assert d.unseen("rld-0", heartbeat_at=beat_at) == expected, beat_at
+        times = [t for t in times if t > beat_at]
+    d.add("rld-0", 8.0)
+    assert d.unseen("rld-0", heartbeat_at=7.0) == 1  # a dispatch after everything was reported
+
+
+def test_views_are_the_instance_views_and_follow_each_heartbeat():
+    from services.scheduler.inputs import Views, instance_view
+    from shared.messages import InstanceInfo
+
+    infos = [InstanceInfo(f"md-{k}", "md", "B", running=k, updated_at=1.0, capacity=96) for k in range(4)]
+    d, views = Dispatched(), Views()
+    d.add("md-2", 2.0)
+    hits = {"md-1": 64}
+    expected = [instance_view(i, hits.get(i.id, 0), 1 if i.id == "md-2" else 0) for i in infos]
+    assert views.of(infos, hits, d) == expected
+    assert views.of(infos, hits, d) == expected  # made once, reused
+    d.add("md-0", 2.5)  # a task sent since: counted at once
+    assert views.of(infos, {}, d)[0].pending == 1 and views.of(infos, {}, d)[1].hit_tokens == 0
+    beat = InstanceInfo("md-3", "md", "B", running=9, updated_at=3.0, capacity=96)  # a new heartbeat: a new row
+    assert views.of([*infos[:3], beat], {}, d)[3].running == 9
+    assert [v.pending for v in views.of([*infos[:3], beat], {}, d)] == [1, 0, 1, 0]

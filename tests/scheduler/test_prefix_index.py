@@ -48,6 +48,18 @@ async def test_a_long_prefix_is_counted_across_lookup_chunks(registry):
     assert counts == {"all": 600, "hole": 300, "first": 1}
 
 
+async def test_a_run_ending_at_each_chunk_edge_is_counted_exactly(registry):
+    """The rest of a run is asked for in chunks that double (8, 16, 32, ... 256 blocks after the
+    first): a run that ends just before, at and just after each edge counts to its last block."""
+    chain = [f"e{i}" for i in range(800)]
+    edges = [1, 9, 25, 57, 121, 249, 505]  # where each chunk ends, counting the first block
+    ends = sorted({n + d for n in edges for d in (-1, 0, 1)} | {800})
+    for n in ends:
+        await holds(registry, f"run-{n}", chain[:n])
+    counts = await registry.prefix_blocks([f"run-{n}" for n in ends], chain)
+    assert counts == {f"run-{n}": n for n in ends}
+
+
 async def test_the_alive_list_drops_only_rows_that_expired(registry):
     """`alive()` reads the set of ids, not every key; an id whose row expired leaves the set,
     one written again meanwhile stays."""

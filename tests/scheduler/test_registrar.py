@@ -137,3 +137,20 @@ async def test_an_instance_can_neither_remove_nor_rewrite_the_index_of_another(r
     assert await registry.r.smembers("pdd:kv:prefill-0") == {"h1"}
     await reg.on_leave(Leave("prefill-0"), "prefill-0")
     assert await registry.alive() == []
+
+
+async def test_a_heartbeat_is_one_round_trip_and_reads_as_before(registry):
+    """`heard` writes the row and reads the index's state in one Lua call: the row reads back
+    whole, the id is listed, the epoch is set, and the resync answer is `index_state`'s."""
+    info = InstanceInfo("md-0", "md", "B", running=3, kv_host="10.0.0.2", kv_port=7001, step_ms=21.5)
+    assert await registry.heard(info, sampled_at=123.5, ttl_s=2.0)  # no index yet: send it whole
+    (back,) = await registry.alive()
+    assert back == dataclasses.replace(info, updated_at=123.5)
+    assert 1000 < await registry.r.pttl("pdd:instance:md-0") <= 2000 and await registry.epoch_age() is not None
+    await registry.apply_index_update(
+        "md-0", IndexUpdate("md-0", [IndexEvent("cleared"), IndexEvent("stored", ["h1"])], seq=1)
+    )
+    assert not await registry.heard(info, ttl_s=2.0)  # numbered and alive: nothing to resend
+    assert await registry.r.pttl("pdd:kv:md-0") > 20_000  # the index lives on with the heartbeats
+    await registry.r.set("pdd:kv:md-0:resync", 1)
+    assert await registry.heard(info, ttl_s=2.0) and not await registry.index_state("md-0")  # asked once
