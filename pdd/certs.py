@@ -1,25 +1,36 @@
-"""`pdd certs`: a cluster's certificates and credentials, made once per deployment.
+"""`pdd certs`: a cluster's certificates and credentials, made once per deployment, one bundle
+per process (shared/security.py says what each holds and who reads it):
 
-    DIR/ca.pem, ca.key            the cluster's own CA (keep ca.key off the serving hosts)
-    DIR/kv/<instance>.pem, .key   one per instance: decoders serve the KV plane with theirs,
-                                  prefill presents its own (mutual TLS); the certificate names
-                                  the instance (DNS SAN) and its role (OU)
-    DIR/nats/<dc>.pem, .key       the scheduler's site serves its NATS leafnode port with its
-                                  certificate; every other site presents its own when it joins;
-                                  a clustered site's servers route to each other with it (it
-                                  names their `control_plane.hosts`)
-    DIR/credentials.json          NATS passwords per user (each model instance by its id;
-                                  gateway, scheduler, wanlink, operator) and for the links
-                                  between servers; the Redis password
+    DIR/ca.pem, ca.key              the cluster's own CA (ca.key is in no bundle: keep it off the
+                                    serving hosts)
+    DIR/<instance>/                 kv/<instance>.pem, .key: decoders serve the KV plane with
+                                    theirs, prefill presents its own (mutual TLS); the certificate
+                                    names the instance (DNS SAN) and its role (OU); ca.pem; its
+                                    credentials.json: its NATS password, the prefix index's key
+    DIR/gateway/, scheduler/,       credentials.json: the NATS password of the role; the
+        wanlink/                    gateway's and the scheduler's Redis login; the scheduler's
+                                    index key
+    DIR/operator/                   the `operator` NATS user and the Redis `default` login: for
+                                    an operator's machine only
+    DIR/site-<dc>/                  nats/<dc>.pem, .key: the site's NATS servers serve (the
+                                    scheduler's site's leafnode port) or present (every other
+                                    site's, joining it) their certificate, and route with it (it
+                                    names their `control_plane.hosts`); ca.pem; credentials.json:
+                                    the passwords of the site's NATS users (the server checks
+                                    them), the leaf and route passwords; in the scheduler's site
+                                    the Redis users' password hashes, the replication login and
+                                    the pins of the sites that join it
 
 `pdd up` makes a throwaway set for the one-host demo on first start; a real deployment runs
 `pdd certs --config cluster.yaml --out secrets/ --host nats-a.example.com ...` once and copies
-to each site what it needs (docs/deploy.md). Python's `cryptography` makes the keys: EC P-256.
+to each host only its processes' bundles (docs/deploy.md). Python's `cryptography` makes the
+keys: EC P-256.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import json
 import secrets
@@ -31,9 +42,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from pdd.natsconf import site_users
+from pdd.redisconf import REDIS_USERS, sentinel_lines, server_lines
 from pdd.servers import sentinel_watch
 from shared.config import ClusterConfig
-from shared.security import NATS_USERS
+from shared.security import CONTROL_BUNDLES, CREDENTIALS, NATS_USERS, OPERATOR, Secrets, site_bundle
 
 VALID_DAYS = 825
 LOCAL_NAMES = ("localhost", "127.0.0.1")
@@ -126,7 +139,7 @@ class CertificateAuthority:
 
 
 def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> Path:
-    """Every certificate and credential `cfg` needs, into `out` (which must not hold a set yet)."""
+    """Every bundle `cfg` needs, into `out` (which must not hold a set yet)."""
     out = Path(out)
     if (out / "ca.pem").exists():
         raise FileExistsError(f"{out} already holds a CA; refusing to overwrite it")
@@ -134,64 +147,98 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
     out.chmod(0o700)
     ca = CertificateAuthority.create(out.name)
     _write(out / "ca.pem", ca.key, ca.cert)
+    ids = [i.id for i in cfg.instances]
+    nats = {u: secrets.token_urlsafe(18) for u in (*NATS_USERS, *ids, "leaf", "route")}
+    redis = {u: secrets.token_urlsafe(18) for u in REDIS_USERS}
+    index_key = secrets.token_hex(32)
     for inst in cfg.instances:
-        _write(out / "kv" / f"{inst.id}.pem", *ca.issue(inst.id, inst.role, [inst.id, *LOCAL_NAMES, *hosts]))
+        _write(out / inst.id / "kv" / f"{inst.id}.pem", *ca.issue(inst.id, inst.role, [inst.id, *LOCAL_NAMES, *hosts]))
+        _bundle(out / inst.id, ca, {"nats": {inst.id: nats[inst.id]}, "index_key": index_key})
+    for role in CONTROL_BUNDLES:
+        creds: dict = {"nats": {role: nats[role]}}
+        if role != "wanlink":
+            creds["redis"] = {"user": role, "password": redis[role]}
+        _bundle(out / role, None, creds | ({"index_key": index_key} if role == "scheduler" else {}))
+    operator = {"nats": {OPERATOR: nats[OPERATOR]}, "redis": {"user": "default", "password": redis["default"]}}
+    _bundle(out / OPERATOR, ca, operator)
+    pins = []
     for dc in cfg.datacenters:
+        site = out / site_bundle(dc.name)
         routes = [cfg.control_plane.hosts.get(s.name, "") for s in cfg.nats_servers(dc.name)]
         names = [*LOCAL_NAMES, *hosts, *filter(None, routes)]  # a route checks the name it dialed
-        _write(out / "nats" / f"{dc.name}.pem", *ca.issue(f"nats-{dc.name}", "nats", names))
-    creds = {
-        "nats": {u: secrets.token_urlsafe(18) for u in (*NATS_USERS, *(i.id for i in cfg.instances), "leaf", "route")},
-        "redis": secrets.token_urlsafe(18),
-        "index_key": secrets.token_hex(32),
+        key, cert = ca.issue(f"nats-{dc.name}", "nats", names)
+        _write(site / "nats" / f"{dc.name}.pem", key, cert)
+        pins += [public_key_pin(cert)] if dc.name != cfg.control_dc else []
+        users = [*site_users(cfg, dc.name), OPERATOR, "leaf", "route"]
+        _bundle(site, ca, {"nats": {u: nats[u] for u in users}})
+    home = out / site_bundle(cfg.control_dc) / CREDENTIALS
+    creds = json.loads(home.read_text()) | {
+        "redis": {"user": "replication", "password": redis["replication"]},
+        "redis_users": {u: hashlib.sha256(p.encode()).hexdigest() for u, p in redis.items()},
+        "leaf_pins": pins,  # only these sites' certificates join as the leaf
     }
-    path = out / "credentials.json"
-    path.write_text(json.dumps(creds, indent=2))
-    path.chmod(0o600)
+    home.write_text(json.dumps(creds, indent=2))
     return out
 
 
-def write_server_configs(cfg: ClusterConfig, out: Path) -> list[Path]:
-    """Each NATS server's config and Redis's (`redis_configs`) beside the secrets, for servers
-    run outside `pdd up` (containers, a real site). File paths inside are where the config says
-    the secrets are mounted (`secrets_dir`), else `out`."""
-    from pdd.natsconf import server_conf
-    from shared.security import Secrets
+def public_key_pin(cert: x509.Certificate) -> str:
+    """What nats-server's `pinned_certs` lists: SHA-256 of the certificate's public key (DER), hex."""
+    der = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
 
-    secrets, mount = Secrets(out), Path(cfg.secrets_dir) if cfg.secrets_dir else None
+
+def _bundle(folder: Path, ca: CertificateAuthority | None, creds: dict) -> None:
+    """A process's folder: its credentials and, when it speaks TLS, the CA's certificate."""
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    if ca is not None:
+        (folder / "ca.pem").write_bytes(ca.cert.public_bytes(serialization.Encoding.PEM))
+    path = folder / CREDENTIALS
+    path.write_text(json.dumps(creds, indent=2))
+    path.chmod(0o600)
+
+
+def write_server_configs(cfg: ClusterConfig, out: Path) -> list[Path]:
+    """Each NATS server's config and Redis's (`redis_configs`) into its site's bundle, for servers
+    run outside `pdd up` (containers, a real site). File paths inside are where the config says
+    the site's bundle is mounted (`secrets_dir`), else that bundle's folder."""
+    from pdd.natsconf import server_conf
+
     paths = []
     for dc in cfg.datacenters:
-        for server in cfg.nats_servers(dc.name):
-            path = out / f"{server.name}.conf"
-            path.write_text(server_conf(cfg, dc, secrets, mount, server))
+        site = Secrets(out).bundle(site_bundle(dc.name))
+        mount = Path(cfg.secrets_dir) if cfg.secrets_dir else None
+        confs = {
+            f"{server.name}.conf": server_conf(cfg, dc, site, mount, server) for server in cfg.nats_servers(dc.name)
+        }
+        confs |= redis_configs(cfg, site) if dc.name == cfg.control_dc else {}
+        for name, text in confs.items():
+            path = site.directory / name
+            path.write_text(text)
+            path.chmod(0o600)
             paths.append(path)
-    for name, text in redis_configs(cfg, secrets.redis_password).items():
-        path = out / name
-        path.write_text(text)
-        paths.append(path)
-    for p in paths:
-        p.chmod(0o600)
     return paths
 
 
-def redis_configs(cfg: ClusterConfig, password: str) -> dict[str, str]:
+def redis_configs(cfg: ClusterConfig, site: Secrets) -> dict[str, str]:
     """File name -> text: redis.conf (the primary's) and, when Redis is replicated, each replica's
-    `redis-<k>.conf` and each Sentinel's `sentinel-<k>.conf`. Each member announces the name the
-    others reach it by (the primary its `redis_url` host, the others their own names, as their
-    Services are called), not the address it sees: a failover hands those names on."""
+    `redis-<k>.conf` and each Sentinel's `sentinel-<k>.conf`, each with the site's ACL users
+    (pdd/redisconf.py; these servers are Redis 7, `%R~` read-only keys). Each member announces the
+    name the others reach it by (the primary its `redis_url` host, the others their own names, as
+    their Services are called), not the address it sees: a failover hands those names on."""
     plane = cfg.control_plane
-    own = [f"requirepass {password}", 'save ""', "appendonly no"]
+    # a Sentinel may make any member another's replica: every one presents the replication login
+    own = [*server_lines(site, selectors=True), 'save ""', "appendonly no"]
     confs = {"redis.conf": own}
     if plane.redis_replicas or plane.sentinels:
         url = urlsplit(cfg.redis_url)
         host, port = url.hostname or "127.0.0.1", url.port or 6379
-        member = [*own, f"masterauth {password}"]  # a Sentinel may make any member another's replica
-        confs["redis.conf"] = [*member, f"replica-announce-ip {host}", f"replica-announce-port {port}"]
+        confs["redis.conf"] = [*own, f"replica-announce-ip {host}", f"replica-announce-port {port}"]
         for name in plane.replica_names:
             listen = f"port {plane.ports.get(name) or 6379}"
-            confs[f"{name}.conf"] = [*member, listen, f"replica-announce-ip {name}", f"replicaof {host} {port}"]
+            confs[f"{name}.conf"] = [*own, listen, f"replica-announce-ip {name}", f"replicaof {host} {port}"]
         quorum = plane.sentinels // 2 + 1
-        watch = sentinel_watch(plane.redis_master, host, port, quorum, plane.sentinel_down_ms, password)
+        watch = sentinel_watch(plane.redis_master, host, port, quorum, plane.sentinel_down_ms, None)
         for name in plane.sentinel_names:
             confs[f"{name}.conf"] = [
                 f"port {plane.ports.get(name) or 26379}",
@@ -199,6 +246,7 @@ def redis_configs(cfg: ClusterConfig, password: str) -> dict[str, str]:
                 "sentinel announce-hostnames yes",
                 f"sentinel announce-ip {name}",
                 *watch,
+                *sentinel_lines(site, plane.redis_master),
             ]
     return {name: "\n".join(lines) + "\n" for name, lines in confs.items()}
 
@@ -208,7 +256,7 @@ def main(args) -> int:
 
     cfg = load_config(args.config)
     out = make_secrets(cfg, Path(args.out), tuple(args.host))
-    print(f"pdd certs: wrote the cluster CA, KV and NATS certificates and credentials to {out}")
+    print(f"pdd certs: wrote the cluster CA and one bundle per process to {out}")
     if args.server_configs:
         for path in write_server_configs(cfg, out):
             print(f"pdd certs: wrote {path}")

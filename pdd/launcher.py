@@ -3,9 +3,11 @@ line between them, and every service, as child processes.
 
 Lifecycle of a cluster:
 1. `Cluster(config)`: the config is resolved for this host (pdd/topology.py): free ports, site
-   URLs, the forwards through the line, a throwaway CA and credentials unless it names its own.
-2. `launch()`: the servers start (each site's NATS with its users, permissions and leafnode
-   link; Redis with a password), then every service process, none waited for; `wait_ready()`
+   URLs, the forwards through the line, a throwaway CA and one bundle of credentials per
+   process unless it names its own set.
+2. `launch()`: the servers start from their site's bundle (each site's NATS with its users,
+   permissions and leafnode link; Redis with its ACL users), then every service process, each
+   pointed at its own bundle (PDD_SECRETS_DIR), none waited for; `wait_ready()`
    returns once the gateway reports every role alive. `start()` is both. The test suite
    launches its clusters at session start and waits for them only when a test needs one.
 3. `kill(name)` / `start_process(name)`: faults and restarts for the tests.
@@ -42,7 +44,8 @@ import yaml
 from pdd.control import write_state
 from pdd.forkserver import ForkedProcess, ForkServer
 from pdd.natsconf import server_conf
-from pdd.servers import EmbeddedServer, die_with_parent
+from pdd.redisconf import sentinel_lines, server_lines
+from pdd.servers import EmbeddedServer, die_with_parent, redis_has_selectors
 from pdd.topology import plan_processes, resolve
 from shared.config import (
     ClusterConfig,
@@ -54,7 +57,7 @@ from shared.config import (
     to_dict,
 )
 from shared.pipelines import ROLES
-from shared.security import Secrets
+from shared.security import Secrets, bundle_name, site_bundle
 
 ROOT = Path(__file__).resolve().parent.parent
 # the run config says it all
@@ -147,7 +150,7 @@ class Cluster:
         try:
             if self.forked:  # its imports overlap the servers' start
                 fork_server(self.run_dir)
-            self._start_servers()
+            self.start_servers()
             for name in self.specs:
                 self.start_process(name)
         except BaseException:
@@ -165,27 +168,34 @@ class Cluster:
         self._until(healthy, timeout, "the gateway to report every role alive")
         self.log(f"pdd: cluster ready at {self.url} (logs in {self.run_dir})")
 
-    def _start_servers(self) -> None:
+    def start_servers(self) -> None:
+        """Each site's NATS servers and, embedded, Redis: what `launch()` starts before the processes."""
         for dc in self.cfg.datacenters:
             if dc.name in self.embedded_nats:
                 for server in self.cfg.nats_servers(dc.name):
                     conf = self.run_dir / f"{server.name}.conf"
-                    conf.write_text(server_conf(self.cfg, dc, self.secrets, server=server))
+                    conf.write_text(server_conf(self.cfg, dc, self._site(dc.name), server=server))
                     self.log(f"pdd: starting the NATS server {server.name} of datacenter {dc.name}")
                     self.servers[server.name] = EmbeddedServer.nats(server.name, conf, server.port, self.run_dir)
                     self.servers[server.name].start()
         if self.embedded_redis:
             self._start_redis()
 
+    def _site(self, dc: str) -> Secrets | None:
+        """What site `dc`'s servers are given of the secrets: its bundle alone."""
+        return self.secrets.bundle(site_bundle(dc)) if self.secrets else None
+
     def _start_redis(self) -> None:
-        """Redis, its replicas (each of the primary), then the Sentinels watching them."""
+        """Redis, its replicas (each of the primary), then the Sentinels watching them; each with
+        the ACL users of the site's bundle (pdd/redisconf.py)."""
         plane, primary = self.cfg.control_plane, self.cfg.redis_port
-        password = self.secrets.redis_password if self.secrets else None
+        site = self._site(self.cfg.control_dc)
+        auth = server_lines(site, redis_has_selectors()) if site else []
         self.log(f"pdd: starting Redis (datacenter {self.cfg.control_dc})")
-        self.servers["redis"] = EmbeddedServer.redis(primary, password, self.run_dir).start()
+        self.servers["redis"] = EmbeddedServer.redis(primary, None, self.run_dir, auth=auth).start()
         for name in plane.replica_names:
             self.log(f"pdd: starting the Redis replica {name}")
-            server = EmbeddedServer.redis(plane.ports[name], password, self.run_dir, name, replica_of=primary)
+            server = EmbeddedServer.redis(plane.ports[name], None, self.run_dir, name, replica_of=primary, auth=auth)
             self.servers[name] = server.start()
         quorum = plane.sentinels // 2 + 1
         for name in plane.sentinel_names:
@@ -197,8 +207,9 @@ class Cluster:
                 primary,
                 quorum,
                 plane.sentinel_down_ms,
-                password,
+                None,
                 self.run_dir,
+                auth=sentinel_lines(site, plane.redis_master) if site else [],
             )
             self.servers[name] = server.start()
 
@@ -208,9 +219,7 @@ class Cluster:
             raise RuntimeError(f"start {name} from the main thread; a child of another thread dies with it")
         spec = self.specs[name]
         argv = serve_argv(spec.role, self.config_path, name if name != spec.role else None)
-        env, log_path = child_env(), self.run_dir / f"{name}.log"
-        if self.failpoints is not None:
-            env["PDD_FAILPOINTS_FILE"] = str(self.failpoints)
+        env, log_path = self.process_env(name), self.run_dir / f"{name}.log"
         self.log(f"pdd: starting {name}" + (f" (datacenter {spec.dc})" if spec.dc else " (the line between sites)"))
         if self.forked:  # the imports are done once, in the fork server: an engine boots in ~half the CPU
             self.procs[name] = fork_server(self.run_dir).spawn(argv[2], argv[3:], env, log_path)
@@ -225,6 +234,16 @@ class Cluster:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
+
+    def process_env(self, name: str) -> dict[str, str]:
+        """Process `name`'s environment: `child_env()`, its own bundle of the secrets (not the
+        whole set the run config names), the failpoints file."""
+        env = child_env()
+        if self.secrets is not None:
+            env["PDD_SECRETS_DIR"] = str(self.secrets.bundle(bundle_name(self.specs[name].role, name)).directory)
+        if self.failpoints is not None:
+            env["PDD_FAILPOINTS_FILE"] = str(self.failpoints)
+        return env
 
     def _until(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

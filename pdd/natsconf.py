@@ -3,10 +3,11 @@
 Each datacenter runs its own NATS server; its services connect only to it. The scheduler's
 site listens for leafnode connections (TLS, client certificates required, a password); every
 other site's server joins it as a leafnode through the line, so subjects span both sites while
-nothing crosses in the clear. Each process may publish and subscribe only what it uses
-(`PERMISSIONS`): a model instance is a user of its own, whose subjects name it, so md-0 reads no
-other decoder's tasks and reports as no other instance; replies to requests it received are
-always allowed.
+nothing crosses in the clear; the leaf connection is accepted only with the joining site's own
+certificate (pinned) and carries only the subjects that site's instances use. Each process may
+publish and subscribe only what it uses (`PERMISSIONS`): a model instance is a user of its own,
+whose subjects name it, so md-0 reads no other decoder's tasks and reports as no other instance;
+replies to requests it received are always allowed.
 """
 
 from __future__ import annotations
@@ -88,6 +89,21 @@ def site_users(cfg: ClusterConfig, dc: str) -> dict[str, str]:
     return (dict(zip(CONTROL_USERS, CONTROL_USERS)) if dc == cfg.control_dc else {}) | users
 
 
+def _leaf_permissions(cfg: ClusterConfig) -> dict:
+    """What may cross the leaf connection, from the joining sites' side: what their instances
+    publish (and replies to requests from the scheduler's site), and what those instances take
+    (and replies to their own requests). Nothing else crosses, whatever a joining server asks."""
+    publish, subscribe = {"_INBOX.>"}, set()
+    for inst in cfg.instances:
+        if inst.dc != cfg.control_dc:
+            perms = {
+                way: {s.replace("{me}", inst.id) for s in subjects} for way, subjects in PERMISSIONS[inst.role].items()
+            }
+            publish |= perms["publish"]
+            subscribe |= perms["subscribe"] | {f"_INBOX.{inst.id}.>"}
+    return {"publish": {"allow": sorted(publish)}, "subscribe": {"allow": sorted(subscribe) or ["pdd.none"]}}
+
+
 def _user(user: str, role: str, password: str) -> dict:
     if user == "operator":  # tests, `pdd status`, `pdd wan`: everything
         return {"user": user, "password": password}
@@ -142,15 +158,18 @@ def server_conf(
     if secrets is not None:
         users = site_users(cfg, dc.name) | {"operator": "operator"}
         conf["authorization"] = {"users": [_user(u, r, secrets.nats_password(u)) for u, r in users.items()]}
+        if home:  # the other sites' servers join as this user: a leafnode connection, never a client
+            leaf = {"user": "leaf", "password": secrets.nats_password("leaf"), "permissions": _leaf_permissions(cfg)}
+            conf["authorization"]["users"].append(leaf | {"allowed_connection_types": ["LEAFNODE"]})
     if len(servers) > 1:
         conf["cluster"] = _cluster(cfg, dc, server, servers, secrets, mount)
     if home:
         leaf = {"listen": f"{cfg.host}:{server.leaf_port}"}
         if secrets is not None:
-            leaf |= {
-                "tls": _tls(secrets, dc.name, mount) | {"verify": True},  # a client certificate from our CA
-                "authorization": {"user": "leaf", "password": secrets.nats_password("leaf")},
-            }
+            # a client certificate from our CA, and of those only a joining site's own (its pin)
+            pins = {"pinned_certs": secrets.leaf_pins} if secrets.leaf_pins else {}
+            # no authorization block of its own: a joining server logs in as the user `leaf` above
+            leaf["tls"] = _tls(secrets, dc.name, mount) | {"verify": True} | pins
         conf["leafnodes"] = leaf
     elif dc.leaf_remote:
         creds = f"leaf:{secrets.nats_password('leaf')}@" if secrets else ""

@@ -116,6 +116,20 @@ def sentinel_watch(master: str, host: str, port: int, quorum: int, down_ms: int,
     return lines
 
 
+def _private(path: Path, lines: list[str]) -> Path:
+    """A server's config, readable by its owner only (it holds passwords)."""
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def redis_has_selectors() -> bool:
+    """Whether the embedded redis-server is Redis 7 or later (ACL selectors: read-only keys)."""
+    out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, check=True).stdout
+    version = out.split("v=", 1)[1].split()[0]
+    return int(version.split(".")[0]) >= 7
+
+
 class EmbeddedServer:
     """A real server process on a loopback port; `stop()` and `start()` again keep the port."""
 
@@ -129,29 +143,27 @@ class EmbeddedServer:
 
     @classmethod
     def redis(
-        cls, port: int, password: str | None, run_dir: Path, name: str = "redis", replica_of: int = 0
+        cls,
+        port: int,
+        password: str | None,
+        run_dir: Path,
+        name: str = "redis",
+        replica_of: int = 0,
+        auth: list[str] = (),
     ) -> EmbeddedServer:
         """A redis-server with nothing on disk; `replica_of`: the primary's port it replicates.
-        Every one knows the password of the others (`masterauth`): a Sentinel may make any of
-        them a replica of another after a failover."""
+        `auth`: its users and the login it replicates with (pdd/redisconf.py `server_lines`),
+        else `password` for everyone. Every one knows how to log in to the others: a Sentinel
+        may make any of them a replica of another after a failover."""
         workdir = run_dir / name
         workdir.mkdir(exist_ok=True)
-        argv = [
-            redis_server_binary(),
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-            *(["--requirepass", password, "--masterauth", password] if password else []),
-            *(["--replicaof", "127.0.0.1", str(replica_of)] if replica_of else []),
-        ]
-        return cls(name, argv, port, run_dir / f"{name}.log")
+        lines = ["bind 127.0.0.1", f"port {port}", 'save ""', "appendonly no", f"dir {workdir}", *auth]
+        if password and not auth:
+            lines += [f"requirepass {password}", f"masterauth {password}"]
+        if replica_of:
+            lines.append(f"replicaof 127.0.0.1 {replica_of}")
+        conf = _private(run_dir / f"{name}.conf", lines)
+        return cls(name, [redis_server_binary(), str(conf)], port, run_dir / f"{name}.log")
 
     @classmethod
     def sentinel(
@@ -164,13 +176,17 @@ class EmbeddedServer:
         down_ms: int,
         password: str | None,
         run_dir: Path,
+        auth: list[str] = (),
     ) -> EmbeddedServer:
         """A Redis Sentinel watching the primary named `master` (redis-server --sentinel, which rewrites
-        its config file as the primary moves); clients and the other Sentinels need `password`."""
-        conf = run_dir / f"{name}.conf"
+        its config file as the primary moves); clients and the other Sentinels need `password`, or
+        the logins of `auth` (pdd/redisconf.py `sentinel_lines`)."""
         lines = ["bind 127.0.0.1", f"port {port}", f"dir {run_dir}"]
-        lines += sentinel_watch(master, "127.0.0.1", primary_port, quorum, down_ms, password)
-        conf.write_text("\n".join(lines) + "\n")
+        lines += [
+            *sentinel_watch(master, "127.0.0.1", primary_port, quorum, down_ms, None if auth else password),
+            *auth,
+        ]
+        conf = _private(run_dir / f"{name}.conf", lines)
         return cls(name, [redis_server_binary(), str(conf), "--sentinel"], port, run_dir / f"{name}.log")
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
