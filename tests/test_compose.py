@@ -10,6 +10,7 @@ placed in the wrong site's file, fails here.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import yaml
 from pdd.launcher import ROOT
 from pdd.topology import ProcessSpec, plan_processes
 from shared.config import load_config
+from shared.security import bundle_name, site_bundle
 
 DOCKER_CONFIG, DEPLOY_CONFIG = ROOT / "configs" / "docker.yaml", ROOT / "configs" / "deploy.yaml"
 SINGLE_HOST_CONFIG = ROOT / "configs" / "single-host.yaml"
@@ -79,13 +81,60 @@ def test_a_service_missing_or_in_the_wrong_site_is_caught():
     ]
 
 
+def mounts(svc: dict) -> dict[str, str]:
+    """Where a service mounts what, read-only: target -> source, a volume's subpath after its name
+    (`secrets/md-0`), a bind mount's host path (`./secrets/md-0`)."""
+    out = {}
+    for v in svc.get("volumes", []):
+        if isinstance(v, str):
+            source, target, mode = v.split(":")
+            assert mode == "ro", v
+        else:
+            assert v["read_only"] and v["type"] == "volume", v
+            source, target = "/".join(filter(None, [v["source"], v.get("volume", {}).get("subpath")])), v["target"]
+        out[target] = source
+    return out
+
+
+def bundles_mounted(name: str) -> dict[str, str]:
+    """Each service (but `certs`, which writes them) -> the bundle it mounts at `secrets_dir`
+    ("" for the whole folder)."""
+    config = FILES[name][0]
+    secrets_at = load_config(ROOT / "configs" / Path(config).name).secrets_dir
+    services = {n: s for n, s in compose(name)["services"].items() if n != "certs"}
+    mounted = {n: mounts(s) for n, s in services.items()}
+    assert all(set(m) <= {secrets_at} for m in mounted.values()), mounted  # nothing else is mounted
+    return {n: m[secrets_at].partition("secrets")[2].strip("/") for n, m in mounted.items() if secrets_at in m}
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_each_service_mounts_its_own_bundle_and_no_other(name):
+    """A process's bundle is its role's or its instance's (shared/security.py); a site's servers
+    share the site's; nothing mounts the whole folder, so no site-A container holds md-0's key."""
+    expected = {s.name: bundle_name(str(s.role), s.name) for s in planned(name)}
+    servers = {n: site_bundle(n.removeprefix("nats-").upper()) for n in FILES[name][2] if n.startswith("nats-")}
+    servers |= {"redis": site_bundle("A")} if "redis" in FILES[name][2] else {}
+    assert bundles_mounted(name) == expected | servers
+
+
+def test_a_service_mounting_another_bundle_is_caught(monkeypatch):
+    doc = compose("deploy/site-a.compose.yml")
+    doc["services"]["gateway"]["volumes"] = ["./secrets/md-0:/etc/pdd/secrets:ro"]
+    monkeypatch.setattr(sys.modules[__name__], "compose", lambda name: doc)
+    with pytest.raises(AssertionError):
+        test_each_service_mounts_its_own_bundle_and_no_other("deploy/site-a.compose.yml")
+    doc["services"]["gateway"]["volumes"] = ["./secrets:/etc/pdd/secrets:ro"]  # the whole folder
+    with pytest.raises(AssertionError):
+        test_each_service_mounts_its_own_bundle_and_no_other("deploy/site-a.compose.yml")
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_every_service_waits_for_its_sites_servers_and_mounts_the_secrets(name):
     services, (config, _, infra) = compose(name)["services"], FILES[name]
     secrets_at = load_config(ROOT / "configs" / Path(config).name).secrets_dir
     for s in planned(name):
         svc = services[s.name]
-        assert svc["image"] == "pdd:local" and any(v.endswith(f":{secrets_at}:ro") for v in svc["volumes"]), s.name
+        assert svc["image"] == "pdd:local" and secrets_at in mounts(svc), s.name
         site_nats = "nats-a" if s.dc in ("A", "") else "nats-b"
         assert svc["depends_on"][site_nats] == {"condition": "service_healthy"}, s.name
     for server in infra - {"certs"}:
