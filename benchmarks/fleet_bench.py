@@ -8,7 +8,9 @@ fleet of 200 registered instances whose prefix indexes hold 100k blocks each (is
 2. The fleet in Redis (benchmarks/fleet_index.py): 200 heartbeats, refreshed every second with
    moving load figures; each instance's prefix index filled with its 100k block hashes.
 3. Alone, at that size: `Registry.alive()`, hashing a prompt, `Registry.prefix_blocks()` over
-   every instance, and the plan's CPU pieces (the Submit's decode, the tasks' encode, the policy).
+   every instance, the plan's CPU pieces (the Submit's decode, the tasks' encode, the policy), and
+   the whole `on_submit` in this process with a bus that acks at once: the scheduler's CPU per
+   plan (process time), which the other processes sharing the host's cores barely move.
 4. For each scheduler count K: the simulated instances (benchmarks/fleet_load.py `sim`, acking
    every task at once), K `python -m services.scheduler` processes, then the load
    (fleet_load.py `client`): closed loop at `concurrency` in flight (throughput), then open loop
@@ -44,7 +46,8 @@ import redis
 import yaml
 
 from benchmarks.fleet_index import BLOCK, Corpus, Heartbeats, fill_index, fleet, prompts
-from benchmarks.fleet_pieces import time_pieces, time_registry
+from benchmarks.fleet_load import templates
+from benchmarks.fleet_pieces import time_pieces, time_plan_path, time_registry
 from benchmarks.fleet_report import format_report, per_plan, pool, profile_top, summary_line
 from pdd.servers import EmbeddedServer, die_with_parent, free_port
 from shared.bus import Bus
@@ -293,6 +296,8 @@ async def prepare(run: Run) -> dict:
     reg = await time_registry(registry, [i.id for i in infos], batch, namespace, a.reps)
     reg["redis_per_read"] = per_plan(await registry.r.info("commandstats"), a.reps)
     pieces = time_pieces(load_config(config), infos, batch, reg.pop("hits_sample"), a.reps)
+    plan_path = await time_plan_path(load_config(config), infos, templates(batch, 0), registry, max(a.reps, 200))
+    pieces["Scheduler.on_submit, CPU per plan"] = plan_path
     roles = {str(r): sum(1 for i in infos if i.role == r) for r in dict.fromkeys(i.role for i in infos)}
     return {
         "fleet": {"instances": a.instances, "roles": roles, "blocks_each": a.blocks, "documents": corpus.documents},

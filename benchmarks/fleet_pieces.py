@@ -5,19 +5,40 @@ what the scheduler reads from Redis for each request, and the CPU it spends arou
   over every instance (one Lua call), and the three in a row, as `_plan_and_dispatch` does them.
 - `time_pieces`: decoding the `Submit`, `choose_plan` over the whole fleet's views, and encoding
   the tasks (prefill's and each decoder's carry the prompt) and the plan, as the scheduler does.
+- `time_plan_path`: the scheduler's whole `on_submit` in this process, one plan after another,
+  against the real Redis, its live view fed the fleet's heartbeats and a bus that acks at once
+  (each message still encoded and the ack decoded): CPU seconds per plan of this process alone,
+  which other processes on the host barely move (the phases' figures move with them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import random
 import time
 
-from benchmarks.fleet_index import BLOCK
+from benchmarks.fleet_index import BLOCK, with_load
+from benchmarks.fleet_load import PLACEHOLDER
 from benchmarks.stats import latency_stats
 from services.scheduler.inputs import cluster_policy_config, instance_view
+from services.scheduler.live_view import LiveView
 from services.scheduler.policy import PlanRequest, choose_plan
+from services.scheduler.registrar import Liveness
+from services.scheduler.service import Scheduler
 from shared.config import ClusterConfig
-from shared.messages import DecodeTask, InstanceInfo, KVTarget, Plan, PrefillTask, Sampling, Submit
+from shared.messages import (
+    Ack,
+    DecodeTask,
+    Heartbeat,
+    InstanceInfo,
+    KVTarget,
+    Message,
+    Plan,
+    PrefillTask,
+    Sampling,
+    Submit,
+)
 from shared.pipelines import Role
 from shared.prefix_hash import block_hashes
 from shared.registry import Registry
@@ -93,3 +114,40 @@ def time_pieces(
         f"views + choose_plan ({len(infos)} instances)": latency_stats(choose),
         "encode the tasks and the plan": latency_stats(encode),
     }
+
+
+class AckingBus:
+    """The scheduler's bus with every instance acking at once: each message encoded, each ack decoded."""
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        msg.encode()
+
+    async def request(self, subject: str, msg: Message, reply_type: type, timeout: float):
+        msg.encode()
+        return reply_type.decode(Ack(msg.request_id).encode())
+
+
+async def time_plan_path(
+    cfg: ClusterConfig, infos: list[InstanceInfo], submits: list[bytes], registry: Registry, plans: int
+) -> dict:
+    """CPU ms per plan of `Scheduler.on_submit` (with the Submit's decode and the plan's encode),
+    over batches of 100 after one to warm up; `submits`: encoded with `fleet_load.PLACEHOLDER` ids."""
+    scheduler = Scheduler(cfg)
+    scheduler.bus, scheduler.registry = AckingBus(), registry
+    scheduler.view = LiveView(Liveness(cfg.heartbeat_ttl_s, heartbeat_s=cfg.heartbeat_s), now=0.0)
+    rng, run = random.Random(5), os.urandom(2).hex()  # ids no earlier run planned (their plans are kept)
+    per_plan_ms = []
+    for batch in range(1 + max(1, plans // 100)):  # the first warms up, untimed
+        for info in infos:  # every instance heartbeats between batches: alive, its dispatches seen
+            beat = Heartbeat(with_load(dataclasses.replace(info), rng, 100_000))
+            scheduler.view.heard(Heartbeat.decode(beat.encode()), now=time.time() + 3600)
+        started = time.process_time()
+        for n in range(batch * 100, batch * 100 + 100):
+            rid = f"fleet-{run}-99-{n:09d}".encode()
+            sub = Submit.decode(submits[n % len(submits)].replace(PLACEHOLDER.encode(), rid))
+            if (plan := await scheduler.on_submit(sub)).error:
+                raise RuntimeError(f"the plan path refused a plan: {plan.error}")
+            plan.encode()
+        if batch:
+            per_plan_ms.append((time.process_time() - started) * 1000 / 100)
+    return latency_stats(per_plan_ms)

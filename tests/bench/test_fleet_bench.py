@@ -30,7 +30,9 @@ def test_every_submit_of_a_small_fleet_gets_a_plan(tmp_path, capsys):
         assert 0 < phase["queue_ms"]["p50"] <= phase["latency_ms"]["p99"]
         assert phase["plans_per_s"] > 0 and phase["cpu_s"]["scheduler-0"] > 0
     assert run["saturated"]["planned"] > 50
-    assert 0.5 < run["saturated"]["redis_per_plan"]["evalsha"]["calls_per_plan"] < 1.5  # the prefix lookup, once a plan
+    # the prefix lookup, once a plan: one SISMEMBER per instance inside its script (EVALSHA counts
+    # the request's record and the registrar's heartbeats too, also scripts)
+    assert 8 < run["saturated"]["redis_per_plan"]["sismember"]["calls_per_plan"] < 12
     made = run["plans_logged"][0]  # by the scheduler's log, warm-up included
     assert made >= run["saturated"]["planned"] + run["paced"]["planned"]
     assert run["sim"]["prefill_tasks"] == made  # each plan dispatched its prefill once, and was acked
