@@ -12,8 +12,9 @@ deploy/site-*.compose.yml run the site:
    each Redis server and Sentinel. What clients or the other site reach (the gateway; what
    `ClusterConfig.wan_forwards` says crosses the line) is a LoadBalancer; the rest stays inside
    the site.
-The certificates and credentials are the Secret `pdd-secrets`, made from `pdd certs`'s folder
-(`secret_command`); each pod mounts only its own files of it, at `secrets_dir`, read-only
+The certificates and credentials are the Secret `pdd-secrets`, made from the bundles of the
+site's processes and servers in `pdd certs`'s folder (`secret_command`): site A's Secret holds no
+file of site B's. Each pod mounts only its own bundle of it, at `secrets_dir`, read-only
 (pdd/k8s_objects.py has the pieces every object is made of).
 """
 
@@ -56,6 +57,7 @@ from pdd.k8s_servers import nats_server, nats_services, redis_servers, sentinel_
 from pdd.topology import ProcessSpec, plan_processes
 from shared.config import ClusterConfig, ConfigError, InstanceConfig, load_config
 from shared.pipelines import ROLES, Role
+from shared.security import bundle_name, site_bundle
 
 WAIT_FOR = """import socket, sys, time
 def answers(target):
@@ -76,11 +78,25 @@ def site_folder(dc: str) -> str:
     return f"site-{dc.lower()}"
 
 
+def process_files(cfg: ClusterConfig, spec: ProcessSpec) -> tuple[str, list[PurePosixPath]]:
+    """(bundle, its files a process reads): an instance its certificate, key, the CA and its
+    credentials; a control-plane process its credentials alone."""
+    inst = _instance(cfg, spec)
+    return bundle_name(str(spec.role), spec.name), [CA, CREDENTIALS, *kv_files(inst.id)] if inst else [CREDENTIALS]
+
+
 def secret_files(cfg: ClusterConfig, dc: str) -> dict[str, PurePosixPath]:
-    """Key -> path in `pdd certs --server-configs`'s folder, of every file site `dc` needs."""
-    redis = [REDIS_CONF, *map(server_conf_file, [*cfg.control_plane.replica_names, *cfg.control_plane.sentinel_names])]
-    paths = [CA, CREDENTIALS, *nats_files(cfg, dc), *(redis if dc == cfg.control_dc else [])]
-    paths += [p for i in cfg.instances if i.dc == dc for p in kv_files(i.id)]
+    """Key -> path in `pdd certs --server-configs`'s folder, of every file site `dc` needs: its
+    servers' site bundle, and the bundle of each of its processes."""
+    plane = cfg.control_plane
+    redis = [REDIS_CONF, *map(server_conf_file, [*plane.replica_names, *plane.sentinel_names])]
+    site = PurePosixPath(site_bundle(dc))
+    paths = [site / p for p in nats_files(cfg, dc)]  # its credentials are in the configs already
+    paths += [site / p for p in redis] if dc == cfg.control_dc else []
+    for spec in plan_processes(cfg, ""):
+        if spec.dc == dc:
+            bundle, files = process_files(cfg, spec)
+            paths += [bundle / p for p in files]
     return {secret_key(p): p for p in dict.fromkeys(paths)}
 
 
@@ -145,7 +161,7 @@ def process(cfg: ClusterConfig, spec: ProcessSpec, config_path: PurePosixPath, c
     """A planned process: its Deployment (command: the plan's argv) and what reaches it."""
     inst, role = _instance(cfg, spec), str(spec.role)
     ports = _process_ports(cfg, spec, inst)
-    secrets, secrets_mount = secrets_volume(cfg, [CA, CREDENTIALS, *(kv_files(inst.id) if inst else [])])
+    secrets, secrets_mount = secrets_volume(cfg, *process_files(cfg, spec))
     pod_security, container_security = security(PDD_UID)
     container = {
         "name": role,

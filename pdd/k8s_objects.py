@@ -1,22 +1,23 @@
 """The pieces every Kubernetes object of pdd/k8s.py is made of: names, the Deployment and Service
-shapes, the Secret's files and how a pod mounts only its own, security contexts and probes."""
+shapes, the Secret's files and how a pod mounts only its own bundle of them, security contexts
+and probes."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
 from shared.config import ClusterConfig, ConfigError, NatsServer
-from shared.security import Secrets
+from shared.security import CREDENTIALS as CREDENTIALS_FILE
 
 IMAGE = "pdd:local"  # the compose files' tag; Kubernetes would pull a `:latest` on every start
 NATS_IMAGE, REDIS_IMAGE = "nats:2.10-alpine", "redis:7"
 IMAGE_CONFIGS = PurePosixPath("/app/configs")  # the Dockerfile's WORKDIR /app
 CONFIG_MAP, SECRET, API_KEYS = "pdd-config", "pdd-secrets", "pdd-api-keys"
 PDD_UID, REDIS_UID, NATS_UID = 10001, 999, 65534  # the image's `pdd` user, redis:7's, nobody
-CREDENTIALS, REDIS_CONF = PurePosixPath("credentials.json"), PurePosixPath("redis.conf")  # as pdd/certs.py names them
-CA = PurePosixPath(Secrets(Path()).ca)
+# as pdd/certs.py names them inside a bundle
+CREDENTIALS, REDIS_CONF, CA = PurePosixPath(CREDENTIALS_FILE), PurePosixPath("redis.conf"), PurePosixPath("ca.pem")
 REQUESTS = {  # a starting point: an engine needs its model plus `kv_tokens` of KV in memory
     "engine": {"memory": "4Gi"},
     "gateway": {"cpu": "500m", "memory": "1Gi"},
@@ -76,7 +77,7 @@ def service(name: str, selector: dict, ports: dict[str, tuple[int, int | str]], 
 
 
 def secret_key(path: PurePosixPath) -> str:
-    """A file's key in the Secret: keys hold no '/', so kv/md-0.pem is kv-md-0.pem."""
+    """A file's key in the Secret: keys hold no '/', so md-0/kv/md-0.pem is md-0-kv-md-0.pem."""
     return str(path).replace("/", "-")
 
 
@@ -86,18 +87,21 @@ def server_conf_file(server: str) -> PurePosixPath:
 
 
 def kv_files(instance: str) -> list[PurePosixPath]:
-    return [PurePosixPath(p) for p in Secrets(Path()).cert("kv", instance)]
+    """An instance's certificate and key, in its bundle."""
+    return [PurePosixPath("kv") / f"{instance}{suffix}" for suffix in (".pem", ".key")]
 
 
 def nats_files(cfg: ClusterConfig, dc: str, servers: list[NatsServer] | None = None) -> list[PurePosixPath]:
-    """The configs of `servers` (default: every one of the site's), the CA, the site's certificate."""
+    """The configs of `servers` (default: every one of the site's), the CA, the site's certificate:
+    in the site's bundle."""
     confs = [server_conf_file(s.name) for s in servers or cfg.nats_servers(dc)]
-    return [*confs, CA, *map(PurePosixPath, Secrets(Path()).cert("nats", dc))]
+    return [*confs, CA, *(PurePosixPath("nats") / f"{dc}{suffix}" for suffix in (".pem", ".key"))]
 
 
-def secrets_volume(cfg: ClusterConfig, paths: list[PurePosixPath]) -> tuple[dict, dict]:
-    """(volume, mount) of these files of the Secret only, group-readable by the pod's fsGroup."""
-    items = [{"key": secret_key(p), "path": str(p)} for p in paths]
+def secrets_volume(cfg: ClusterConfig, bundle: str, paths: list[PurePosixPath]) -> tuple[dict, dict]:
+    """(volume, mount) of these files of one bundle of the Secret only, at `secrets_dir` as the
+    bundle lays them out, group-readable by the pod's fsGroup."""
+    items = [{"key": secret_key(bundle / p), "path": str(p)} for p in paths]
     volume = {"name": "secrets", "secret": {"secretName": SECRET, "defaultMode": 0o440, "items": items}}
     return volume, {"name": "secrets", "mountPath": cfg.secrets_dir, "readOnly": True}
 
@@ -117,8 +121,8 @@ def probes(handler: dict) -> dict:
     }
 
 
-def server_pod(cfg: ClusterConfig, uid: int, container: dict, files: list[PurePosixPath]) -> dict:
-    volume, mount = secrets_volume(cfg, files)
+def server_pod(cfg: ClusterConfig, uid: int, container: dict, bundle: str, files: list[PurePosixPath]) -> dict:
+    volume, mount = secrets_volume(cfg, bundle, files)
     pod_security, container_security = security(uid)
     container |= {"volumeMounts": [mount], "securityContext": container_security}
     return {"securityContext": pod_security, "containers": [container], "volumes": [volume]}

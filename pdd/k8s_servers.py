@@ -1,7 +1,8 @@
 """The servers of a site on Kubernetes (pdd/k8s.py): its NATS server, or each server of its NATS
 cluster, and in the scheduler's site Redis: the primary, each replica and each Sentinel its own
-pod, each running the config `pdd certs --server-configs` wrote for it (it holds passwords, so
-it comes from the Secret). One function per kind."""
+pod, each running the config `pdd certs --server-configs` wrote for it into the site's bundle (it
+holds passwords, so it comes from the Secret; a server's pod mounts the site bundle's files it
+reads, no process's). One function per kind."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pdd.k8s_objects import (
 )
 from pdd.natsconf import server_conf
 from shared.config import ClusterConfig, ConfigError, NatsServer
+from shared.security import site_bundle
 
 SENTINEL_DIR = PurePosixPath("/sentinel")  # a Sentinel's own copy of its config, which it rewrites
 
@@ -84,7 +86,9 @@ def nats_server(cfg: ClusterConfig, dc: str, server: NatsServer) -> list[dict]:
     selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "nats"}
     in_site = {"client": (client, ports["client"])}
     in_site |= {"route": (server.route_port, ports["route"])} if "route" in ports else {}  # as the others dial it
-    out = [deployment(name, "nats", server_pod(cfg, NATS_UID, container, nats_files(cfg, dc, [server])))]
+    out = [
+        deployment(name, "nats", server_pod(cfg, NATS_UID, container, site_bundle(dc), nats_files(cfg, dc, [server])))
+    ]
     out.append(service(name, selector, in_site, exposed=False))
     if "leafnode" in ports:  # the other sites' servers join here, over the WAN
         leaf = ports["leafnode"]
@@ -104,7 +108,7 @@ def redis_server(cfg: ClusterConfig) -> list[dict]:
         "resources": {"requests": REQUESTS["redis"]},
         **probes(ping),
     }
-    pod = server_pod(cfg, REDIS_UID, container, [REDIS_CONF])
+    pod = server_pod(cfg, REDIS_UID, container, site_bundle(cfg.control_dc), [REDIS_CONF])
     selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "redis"}
     return [deployment(name, "redis", pod), service(name, selector, {"redis": (port, 6379)}, exposed=False)]
 
@@ -130,7 +134,7 @@ def _redis_member(cfg: ClusterConfig, name: str, component: str, args: list[str]
         "resources": {"requests": REQUESTS[component]},
         **probes(ping),
     }
-    pod = server_pod(cfg, REDIS_UID, container, [server_conf_file(name)])
+    pod = server_pod(cfg, REDIS_UID, container, site_bundle(cfg.control_dc), [server_conf_file(name)])
     selector = {"app.kubernetes.io/name": label(name, component), "app.kubernetes.io/component": component}
     return pod, service(name, selector, {component: (port, port)}, exposed=False)
 

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -30,8 +30,10 @@ from kubernetes_validate.utils import latest_version
 from pdd import k8s
 from pdd.certs import make_secrets, write_server_configs
 from pdd.launcher import ROOT
+from pdd.redisconf import REDIS_USERS
 from pdd.topology import ProcessSpec, plan_processes
 from shared.config import ClusterConfig, ConfigError, config_from_dict, load_config
+from shared.security import bundle_name, site_bundle
 
 
 @dataclass(frozen=True)
@@ -264,30 +266,54 @@ def named_files(d: dict, secrets_dir: str) -> set[str]:
     return {w.removeprefix(f"{secrets_dir}/") for w in words if w.startswith(f"{secrets_dir}/")}
 
 
+SERVERS = ("nats", "redis", "sentinel")
+
+
+def own_bundle(d: dict, dc: str) -> str:
+    """The bundle a Deployment's pod should mount: its site's for a server, else its process's."""
+    name, component = d["metadata"]["name"], d["metadata"]["labels"]["app.kubernetes.io/component"]
+    return site_bundle(dc) if component in SERVERS else bundle_name(component, name)
+
+
 @BOTH
 def test_the_secret_holds_what_pdd_certs_writes_and_each_pod_mounts_only_its_own(tmp_path, r):
     """Every file a pod mounts is in its site's Secret, made by the command in the site's
-    kustomization.yaml from the folder `pdd certs --server-configs` writes; a server's pod
-    mounts, of the servers' configs, only the one it runs."""
+    kustomization.yaml from the folder `pdd certs --server-configs` writes; each pod mounts files
+    of its own bundle alone (a server's: its site's, and of the servers' configs only the one it
+    runs), and a site's Secret holds no bundle of the other site's."""
     cfg, folder = written(r, tmp_path)
     for dc, site in r.sites.items():
         files = k8s.secret_files(cfg, dc)
         assert all((folder / p).is_file() for p in files.values()), dc
-        assert sorted(p.name for p in folder.glob("*.conf")) == sorted(  # every config written is some site's
+        assert sorted(str(p.relative_to(folder)) for p in folder.glob("site-*/*.conf")) == sorted(
             {str(p) for d in cfg.datacenters for p in k8s.secret_files(cfg, d.name).values() if p.suffix == ".conf"}
-        )
+        )  # every config written is some site's
         how = "".join(f"#   {line}\n" for line in k8s.secret_command(cfg, dc).splitlines())
         assert how in (site / "kustomization.yaml").read_text()
         for name, d in of_kind(site, "Deployment").items():
             (volume,) = [v["secret"] for v in pod(d)["volumes"] if "secret" in v]
-            assert all(files[i["key"]] == Path(i["path"]) for i in volume["items"]), name
             assert volume["secretName"] == k8s.SECRET
+            bundle = own_bundle(d, dc)
+            assert all(files[i["key"]] == PurePosixPath(bundle, i["path"]) for i in volume["items"]), name
             mounted = {i["path"] for i in volume["items"]}
-            assert not any(p.startswith("kv/") and p not in (f"kv/{name}.pem", f"kv/{name}.key") for p in mounted), name
             assert {p for p in mounted if p.endswith(".conf")} == {
                 f for f in named_files(d, cfg.secrets_dir) if f.endswith(".conf")
             }
-    assert "nats/B.key" not in {str(p) for p in k8s.secret_files(cfg, "A").values()}  # each site only its own
+        bundles = {p.parts[0] for p in files.values()}
+        other = {i.id for i in cfg.instances if i.dc != dc} | {
+            site_bundle(d.name) for d in cfg.datacenters if d.name != dc
+        }
+        assert bundles and not bundles & other, dc  # site A's Secret holds no key of md-0's
+    assert "site-B/nats/B.key" not in {str(p) for p in k8s.secret_files(cfg, "A").values()}
+
+
+def test_a_pod_mounting_another_bundle_is_caught():
+    d = copy.deepcopy(of_kind(SITES["A"], "Deployment")["gateway"])
+    (volume,) = [v["secret"] for v in pod(d)["volumes"] if "secret" in v]
+    files = k8s.secret_files(PLAIN.cfg(), "A")
+    assert all(files[i["key"]] == PurePosixPath(own_bundle(d, "A"), i["path"]) for i in volume["items"])
+    volume["items"][0]["key"] = "prefill-0-kv-prefill-0.key"
+    assert not all(files[i["key"]] == PurePosixPath(own_bundle(d, "A"), i["path"]) for i in volume["items"])
 
 
 def test_docs_deploy_gives_each_sites_secret_command_of_today():
@@ -329,7 +355,7 @@ def test_the_servers_run_the_configs_pdd_certs_wrote(tmp_path, r):
             service, _ = k8s.nats_services(cfg, dc)[server.name]
             (container,) = pod(of_kind(site, "Deployment")[service])["containers"]
             assert container["args"] == ["nats-server", "-c", f"{cfg.secrets_dir}/{server.name}.conf"]
-            assert (folder / f"{server.name}.conf").is_file()
+            assert (folder / site_bundle(dc) / f"{server.name}.conf").is_file()
             probe = (
                 {"httpGet": {"path": "/healthz", "port": "monitor"}} if k == 0 else {"tcpSocket": {"port": "client"}}
             )
@@ -338,7 +364,8 @@ def test_the_servers_run_the_configs_pdd_certs_wrote(tmp_path, r):
     for name in ["redis", *cfg.control_plane.replica_names]:
         (redis,) = pod(deployments[name])["containers"]
         assert (
-            redis["args"] == ["redis-server", f"{cfg.secrets_dir}/{name}.conf"] and (folder / f"{name}.conf").is_file()
+            redis["args"] == ["redis-server", f"{cfg.secrets_dir}/{name}.conf"]
+            and (folder / site_bundle("A") / f"{name}.conf").is_file()
         )
     assert not any(name.startswith(("redis", "sentinel")) for name in of_kind(r.sites["B"], "Deployment"))
 
@@ -377,7 +404,7 @@ def test_every_nats_server_routes_to_the_other_servers_services_and_ports_as_ren
     rendered = {name: ports_of(services[name])["route"] for name in servers}
     for name, d in servers.items():
         (container,) = pod(d)["containers"]
-        conf = json.loads((folder / container["args"][-1].rsplit("/", 1)[1]).read_text())
+        conf = json.loads((folder / site_bundle(dc) / container["args"][-1].rsplit("/", 1)[1]).read_text())
         routes = {(u.hostname, u.port) for u in map(urlsplit, conf["cluster"]["routes"])}
         assert routes == {(other, port) for other, port in rendered.items() if other != name}, name
         assert conf["cluster"]["advertise"] == f"{name}:{rendered[name]}", "gossiped by its Service, not its pod's IP"
@@ -398,7 +425,7 @@ def sans(pem: Path) -> set[str]:
 def test_the_sites_nats_certificate_names_every_service_its_servers_route_to(ha, dc):
     """A route checks the certificate of the server it dials against the name it dialed."""
     cfg, folder = ha
-    assert set(of_component(HA.sites[dc], "nats")) <= sans(folder / "nats" / f"{dc}.pem")
+    assert set(of_component(HA.sites[dc], "nats")) <= sans(folder / site_bundle(dc) / "nats" / f"{dc}.pem")
 
 
 def test_each_redis_replica_replicates_the_primarys_service(ha):
@@ -406,13 +433,14 @@ def test_each_redis_replica_replicates_the_primarys_service(ha):
     services = of_kind(HA.sites["A"], "Service")
     primary, port = urlsplit(cfg.redis_url).hostname, urlsplit(cfg.redis_url).port
     assert ports_of(services[primary]) == {"redis": port}
-    password = json.loads((folder / "credentials.json").read_text())["redis"]
+    login = json.loads((folder / site_bundle("A") / "credentials.json").read_text())["redis"]
     replicas = {n: d for n, d in of_component(HA.sites["A"], "redis").items() if n != primary}
     assert sorted(replicas) == ["redis-1"]
     for name, d in replicas.items():
-        conf = redis_conf(folder / f"{name}.conf")
+        conf = redis_conf(folder / site_bundle("A") / f"{name}.conf")
         assert directive(conf, "replicaof") == [primary, str(port)]
-        assert directive(conf, "masterauth") == directive(conf, "requirepass") == [password]
+        assert directive(conf, "masteruser") == [login["user"]] and directive(conf, "masterauth") == [login["password"]]
+        assert [line[1] for line in conf if line[0] == "user"] == list(REDIS_USERS)  # the ACL users, no requirepass
         assert directive(conf, "replica-announce-ip") == [name]  # the Service the Sentinels hand to clients
         (container,) = pod(d)["containers"]
         assert (
@@ -420,8 +448,8 @@ def test_each_redis_replica_replicates_the_primarys_service(ha):
             == [str(container["ports"][0]["containerPort"])]
             == [str(ports_of(services[name])["redis"])]
         )
-    conf = redis_conf(folder / "redis.conf")  # the primary, a replica itself once it failed over and came back
-    assert directive(conf, "masterauth") == [password] and directive(conf, "replica-announce-ip") == [primary]
+    conf = redis_conf(folder / site_bundle("A") / "redis.conf")  # a replica itself once it failed over and came back
+    assert directive(conf, "masterauth") == [login["password"]] and directive(conf, "replica-announce-ip") == [primary]
 
 
 def test_the_sentinels_monitor_the_primarys_service_with_a_majority_quorum(ha):
@@ -431,7 +459,7 @@ def test_the_sentinels_monitor_the_primarys_service_with_a_majority_quorum(ha):
     sentinels = of_component(HA.sites["A"], "sentinel")
     assert sorted(sentinels) == plane.sentinel_names and plane.sentinels == 3
     for name in sentinels:
-        conf = redis_conf(folder / f"{name}.conf")
+        conf = redis_conf(folder / site_bundle("A") / f"{name}.conf")
         master = plane.redis_master
         monitor = directive(conf, "sentinel", "monitor", master)
         assert monitor == [primary, str(port), str(plane.sentinels // 2 + 1)] == [primary, "6379", "2"]
@@ -441,8 +469,10 @@ def test_the_sentinels_monitor_the_primarys_service_with_a_majority_quorum(ha):
         assert ["sentinel", "announce-hostnames", "yes"] in conf
         assert directive(conf, "sentinel", "announce-ip") == [name]  # what the other Sentinels record: its Service
         assert directive(conf, "port") == [str(ports_of(services[name])["sentinel"])]
-        password = json.loads((folder / "credentials.json").read_text())["redis"]
-        assert directive(conf, "sentinel", "auth-pass", master) == directive(conf, "requirepass") == [password]
+        login = json.loads((folder / site_bundle("A") / "credentials.json").read_text())["redis"]
+        assert directive(conf, "sentinel", "auth-user", master) == [login["user"]]
+        assert directive(conf, "sentinel", "auth-pass", master) == [login["password"]]
+        assert [line[1] for line in conf if line[0] == "user"] == list(REDIS_USERS)  # who may ask it
         assert directive(conf, "sentinel", "down-after-milliseconds", master) == [str(plane.sentinel_down_ms)]
 
 
