@@ -2,7 +2,8 @@
 one bundle that `pdd certs` wrote (shared/security.py), tries every string in it against every
 NATS user and Redis login of a real two-site cluster's servers, started as `pdd up` starts them
 (`Cluster.start_servers`: each site's NATS from its site bundle, Redis with the ACL users of
-pdd/redisconf.py), and tries what a login may do beyond its role. docs/security.md has the table.
+pdd/redisconf.py), and tries what a login may do beyond its role. docs/deploy.md ("What each
+plane trusts") names each.
 
 Before bundles, `credentials.json` held every password and every process read it: each attempt
 below succeeded.
@@ -11,6 +12,7 @@ below succeeded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import ssl
@@ -30,7 +32,9 @@ from pdd.servers import redis_has_selectors
 from shared import subjects
 from shared.config import load_config
 from shared.messages import Abort
+from shared.registry import Registry
 from shared.security import Secrets
+from tests.helpers import until
 
 NO_RETRY = Retry(NoBackoff(), 0)  # a refused login is an answer, not a fault to retry
 INSTANCES = {"prefill-0": "A", "rld-0": "A", "md-0": "B", "md-1": "B"}
@@ -287,3 +291,66 @@ def test_each_process_is_pointed_at_its_own_bundle(sites, monkeypatch):
         own = name if name in INSTANCES else spec.role
         assert set(harvest(secrets.directory)) >= {own}, name
         assert list(json.loads((secrets.directory / "credentials.json").read_text())["nats"]) == [own], name
+
+
+# -- replicated Redis: the replica and the Sentinel log in as `replication`, clients as themselves -
+@pytest.fixture(scope="module")
+def replicated() -> Iterator[Cluster]:
+    """Site A's Redis with a replica and a Sentinel, as `pdd up` starts a replicated control plane."""
+    instances = [{"id": i, "role": i.split("-")[0], "dc": dc} for i, dc in INSTANCES.items()]
+    plane = {"redis_replicas": 1, "sentinels": 1}
+    cluster = Cluster({"instances": instances, "wan": {"enabled": False}, "control_plane": plane}, log=lambda *_: None)
+    try:
+        cluster.start_servers()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _at(cluster: Cluster, name: str, port: int) -> redis.Redis:
+    secrets = cluster.secrets.bundle(name)
+    return redis.Redis(port=port, username=secrets.redis_user, password=secrets.redis_password, retry=NO_RETRY)
+
+
+def test_the_replica_and_the_sentinel_follow_the_primary_with_the_replication_login(replicated):
+    plane = replicated.cfg.control_plane
+    operator = _at(replicated, "operator", plane.ports["redis-1"])
+    synced = lambda: operator.info("replication")["master_link_status"] == "up"  # noqa: E731
+    asyncio.run(until(synced, what="the replica's first sync with the replication login"))
+    sentinel = _at(replicated, "gateway", plane.ports["sentinel-0"])
+    master = plane.redis_master
+    assert (
+        sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", master)[1] == b"%d" % replicated.cfg.redis_port
+    )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("SENTINEL", "SET", "pdd", "down-after-milliseconds", "1"),
+        ("SENTINEL", "REMOVE", "pdd"),
+        ("SENTINEL", "FAILOVER", "pdd"),
+        ("SENTINEL", "MONITOR", "evil", "127.0.0.1", "1", "1"),
+        ("ACL", "LIST"),
+    ],
+    ids=lambda c: " ".join(c[:2]),
+)
+def test_a_sentinel_answers_the_gateway_where_the_primary_is_and_nothing_else(replicated, command):
+    """Else its login could point every client at a Redis of its own (SENTINEL MONITOR/SET)."""
+    assert _refused(_at(replicated, "gateway", replicated.cfg.control_plane.ports["sentinel-0"]), *command)
+
+
+@pytest.mark.parametrize("process", ["gateway", "scheduler"])
+def test_the_registry_reaches_the_primary_through_the_sentinel_with_its_own_login(replicated, process):
+    """The way the gateway and the schedulers connect (shared/registry.py): the Sentinel asked
+    with their login, then the primary."""
+    cfg = dataclasses.replace(replicated.cfg, secrets_dir=str(bundle(replicated, process)))
+
+    async def ask() -> list:
+        registry = Registry.of(cfg)
+        try:
+            return await registry.alive()
+        finally:
+            await registry.r.aclose()
+
+    assert cfg.redis_sentinels and asyncio.run(ask()) == []
