@@ -181,6 +181,8 @@ def test_sim_imports_benchmarks_shared_and_the_schedulers_pure_modules_only():
 
 def test_benchmarks_import_no_service_but_the_wan_emulator_and_never_sim():
     def allowed(m: str, d: str) -> bool:
+        if m == "benchmarks.fleet_pieces" and _under(d, "services.scheduler"):
+            return True  # the fleet bench times the scheduler's own on_submit in process (issue #43)
         return _under(d, "benchmarks", "shared", "pdd", "services.wanlink") or d in SCHEDULER_PURE
 
     assert not _violations(("benchmarks",), allowed)
