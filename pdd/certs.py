@@ -34,6 +34,7 @@ import hashlib
 import ipaddress
 import json
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -138,6 +139,22 @@ class CertificateAuthority:
         return key, cert
 
 
+@dataclass(frozen=True)
+class Passwords:
+    """What `pdd certs` draws for a cluster: a NATS password per user and per link between
+    servers, one per Redis login, the prefix index's key."""
+
+    nats: dict[str, str]
+    redis: dict[str, str]
+    index_key: str
+
+    @classmethod
+    def draw(cls, cfg: ClusterConfig) -> Passwords:
+        users = (*NATS_USERS, *(i.id for i in cfg.instances), "leaf", "route")
+        new = lambda names: {n: secrets.token_urlsafe(18) for n in names}  # noqa: E731
+        return cls(new(users), new(REDIS_USERS), secrets.token_hex(32))
+
+
 def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> Path:
     """Every bundle `cfg` needs, into `out` (which must not hold a set yet)."""
     out = Path(out)
@@ -147,38 +164,48 @@ def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> 
     out.chmod(0o700)
     ca = CertificateAuthority.create(out.name)
     _write(out / "ca.pem", ca.key, ca.cert)
-    ids = [i.id for i in cfg.instances]
-    nats = {u: secrets.token_urlsafe(18) for u in (*NATS_USERS, *ids, "leaf", "route")}
-    redis = {u: secrets.token_urlsafe(18) for u in REDIS_USERS}
-    index_key = secrets.token_hex(32)
+    drawn = Passwords.draw(cfg)
+    _process_bundles(cfg, out, ca, drawn, hosts)
+    _site_bundles(cfg, out, ca, drawn, hosts)
+    return out
+
+
+def _process_bundles(
+    cfg: ClusterConfig, out: Path, ca: CertificateAuthority, drawn: Passwords, hosts: tuple[str, ...]
+) -> None:
+    """Each instance's, each control-plane role's and the operator's bundle."""
     for inst in cfg.instances:
         _write(out / inst.id / "kv" / f"{inst.id}.pem", *ca.issue(inst.id, inst.role, [inst.id, *LOCAL_NAMES, *hosts]))
-        _bundle(out / inst.id, ca, {"nats": {inst.id: nats[inst.id]}, "index_key": index_key})
-    for role in CONTROL_BUNDLES:
-        creds: dict = {"nats": {role: nats[role]}}
+        _bundle(out / inst.id, ca, {"nats": {inst.id: drawn.nats[inst.id]}, "index_key": drawn.index_key})
+    for role in CONTROL_BUNDLES:  # no TLS of their own: no certificate, no CA
+        creds: dict = {"nats": {role: drawn.nats[role]}}
         if role != "wanlink":
-            creds["redis"] = {"user": role, "password": redis[role]}
-        _bundle(out / role, None, creds | ({"index_key": index_key} if role == "scheduler" else {}))
-    operator = {"nats": {OPERATOR: nats[OPERATOR]}, "redis": {"user": "default", "password": redis["default"]}}
-    _bundle(out / OPERATOR, ca, operator)
-    pins = []
+            creds["redis"] = {"user": role, "password": drawn.redis[role]}
+        _bundle(out / role, None, creds | ({"index_key": drawn.index_key} if role == "scheduler" else {}))
+    operator = {"user": "default", "password": drawn.redis["default"]}
+    _bundle(out / OPERATOR, ca, {"nats": {OPERATOR: drawn.nats[OPERATOR]}, "redis": operator})
+
+
+def _site_bundles(
+    cfg: ClusterConfig, out: Path, ca: CertificateAuthority, drawn: Passwords, hosts: tuple[str, ...]
+) -> None:
+    """Each site's servers' bundle: the site's certificate and its users' passwords; the
+    scheduler's site's also the Redis logins' hashes, the replication login and the pins of the
+    sites that join it."""
+    certs = {}
     for dc in cfg.datacenters:
-        site = out / site_bundle(dc.name)
         routes = [cfg.control_plane.hosts.get(s.name, "") for s in cfg.nats_servers(dc.name)]
         names = [*LOCAL_NAMES, *hosts, *filter(None, routes)]  # a route checks the name it dialed
-        key, cert = ca.issue(f"nats-{dc.name}", "nats", names)
-        _write(site / "nats" / f"{dc.name}.pem", key, cert)
-        pins += [public_key_pin(cert)] if dc.name != cfg.control_dc else []
+        certs[dc.name] = ca.issue(f"nats-{dc.name}", "nats", names)
+        _write(out / site_bundle(dc.name) / "nats" / f"{dc.name}.pem", *certs[dc.name])
+    for dc in cfg.datacenters:
         users = [*site_users(cfg, dc.name), OPERATOR, "leaf", "route"]
-        _bundle(site, ca, {"nats": {u: nats[u] for u in users}})
-    home = out / site_bundle(cfg.control_dc) / CREDENTIALS
-    creds = json.loads(home.read_text()) | {
-        "redis": {"user": "replication", "password": redis["replication"]},
-        "redis_users": {u: hashlib.sha256(p.encode()).hexdigest() for u, p in redis.items()},
-        "leaf_pins": pins,  # only these sites' certificates join as the leaf
-    }
-    home.write_text(json.dumps(creds, indent=2))
-    return out
+        creds: dict = {"nats": {u: drawn.nats[u] for u in users}}
+        if dc.name == cfg.control_dc:
+            creds["redis"] = {"user": "replication", "password": drawn.redis["replication"]}
+            creds["redis_users"] = {u: hashlib.sha256(p.encode()).hexdigest() for u, p in drawn.redis.items()}
+            creds["leaf_pins"] = [public_key_pin(cert) for d, (_, cert) in certs.items() if d != dc.name]
+        _bundle(out / site_bundle(dc.name), ca, creds)
 
 
 def public_key_pin(cert: x509.Certificate) -> str:
