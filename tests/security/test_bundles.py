@@ -181,7 +181,7 @@ OUTSIDE_EVERY_ROLE = [
     ("ACL", "SETUSER", "gateway", "+@all", "~*"),
     ("ACL", "LIST"),
     ("KEYS", "*"),
-    ("DEBUG", "SLEEP", "0"),
+    ("SAVE",),
     ("SET", "elsewhere", "1"),
 ]
 GATEWAY_DENIED = [
