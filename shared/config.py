@@ -278,7 +278,9 @@ class ClusterConfig:
     # "host:port,..." of the Redis Sentinels: clients ask them for the primary (control_plane's
     # redis_master) and follow a failover; "" = redis_url is the one Redis (PDD_REDIS_SENTINELS)
     redis_sentinels: str = ""
-    secrets_dir: str = ""  # certificates and credentials (pdd certs); "" = `pdd up` makes throwaway ones
+    # this process's bundle of `pdd certs`'s folder, or the whole folder (`pdd up`, which points each
+    # process at its own bundle); "" = `pdd up` makes a throwaway set
+    secrets_dir: str = ""
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     max_queue: int = 64  # requests admitted and not finished, per gateway
