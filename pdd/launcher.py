@@ -381,7 +381,7 @@ def run_cluster(config_path: str | None, **overrides: Any) -> int:
     metrics += [f"{i.id} :{i.metrics_port}/metrics" for i in cluster.cfg.instances]
     print(f"pdd: Prometheus metrics: {', '.join(metrics)}", flush=True)
     if throwaway:
-        print(f"pdd: throwaway CA, certificates and credentials in {cluster.cfg.secrets_dir}", flush=True)
+        print(f"pdd: throwaway CA and one bundle of credentials per process in {cluster.cfg.secrets_dir}", flush=True)
     try:
         supervise(
             cluster,
