@@ -75,7 +75,11 @@ class Secrets:
     def bundle(self, name: str) -> Secrets:
         """One process's bundle of the whole set; a single bundle (or a set from before bundles) is its own."""
         inner = self.directory / name
-        return Secrets(inner) if (inner / CREDENTIALS).exists() else self
+        if (inner / CREDENTIALS).exists():
+            return Secrets(inner)
+        if self._bundles():  # a whole set without it: never hand out the whole set instead
+            raise self._missing(f"bundle {name!r}")
+        return self
 
     def _bundles(self) -> list[Secrets]:
         """The bundles under a whole set (none under a bundle), the operator's last: the whole

@@ -30,7 +30,7 @@ from pdd.launcher import Cluster
 from pdd.redisconf import REDIS_USERS
 from pdd.servers import redis_has_selectors
 from shared import subjects
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 from shared.messages import Abort
 from shared.registry import Registry
 from shared.security import Secrets
@@ -354,3 +354,8 @@ def test_the_registry_reaches_the_primary_through_the_sentinel_with_its_own_logi
             await registry.r.aclose()
 
     assert cfg.redis_sentinels and asyncio.run(ask()) == []
+
+
+def test_a_process_with_no_bundle_in_the_set_is_refused_not_given_the_whole_set(sites):
+    with pytest.raises(ConfigError, match="no bundle 'md-9'"):
+        sites.secrets.bundle("md-9")
