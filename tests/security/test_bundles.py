@@ -132,8 +132,10 @@ def test_md0s_bundle_logs_in_to_nats_as_itself_and_no_other_user(sites):
     assert nats_logins(sites, others, stolen) == []
 
 
-def test_md0s_bundle_reaches_no_redis(sites):
-    stolen = harvest(bundle(sites, "md-0"))
+@pytest.mark.parametrize("instance", INSTANCES)
+def test_no_instances_bundle_reaches_redis(sites, instance):
+    """md-0's, and every model instance's: they report over NATS, and have no Redis login at all."""
+    stolen = harvest(bundle(sites, instance))
     assert redis_logins(sites, stolen) == []
 
 
