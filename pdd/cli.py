@@ -5,7 +5,8 @@ pdd up [--config FILE]        start NATS, Redis, the WAN emulator and every serv
 pdd serve ROLE --config FILE --instance ID
                               run one service alone (per-datacenter deployment, docs/deploy.md)
 pdd certs --config FILE --out DIR [--host NAME ...]
-                              a cluster's CA, certificates and credentials (pdd/certs.py)
+                              a cluster's CA and one bundle per process: DIR/<instance>/,
+                              gateway/, scheduler/, wanlink/, operator/, site-<dc>/ (pdd/certs.py)
 pdd wan show | set | down | up [--bandwidth-mbps N --delay-ms N --jitter-ms N]
                               the emulated line of a running `pdd up` cluster (pdd/control.py)
 pdd status [--json]           every process (instances, gateways, schedulers, NATS and Redis servers),
@@ -165,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="cluster YAML (relative to where you stand)")
     serve.add_argument("--instance", default=None, help="instance id from the config (default: the first of the role)")
     serve.set_defaults(func=_serve)
-    certs = sub.add_parser("certs", help="make a cluster's CA, certificates and credentials (docs/deploy.md)")
+    certs = sub.add_parser(
+        "certs", help="make a cluster's CA and one bundle of credentials per process (docs/deploy.md)"
+    )
     certs.add_argument("--config", default=None, help="cluster YAML: its instances and datacenters")
     certs.add_argument("--out", required=True, help="a new folder for them (refused if it already holds a CA)")
     certs.add_argument(
@@ -177,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument(
         "--server-configs",
         action="store_true",
-        help="also write each site's nats-server config and redis.conf beside them (servers run outside `pdd up`)",
+        help="also write each site's nats-server and Redis configs into its site-<dc>/ bundle (for servers run alone)",
     )
     certs.set_defaults(func=_certs)
     k8s = sub.add_parser("k8s", help="render Kubernetes manifests, one Kustomize folder per site (docs/deploy.md)")
