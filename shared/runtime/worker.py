@@ -6,6 +6,12 @@ never touches them directly: it calls `await worker.call(fn)`, and `fn(engine)` 
 engine thread between two steps. Outputs of each step come back to the loop through
 `on_outputs`, in step order.
 
+Each step's hand-off lets the loop take its outputs before the next step starts (bounded by
+`handoff_wait_s`): the loop's turn with a token (its chunk built, encoded, written to NATS) then
+holds the GIL alone, instead of taking it piecemeal from the next step's forward, where each time
+the engine thread waits for it back it also waits to be scheduled again (on a shared 2-core host
+that cost main-decode ~1-2 ms a token; benchmarks/served_step.py measures it).
+
 `figures` is the engine's `EngineFigures` at the last step boundary (requests, free blocks...),
 with the measured pace (`StepRates`): what the scheduler's estimates use instead of priors.
 It is replaced whole, never mutated, so the loop reads it without waiting for a step: a
@@ -29,6 +35,7 @@ from shared.runtime.engine import Engine, TokenOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+HANDOFF_WAIT_S = 0.002  # the most a step waits for the event loop to take the previous step's outputs
 
 
 class StepRates:
@@ -56,10 +63,12 @@ class EngineWorker:
         engine: Engine,
         on_outputs: Callable[[list[TokenOutput]], Any],
         threads: int = 1,
+        handoff_wait_s: float = HANDOFF_WAIT_S,
     ) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
         self.threads = threads
+        self.handoff_wait_s = handoff_wait_s
         self.rates = StepRates()
         self.busy_s = 0.0  # time spent in engine steps since start
         self.figures = self._figures()
@@ -146,7 +155,22 @@ class EngineWorker:
             self.rates.add(self.last_step_ms, self.engine.last_step_tokens)
         self._observe()
         if outputs:
-            self._loop.call_soon_threadsafe(self.on_outputs, outputs)
+            self._hand_off(outputs)
+
+    def _hand_off(self, outputs: list[TokenOutput]) -> None:
+        """`on_outputs(outputs)` on the loop; the next step waits until the loop has run it and
+        what it scheduled (a decoder's publish, then NATS's flush: two more passes of the loop),
+        or `handoff_wait_s`, whichever comes first."""
+        taken = threading.Event()
+        self._loop.call_soon_threadsafe(self._deliver, outputs, taken)
+        if self.handoff_wait_s > 0:
+            taken.wait(self.handoff_wait_s)
+
+    def _deliver(self, outputs: list[TokenOutput], taken: threading.Event) -> None:
+        try:
+            self.on_outputs(outputs)
+        finally:
+            self._loop.call_soon(self._loop.call_soon, taken.set)
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:
