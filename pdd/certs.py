@@ -6,25 +6,26 @@ per process (shared/security.py says what each holds and who reads it):
     DIR/<instance>/                 kv/<instance>.pem, .key: decoders serve the KV plane with
                                     theirs, prefill presents its own (mutual TLS); the certificate
                                     names the instance (DNS SAN) and its role (OU); ca.pem; its
-                                    credentials.json: its NATS password, the prefix index's key
-    DIR/gateway/, scheduler/,       credentials.json: the NATS password of the role; the
+                                    credentials.json: its NATS seed (NKEY), the prefix index's key
+    DIR/gateway/, scheduler/,       credentials.json: the NATS seed of the role; the
         wanlink/                    gateway's and the scheduler's Redis login; the scheduler's
                                     index key
-    DIR/operator/                   the `operator` NATS user and the Redis `default` login: for
+    DIR/operator/                   the `operator` NATS seed and the Redis `default` login: for
                                     an operator's machine only
     DIR/site-<dc>/                  nats/<dc>.pem, .key: the site's NATS servers serve (the
                                     scheduler's site's leafnode port) or present (every other
                                     site's, joining it) their certificate, and route with it (it
                                     names their `control_plane.hosts`); ca.pem; credentials.json:
-                                    the passwords of the site's NATS users (the server checks
-                                    them), the leaf and route passwords; in the scheduler's site
+                                    the public NKEYs of the site's NATS users (the server checks
+                                    their signatures), the leaf and route passwords; in the
+                                    scheduler's site
                                     the Redis users' password hashes, the replication login and
                                     the pins of the sites that join it
 
 `pdd up` makes a throwaway set for the one-host demo on first start; a real deployment runs
 `pdd certs --config cluster.yaml --out secrets/ --host nats-a.example.com ...` once and copies
 to each host only its processes' bundles (docs/deploy.md). Python's `cryptography` makes the
-keys: EC P-256.
+TLS keys (EC P-256), `nkeys` the NATS users' Ed25519 seeds.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import nkeys
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -141,18 +143,24 @@ class CertificateAuthority:
 
 @dataclass(frozen=True)
 class Passwords:
-    """What `pdd certs` draws for a cluster: a NATS password per user and per link between
-    servers, one per Redis login, the prefix index's key."""
+    """What `pdd certs` draws for a cluster: an NKEY seed per NATS user, a password per link
+    between NATS servers and per Redis login, the prefix index's key."""
 
-    nats: dict[str, str]
+    nats: dict[str, str]  # the links: leaf, route
+    nkeys: dict[str, str]  # user -> seed ("SU..."): the user signs the server's nonce with it
     redis: dict[str, str]
     index_key: str
 
     @classmethod
     def draw(cls, cfg: ClusterConfig) -> Passwords:
-        users = (*NATS_USERS, *(i.id for i in cfg.instances), "leaf", "route")
         new = lambda names: {n: secrets.token_urlsafe(18) for n in names}  # noqa: E731
-        return cls(new(users), new(REDIS_USERS), secrets.token_hex(32))
+        users = (*NATS_USERS, *(i.id for i in cfg.instances))
+        seeds = {u: nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER).decode() for u in users}
+        return cls(new(("leaf", "route")), seeds, new(REDIS_USERS), secrets.token_hex(32))
+
+    def public_key(self, user: str) -> str:
+        """What the servers know `user` by ("U..."): its seed's public half."""
+        return nkeys.from_seed(bytearray(self.nkeys[user].encode())).public_key.decode()
 
 
 def make_secrets(cfg: ClusterConfig, out: Path, hosts: tuple[str, ...] = ()) -> Path:
@@ -176,22 +184,22 @@ def _process_bundles(
     """Each instance's, each control-plane role's and the operator's bundle."""
     for inst in cfg.instances:
         _write(out / inst.id / "kv" / f"{inst.id}.pem", *ca.issue(inst.id, inst.role, [inst.id, *LOCAL_NAMES, *hosts]))
-        _bundle(out / inst.id, ca, {"nats": {inst.id: drawn.nats[inst.id]}, "index_key": drawn.index_key})
+        _bundle(out / inst.id, ca, {"nkeys": {inst.id: drawn.nkeys[inst.id]}, "index_key": drawn.index_key})
     for role in CONTROL_BUNDLES:  # no TLS of their own: no certificate, no CA
-        creds: dict = {"nats": {role: drawn.nats[role]}}
+        creds: dict = {"nkeys": {role: drawn.nkeys[role]}}
         if role != "wanlink":
             creds["redis"] = {"user": role, "password": drawn.redis[role]}
         _bundle(out / role, None, creds | ({"index_key": drawn.index_key} if role == "scheduler" else {}))
     operator = {"user": "default", "password": drawn.redis["default"]}
-    _bundle(out / OPERATOR, ca, {"nats": {OPERATOR: drawn.nats[OPERATOR]}, "redis": operator})
+    _bundle(out / OPERATOR, ca, {"nkeys": {OPERATOR: drawn.nkeys[OPERATOR]}, "redis": operator})
 
 
 def _site_bundles(
     cfg: ClusterConfig, out: Path, ca: CertificateAuthority, drawn: Passwords, hosts: tuple[str, ...]
 ) -> None:
-    """Each site's servers' bundle: the site's certificate and its users' passwords; the
-    scheduler's site's also the Redis logins' hashes, the replication login and the pins of the
-    sites that join it."""
+    """Each site's servers' bundle: the site's certificate, its users' public NKEYs (no seed: a
+    server host gives away no login) and the links' passwords; the scheduler's site's also the
+    Redis logins' hashes, the replication login and the pins of the sites that join it."""
     certs = {}
     for dc in cfg.datacenters:
         routes = [cfg.control_plane.hosts.get(s.name, "") for s in cfg.nats_servers(dc.name)]
@@ -199,8 +207,8 @@ def _site_bundles(
         certs[dc.name] = ca.issue(f"nats-{dc.name}", "nats", names)
         _write(out / site_bundle(dc.name) / "nats" / f"{dc.name}.pem", *certs[dc.name])
     for dc in cfg.datacenters:
-        users = [*site_users(cfg, dc.name), OPERATOR, "leaf", "route"]
-        creds: dict = {"nats": {u: drawn.nats[u] for u in users}}
+        users = [*site_users(cfg, dc.name), OPERATOR]
+        creds: dict = {"nats": dict(drawn.nats), "nkey_users": {u: drawn.public_key(u) for u in users}}
         if dc.name == cfg.control_dc:
             creds["redis"] = {"user": "replication", "password": drawn.redis["replication"]}
             creds["redis_users"] = {u: hashlib.sha256(p.encode()).hexdigest() for u, p in drawn.redis.items()}

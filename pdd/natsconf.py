@@ -104,13 +104,15 @@ def _leaf_permissions(cfg: ClusterConfig) -> dict:
     return {"publish": {"allow": sorted(publish)}, "subscribe": {"allow": sorted(subscribe) or ["pdd.none"]}}
 
 
-def _user(user: str, role: str, password: str) -> dict:
+def _user(user: str, role: str, secrets: Secrets) -> dict:
+    """A user's entry: its public NKEY (a set from before NKEYs: its password) and its permissions."""
+    public = secrets.nats_public_key(user)
+    login = {"nkey": public} if public else {"user": user, "password": secrets.nats_password(user)}
     if user == "operator":  # tests, `pdd status`, `pdd wan`: everything
-        return {"user": user, "password": password}
+        return login
     perms = {way: [s.replace("{me}", user) for s in subjects] for way, subjects in PERMISSIONS[role].items()}
     return {
-        "user": user,
-        "password": password,
+        **login,
         "permissions": {
             "publish": {"allow": perms["publish"] or ["pdd.none"]},
             # replies to its own requests come on its own inbox prefix (shared/bus.py)
@@ -157,7 +159,7 @@ def server_conf(
     home = dc.name == cfg.control_dc
     if secrets is not None:
         users = site_users(cfg, dc.name) | {"operator": "operator"}
-        conf["authorization"] = {"users": [_user(u, r, secrets.nats_password(u)) for u, r in users.items()]}
+        conf["authorization"] = {"users": [_user(u, r, secrets) for u, r in users.items()]}
         if home:  # the other sites' servers join as this user: a leafnode connection, never a client
             leaf = {"user": "leaf", "password": secrets.nats_password("leaf"), "permissions": _leaf_permissions(cfg)}
             conf["authorization"]["users"].append(leaf | {"allowed_connection_types": ["LEAFNODE"]})

@@ -63,7 +63,7 @@ class Bus:
         on_link: Callable[[bool], None] | None = None,
     ) -> Bus:
         """Connect to a NATS server as `user` (a model instance's id, or gateway, scheduler, ...;
-        its password from `secrets`, when the cluster has them: the servers then refuse anyone
+        its NKEY from `secrets`, when the cluster has them: the servers then refuse anyone
         without credentials). `url` may list
         several servers of one cluster, comma-separated: when one dies the client moves to
         another and its subscriptions with it. `on_link(False)` runs when the connection is
@@ -72,7 +72,7 @@ class Bus:
         async def on_error(e: Exception) -> None:
             log.warning("%s: NATS error: %s", name, e)
 
-        creds = {"user": user, "password": secrets.nats_password(user)} if secrets and user else {}
+        creds: dict = secrets.nats_login(user) if secrets and user else {}  # its NKEY seed signs the nonce
         if user:  # replies come on the user's own inbox prefix: no one can read another's replies
             creds["inbox_prefix"] = f"_INBOX.{user}"
         nc = await nats.connect(

@@ -2,24 +2,27 @@
 
 `pdd certs --out DIR` writes one bundle per process, each a folder laid out alike:
 
-    DIR/<instance id>/   its KV certificate and key, the CA, its NATS password, the index key
-    DIR/gateway/         its NATS password and Redis login
-    DIR/scheduler/       its NATS password, Redis login and the index key
-    DIR/wanlink/         its NATS password
-    DIR/operator/        the `operator` NATS user and the operator's Redis login (`default`):
+    DIR/<instance id>/   its KV certificate and key, the CA, its NATS seed, the index key
+    DIR/gateway/         its NATS seed and Redis login
+    DIR/scheduler/       its NATS seed, Redis login and the index key
+    DIR/wanlink/         its NATS seed
+    DIR/operator/        the `operator` NATS seed and the operator's Redis login (`default`):
                          `pdd status`, `pdd wan` and the tests; it belongs on no serving host
     DIR/site-<dc>/       what the site's NATS servers (and, in the scheduler's site, Redis) need:
-                         the site's certificate, its users' passwords, the link passwords, the
-                         Redis users' password hashes and the pin of each site that joins it
+                         the site's certificate, its users' public NATS keys, the link passwords,
+                         the Redis users' password hashes and the pin of each site that joins it
 
 A process reads only the bundle `secrets_dir` names: a container mounts its own there, and
 `pdd up` points each child at its own (pdd/launcher.py). `Secrets(DIR)` reads every bundle as
 one, for whoever holds the whole set: the launcher on one host, the tests, the machine that ran
 `pdd certs`. A set made before bundles (one credentials.json) still reads as one bundle.
 
-- NATS: a user per model instance (its id) and per control-plane role, each with a password; the
-  servers give each only the subjects it uses (pdd/natsconf.py), so for example main-decode
-  cannot submit requests to the scheduler, read another decoder's tasks or report as another.
+- NATS: a user per model instance (its id) and per control-plane role, each an NKEY (an Ed25519
+  key pair: the process signs the server's nonce with its seed; the servers hold only the public
+  key, so a site's server host gives away no login); the servers give each only the subjects it
+  uses (pdd/natsconf.py), so for example main-decode cannot submit requests to the scheduler,
+  read another decoder's tasks or report as another. Only the links between servers (`leaf`,
+  `route`) log in with passwords. A set from before NKEYs (passwords) still logs in.
 - KV plane: mutual TLS. A decoder serves with its instance certificate and accepts only a
   peer whose certificate the cluster CA signed for a prefill instance (OU=prefill); prefill
   checks that the decoder it reached is the instance the scheduler named (its certificate's
@@ -44,6 +47,7 @@ NATS_USERS = ("gateway", "scheduler", "wanlink", "operator")  # beside one per m
 CONTROL_BUNDLES = ("gateway", "scheduler", "wanlink")  # one bundle per role, shared by its replicas
 OPERATOR = "operator"
 CREDENTIALS = "credentials.json"
+_BY_USER = ("nats", "nkeys", "nkey_users")  # credentials.json's maps of user -> secret, merged across bundles
 
 
 def bundle_name(role: str, instance: str | None = None) -> str:
@@ -94,10 +98,10 @@ class Secrets:
         own = self.directory / CREDENTIALS
         if own.exists():
             return json.loads(own.read_text())
-        merged: dict = {"nats": {}}
+        merged: dict = {}
         for bundle in self._bundles():
             creds = bundle._credentials
-            merged = merged | creds | {"nats": merged["nats"] | creds.get("nats", {})}
+            merged = merged | creds | {k: merged.get(k, {}) | creds[k] for k in _BY_USER if k in creds}
         return merged
 
     @property
@@ -111,10 +115,22 @@ class Secrets:
         )
 
     def nats_password(self, user: str) -> str:
+        """The password of a link between servers (`leaf`, `route`), or of a user in a set from
+        before NKEYs."""
         try:
             return self._credentials["nats"][user]
         except KeyError:
             raise self._missing(f"password of the NATS user {user!r}") from None
+
+    def nats_login(self, user: str) -> dict[str, str]:
+        """nats.connect's arguments to log in as `user`: its NKEY seed (a set from before NKEYs:
+        its password)."""
+        seed = self._credentials.get("nkeys", {}).get(user)
+        return {"nkeys_seed_str": seed} if seed else {"user": user, "password": self.nats_password(user)}
+
+    def nats_public_key(self, user: str) -> str | None:
+        """The public NKEY the site's servers know `user` by; None in a set from before NKEYs."""
+        return self._credentials.get("nkey_users", {}).get(user)
 
     @property
     def route_password(self) -> str:

@@ -12,6 +12,7 @@ below succeeded.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import socket
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import nats
+import nkeys
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -74,13 +76,22 @@ def harvest(folder: Path) -> set[str]:
     return {s for path in folder.rglob("*.json") for s in strings(json.loads(path.read_text()))}
 
 
-def nats_login(url: str, user: str, password: str) -> bool:
-    """Whether the server at `url` takes this login: its protocol by hand, CONNECT then PING
-    (nats-py takes a second or more over each refusal; this is one round trip)."""
+def nats_login(url: str, user: str, password: str = "", seed: str = "") -> bool:
+    """Whether the server at `url` takes this login, `user` with `password` or an NKEY `seed`
+    signing the server's nonce: its protocol by hand, CONNECT then PING (nats-py takes a second
+    or more over each refusal; this is one round trip)."""
     host, port = url.removeprefix("nats://").split(",")[0].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as sock, sock.makefile("rwb") as wire:
-        assert wire.readline().startswith(b"INFO ")
+        info = wire.readline()
+        assert info.startswith(b"INFO ")
         connect = {"user": user, "pass": password, "verbose": False, "pedantic": False, "protocol": 1}
+        if seed:
+            key = nkeys.from_seed(bytearray(seed.encode()))
+            nonce = json.loads(info.removeprefix(b"INFO "))["nonce"]
+            connect = connect | {
+                "nkey": key.public_key.decode(),
+                "sig": base64.b64encode(key.sign(nonce.encode())).decode(),
+            }
         wire.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n")
         wire.flush()
         answer = wire.readline()
@@ -88,14 +99,39 @@ def nats_login(url: str, user: str, password: str) -> bool:
     return answer.startswith(b"PONG")
 
 
-def nats_logins(cluster: Cluster, users: list[str], passwords: set[str]) -> list[str]:
-    """The `user@site` logins any of `passwords` opens on the sites' NATS servers."""
-    return [
-        f"{user}@{dc}"
-        for dc in ("A", "B")
-        for user in users
-        if any(nats_login(cluster.nats_url(dc), user, password) for password in passwords)
-    ]
+def is_seed(s: str) -> bool:
+    try:
+        nkeys.from_seed(bytearray(s.encode()))
+        return True
+    except Exception:
+        return False
+
+
+def nats_logins(cluster: Cluster, users: list[str], stolen: set[str]) -> list[str]:
+    """The `user@site` logins the strings in `stolen` open on the sites' NATS servers: each tried
+    as every user's password, and each NKEY seed among them signing the nonce (a login as the
+    user whose public key it is)."""
+    owner = {cluster.secrets.nats_public_key(u): u for u in every_nats_user()}
+    seeds = {s for s in stolen if is_seed(s)}
+    opened = []
+    for dc in ("A", "B"):
+        url = cluster.nats_url(dc)
+        for user in users:
+            mine = [s for s in seeds if owner.get(nkeys.from_seed(bytearray(s.encode())).public_key.decode()) == user]
+            if any(nats_login(url, user, password=p) for p in stolen) or any(nats_login(url, "", seed=s) for s in mine):
+                opened.append(f"{user}@{dc}")
+    return opened
+
+
+def test_every_seed_in_a_bundle_is_its_own_processes_and_no_site_bundle_holds_one(sites):
+    """A process's bundle holds its own NKEY seed alone; a site's servers hold public keys only."""
+    for name in [*INSTANCES, *CONTROL]:
+        assert sorted(s for s in harvest(bundle(sites, name)) if is_seed(s)) == [
+            sites.secrets.nats_login(name)["nkeys_seed_str"]
+        ]
+    for dc in ("A", "B"):
+        assert [s for s in harvest(bundle(sites, f"site-{dc}")) if is_seed(s)] == []
+        assert nats_logins(sites, every_nats_user(), harvest(bundle(sites, f"site-{dc}"))) == []
 
 
 def redis_logins(cluster: Cluster, passwords: set[str]) -> list[str]:
@@ -248,11 +284,11 @@ def test_only_site_bs_certificate_joins_as_the_leaf(sites):
 def test_the_leaf_carries_what_site_bs_instances_use_and_nothing_else(sites):
     """A's prompts for prefill and the scheduler's submissions never reach B, even for a B user
     allowed everything (a compromised site B server); what B's instances take does, in order."""
-    password = sites.secrets.nats_password("operator")
+    login = sites.secrets.nats_login("operator")
 
     async def crossed(publish_dc: str, listen_dc: str, forbidden: list[str], marker: str) -> list[str]:
-        pub = await nats.connect(sites.nats_url(publish_dc), user="operator", password=password)
-        sub = await nats.connect(sites.nats_url(listen_dc), user="operator", password=password)
+        pub = await nats.connect(sites.nats_url(publish_dc), **login)
+        sub = await nats.connect(sites.nats_url(listen_dc), **login)
         got: list[str] = []
         done = asyncio.Event()
 
@@ -292,7 +328,7 @@ def test_each_process_is_pointed_at_its_own_bundle(sites, monkeypatch):
         secrets = Secrets.of(load_config(sites.config_path))
         own = name if name in INSTANCES else spec.role
         assert set(harvest(secrets.directory)) >= {own}, name
-        assert list(json.loads((secrets.directory / "credentials.json").read_text())["nats"]) == [own], name
+        assert list(json.loads((secrets.directory / "credentials.json").read_text())["nkeys"]) == [own], name
 
 
 # -- replicated Redis: the replica and the Sentinel log in as `replication`, clients as themselves -

@@ -39,36 +39,42 @@ pytestmark = pytest.mark.slow
 ME = "md-0"  # the compromised instance
 
 
-async def _connect(cluster, user: str, password: str, errors: list[str], dc: str = "B"):
+async def _connect(cluster, user: str, login: dict[str, str], errors: list[str], dc: str = "B"):
+    """Connect with `login` (nats.connect's credential arguments), replies on `user`'s inbox."""
+
     async def on_error(e: Exception) -> None:
         errors.append(str(e).lower())
 
     return await nats.connect(
         cluster.nats_url(dc),
-        user=user,
-        password=password,
         error_cb=on_error,
         allow_reconnect=False,
         max_reconnect_attempts=0,
         inbox_prefix=f"_INBOX.{user}",
+        **login,
     )
 
 
-def _stolen(cluster) -> str:
-    return cluster.secrets.nats_password(ME)
+def _stolen(cluster) -> dict[str, str]:
+    """md-0's NATS credential: its NKEY seed."""
+    return cluster.secrets.nats_login(ME)
 
 
 def _status(operator) -> ClusterStatus:
     return operator.run(lambda bus: bus.request(subjects.STATUS, Inspect(""), ClusterStatus, 5))
 
 
-def test_its_password_logs_in_as_no_other_user(cluster):
+def test_its_credential_logs_in_as_no_other_user(cluster):
+    """Its seed, given as any other user's password, opens nothing (an NKEY login is the user its
+    public key names: md-0's signs as md-0 alone, tests/security/test_bundles.py)."""
+
     async def attempts() -> dict[str, str]:
         refused = {}
+        seed = _stolen(cluster)["nkeys_seed_str"]
         for user in ("md-1", "rld-0", "prefill-0", "gateway", "scheduler", "wanlink", "operator"):
             for dc in ("A", "B"):
                 try:
-                    nc = await _connect(cluster, user, _stolen(cluster), [], dc)
+                    nc = await _connect(cluster, user, {"user": user, "password": seed}, [], dc)
                 except NatsError as e:
                     refused[f"{user}@{dc}"] = str(e)
                 else:
