@@ -49,12 +49,13 @@ from pdd.launcher import Cluster  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.bus import Bus  # noqa: E402
 from shared.messages import Inspect, InstanceState, Sampling  # noqa: E402
+from shared.pipelines import Pipeline, Role  # noqa: E402
 from shared.runtime.build import build_engine  # noqa: E402
 from shared.runtime.engine import Engine  # noqa: E402
 from shared.runtime.sequence import Sequence  # noqa: E402
 
 SHIPPED = REPO / "configs" / "single-host.yaml"
-DECODER = {"p-md": "md", "p-rld": "rld"}  # the role whose engine decodes the pipeline's tokens
+DECODER = {Pipeline.P_MD: Role.MD, Pipeline.P_RLD: Role.RLD}  # the role whose engine decodes the pipeline's tokens
 
 
 def log(msg: str) -> None:
