@@ -183,6 +183,9 @@ class GatewayConfig:
     default_max_concurrent: int = 32
     default_tokens_per_minute: int = 1_000_000
     metrics_need_key: bool = True  # with keys on, /metrics needs one too (the dashboard always does)
+    # no keys is the one-host demo's front door: on any address but loopback the gateway refuses to
+    # start without keys, unless this says that serving anyone who can reach it is meant
+    allow_open: bool = False
     pdd_object: str = "redacted"  # what user (non-admin) keys get: full | redacted | none
     # each client connection's kernel send buffer (SO_SNDBUF; 0: the kernel's own, autotuned up to
     # a few MB): what a client that stops reading is sent before a write waits (timeouts.client_s)

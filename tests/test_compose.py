@@ -151,6 +151,17 @@ def test_only_the_two_wan_ports_are_published_between_sites():
     assert sorted(published) == ["gateway", "md-0", "nats-a"]
 
 
+def test_the_deployed_gateway_needs_api_keys():
+    """It listens on every address (configs/deploy.yaml), where it refuses to start open: its keys
+    come from a file the operator writes (compose refuses to start it without the file); the
+    one-host demo's open gateway is published on the host's loopback alone."""
+    a = yaml.safe_load((ROOT / "deploy/site-a.compose.yml").read_text())["services"]
+    assert a["gateway"]["env_file"] == ["./api-keys.env"]
+    assert not load_config(ROOT / "configs/deploy.yaml").gateway.allow_open
+    demo = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["gateway"]
+    assert load_config(DOCKER_CONFIG).gateway.allow_open and demo["ports"] == ["127.0.0.1:8000:8000"]
+
+
 def test_no_compose_variable_interpolation_by_accident():
     for name in FILES:  # compose substitutes $VAR / ${VAR} in values (not comments); none is intended here
         for line in (ROOT / name).read_text().splitlines():

@@ -6,6 +6,7 @@ Owned by the gateway process's event loop; the HTTP handlers and `RequestFlow` u
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from services.gateway.responses import pdd_for
 from services.gateway.structured import Tools, native_history, render_history
 from services.gateway.tokenizer import TextTokenizer
 from shared.bus import Bus
-from shared.config import ClusterConfig
+from shared.config import ClusterConfig, ConfigError
 from shared.model_info import load_model_info
 from shared.registry import Registry
 from shared.security import Secrets
@@ -51,6 +52,12 @@ class Gateway:
         self.keys = KeyRing.of(cfg.gateway)
         self.started = int(time.time())
         if self.keys.open:
+            if not cfg.gateway.allow_open and not _loopback(cfg.host):
+                raise ConfigError(
+                    f"gateway: no API keys configured and listening on {cfg.host}: set PDD_API_KEYS "
+                    "(and PDD_ADMIN_KEYS) or gateway.keys_file, or gateway.allow_open: true to serve "
+                    "anyone who can reach it"
+                )
             log.warning(
                 "gateway: no API keys configured (PDD_API_KEYS, PDD_ADMIN_KEYS, gateway.keys_file): "
                 "serving OPEN, every client may force plans and see the whole pdd object"
@@ -187,3 +194,11 @@ def _log_request(flow: RequestFlow) -> None:
         **({"error": repr(flow.error)} if flow.error else {}),  # in full: the client saw it without hosts
     }
     log.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine alone (the one-host demo's front door)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
