@@ -17,6 +17,7 @@ from shared.kv_transport import (
     FRAME_HEAD,
     MAX_CONTROL,
     MAX_HEADER,
+    MAX_PER_PEER,
     RECEIVER_IDLE_S,
     ConnectionIdle,
     ConnectionUnused,
@@ -60,7 +61,7 @@ class KVReceiver:
         vet: Vet | None = None,
         tls: ssl.SSLContext | None = None,
         layer_bytes: Callable[[Transfer], int] = lambda t: t.head.kv.layer_bytes,
-        max_per_peer: int = 16,
+        max_per_peer: int = MAX_PER_PEER,
         idle_s: float = RECEIVER_IDLE_S,
     ) -> None:
         self.handler = handler

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
 from shared.kv_transport import (
+    MAX_BUSY,
     MAX_CONTROL,
     POOL_IDLE_S,
     POOL_MAX_IDLE,
@@ -161,7 +162,14 @@ class KVConnections:
     At most `max_idle` wait per endpoint (the oldest goes first), each closed cleanly once idle for
     `idle_s` (well within the receiver's `RECEIVER_IDLE_S`), all of them on `close`. `count(decoder,
     how)` is called for each `dialed` connection (a TCP and TLS handshake), each `reused` one, and
-    each `stale` one (found ended when taken, or failed under a push: then dialed again)."""
+    each `stale` one (found ended when taken, or failed under a push: then dialed again).
+
+    At most `max_busy` connections per endpoint are in use at once (a push's, or an
+    `EarlyConnection` readied for one): a decoder refuses a sender's connections past its
+    per-peer cap (shared/kv_receive.py), so a burst of pushes past it would be refused, retried
+    and failed rather than queued. A push waits for a free one (up to `stall_s`); an early
+    connection is not readied when none is free (its push waits instead). `MAX_BUSY` is half the
+    receivers' cap: two senders on one host (one address) fit beside each other's idle ones."""
 
     def __init__(
         self,
@@ -170,11 +178,15 @@ class KVConnections:
         max_idle: int = POOL_MAX_IDLE,
         idle_s: float = POOL_IDLE_S,
         count: Callable[[str, str], None] | None = None,
+        max_busy: int = MAX_BUSY,
     ) -> None:
         self.stall_s = stall_s
         self.tls = tls
         self.max_idle = max_idle
         self.idle_s = idle_s
+        self.max_busy = max_busy
+        self._busy: Counter[Endpoint] = Counter()  # connections in use, per endpoint
+        self._waiting: dict[Endpoint, list[asyncio.Future]] = {}  # pushes waiting for one, oldest first
         self.counts: Counter[tuple[str, str]] = Counter()  # (decoder, how) -> n, as `count` is told
         self._count = count
         self._idle: dict[Endpoint, list[_Idle]] = {}  # oldest first
@@ -184,6 +196,39 @@ class KVConnections:
         self.counts[(ep.name or str(ep), how)] += 1
         if self._count is not None:
             self._count(ep.name or str(ep), how)
+
+    def busy(self, ep: Endpoint) -> int:
+        """Connections to `ep` in use now (pushes and early connections)."""
+        return self._busy[ep]
+
+    def try_hold(self, ep: Endpoint) -> bool:
+        """A connection to `ep` may be put to use now (counted until `let_go`); False at `max_busy`."""
+        if self._busy[ep] >= self.max_busy:
+            return False
+        self._busy[ep] += 1
+        return True
+
+    async def hold(self, ep: Endpoint) -> None:
+        """Wait (up to `stall_s`) until a connection to `ep` may be put to use, and count it."""
+        deadline = asyncio.get_running_loop().time() + self.stall_s
+        while not self.try_hold(ep):
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting.setdefault(ep, []).append(turn)
+            try:
+                await asyncio.wait_for(turn, max(deadline - asyncio.get_running_loop().time(), 0.0))
+            except TimeoutError:
+                raise KVTransferError(f"no KV connection to {ep.name or ep} free within {self.stall_s:.0f}s") from None
+            finally:
+                if turn in self._waiting.get(ep, []):
+                    self._waiting[ep].remove(turn)
+
+    def let_go(self, ep: Endpoint) -> None:
+        """A connection to `ep` is no longer in use (back idle, or closed): the oldest waiter's turn."""
+        self._busy[ep] = max(self._busy[ep] - 1, 0)
+        for turn in self._waiting.get(ep, []):
+            if not turn.done():
+                turn.set_result(None)
+                return
 
     def idle(self, ep: Endpoint | None = None) -> int:
         """Idle connections (to `ep`, or to every endpoint)."""
@@ -242,23 +287,29 @@ class KVConnections:
 
     async def send(self, ep: Endpoint, push: KVPush, conn: Connection | None = None, reused: bool = False) -> int:
         """Push one transfer and wait for the receiver's ACK; returns the bytes sent. On `conn` when
-        given (an `EarlyConnection`'s; `reused`: it came from this pool), else on an idle one, else
-        on one dialed now. A reused connection that fails under the push, closed or reset (the
-        receiver closed it meanwhile, the line cut it), is dropped and the push sent whole again on
-        one fresh dial, which does not count as a retry of the caller's. A stall or a refusal is
-        the caller's failure, as on a new connection. After the ACK the connection goes back idle."""
+        given (an `EarlyConnection`'s of this pool, already counted in use; `reused`: it came from
+        the idle ones), else, once one may be used (`hold`), on an idle one, else on one dialed
+        now. A reused connection that fails under the push, closed or reset (the receiver closed
+        it meanwhile, the line cut it), is dropped and the push sent whole again on one fresh
+        dial, which does not count as a retry of the caller's. A stall or a refusal is the
+        caller's failure, as on a new connection. After the ACK the connection goes back idle."""
         if conn is None:
-            taken = self.take(ep)
-            conn, reused = (taken[0], True) if taken else (await self.dial(ep), False)
+            await self.hold(ep)
         try:
-            sent, ack = await _push_on(conn, push, self.stall_s, str(ep))
-        except ConnectionLost as e:
-            if not reused:
-                raise
-            self._counted(ep, "stale")
-            log.info("KV connection to %s (%s) was gone (%s): dialing a new one", ep.name, ep, e)
-            conn = await self.dial(ep)
-            sent, ack = await _push_on(conn, push, self.stall_s, str(ep))
+            if conn is None:
+                taken = self.take(ep)
+                conn, reused = (taken[0], True) if taken else (await self.dial(ep), False)
+            try:
+                sent, ack = await _push_on(conn, push, self.stall_s, str(ep))
+            except ConnectionLost as e:
+                if not reused:
+                    raise
+                self._counted(ep, "stale")
+                log.info("KV connection to %s (%s) was gone (%s): dialing a new one", ep.name, ep, e)
+                conn = await self.dial(ep)
+                sent, ack = await _push_on(conn, push, self.stall_s, str(ep))
+        finally:
+            self.let_go(ep)
         self.put(ep, conn)
         if not ack.ok:
             raise KVTransferError(f"receiver refused the KV: {ack.error}")
@@ -300,10 +351,14 @@ class EarlyConnection:
         self._wanted = asyncio.Event()
         self._deadline = asyncio.get_running_loop().time() + (stall_s / 2 if hold_s is None else hold_s)
         self._pool, self._ep = pool, Endpoint(host, port, server_name)
-        taken = pool.take(self._ep) if pool is not None else None
+        # one of the pool's connections in use for the decoder, until the push ends or it goes unused
+        self._holding = pool is not None and pool.try_hold(self._ep)
+        taken = pool.take(self._ep) if self._holding else None
         self.reused = taken is not None  # an idle connection from `pool`, not a dial
         self._since = taken[1] if taken else None
-        if taken:
+        if pool is not None and not self._holding:
+            dialing = _none  # every connection the pool may use for it is in use: the push waits for one
+        elif taken:
             dialing = functools.partial(_ready, taken[0])
         elif pool is not None:
             dialing = functools.partial(pool.dial, self._ep)
@@ -311,9 +366,18 @@ class EarlyConnection:
             dialing = functools.partial(dial, host, port, stall_s, tls, server_name)
         self._let_go_done = False
         self._task = spawn(self._hold(dialing))
-        self.outcome = ""  # "used", "unused" (expired or closed) or "failed" (the dial), once settled
+        # "used", "unused" (expired or closed), "failed" (the dial) or "busy" (none free), once settled
+        self.outcome = ""
         if taken:  # cancelled before it even ran (`close` at once): the pooled connection goes back
             self._task.add_done_callback(lambda t: t.cancelled() and self._let_go(taken[0]))
+        self._task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task) -> None:
+        """Not handed to a push: the pool's count of connections in use lets it go (a push that took
+        it lets it go when it ends)."""
+        if self._holding and (task.cancelled() or task.result() is None):
+            self._holding = False
+            self._pool.let_go(self._ep)
 
     def _let_go(self, conn: Connection) -> None:
         """Not used: back to the pool if it came from there, else closed cleanly (the receiver sees
@@ -326,11 +390,14 @@ class EarlyConnection:
         else:
             conn[1].close()
 
-    async def _hold(self, dialing: Callable[[], Awaitable[Connection]]) -> Connection | None:
+    async def _hold(self, dialing: Callable[[], Awaitable[Connection | None]]) -> Connection | None:
         try:
             conn = await dialing()
         except KVTransferError:
             self.outcome = "failed"
+            return None
+        if conn is None:
+            self.outcome = "busy"
             return None
         left = self._deadline - asyncio.get_running_loop().time()
         if not self._wanted.is_set():
@@ -374,3 +441,7 @@ class EarlyConnection:
 
 async def _ready(conn: Connection) -> Connection:
     return conn
+
+
+async def _none() -> None:
+    return None

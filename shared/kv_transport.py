@@ -66,6 +66,8 @@ CONTROL_BODY_S = 0.5  # a small frame's body follows its length at once: a sende
 WRITE_SLICE = 256 * 1024  # the sender drains per slice: a stall is a slice that does not move
 POOL_IDLE_S = 60.0  # a sender's idle connection is closed after this long unused
 POOL_MAX_IDLE = 4  # ... and it keeps at most this many idle per decoder
+MAX_PER_PEER = 16  # a receiver's connections from one address; past it (no idle one to close) it refuses
+MAX_BUSY = MAX_PER_PEER // 2  # a sender's connections in use per decoder: two senders on one host fit
 RECEIVER_IDLE_S = 2 * POOL_IDLE_S  # the receiver waits this long for a HEADER after an ACK: the sender closes first
 
 

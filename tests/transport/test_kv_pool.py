@@ -245,6 +245,46 @@ async def test_an_early_connection_takes_an_idle_one_and_gives_it_back_unused(si
     assert unused.outcome == "unused" and s.pool.idle() == 1 and s.open == 1
 
 
+async def test_a_burst_past_the_receivers_cap_waits_for_connections_and_lands_whole(side, refusals):
+    """Nine pushes at once to a decoder that takes 4 connections from this address: without the
+    pool's bound the 5th..9th are refused (then retried into the same cap, and failed); with it at
+    most 3 are in use at once, the rest wait their turn, and all nine land, none refused."""
+    s = await side(rx={"max_per_peer": 4}, max_busy=3, max_idle=1)
+    most = 0
+    serve = s.rx._serve
+
+    async def watched(reader, writer) -> None:
+        nonlocal most
+        most = max(most, s.open)
+        await serve(reader, writer)
+
+    s.rx._serve = watched
+    rids = [f"req-{i}" for i in range(1, 10)]
+    await asyncio.gather(*(s.pool.send(s.ep, push(rid, data=distinct(rid))) for rid in rids))
+    assert sorted(s.handled()) == sorted((rid, distinct(rid)) for rid in rids)
+    assert s.rx.refused == 0 and refusals() == [] and most <= 4
+    assert s.pool.busy(s.ep) == 0  # every one let go
+
+
+async def test_an_early_connection_is_not_readied_when_every_one_is_in_use(side):
+    """At the bound an early connection dials nothing (`busy`): its push waits for a free one."""
+    s = await side(max_busy=1)
+    assert s.pool.try_hold(s.ep)  # a push holds the only one
+    early = EarlyConnection(s.ep.host, s.ep.port, STALL_S, s.tls, "md-0", pool=s.pool)
+    assert await early.take() is None and early.outcome == "busy" and s.accepted == 0
+    waiting = asyncio.ensure_future(s.pool.send(s.ep, push("req-1")))
+    await asyncio.sleep(0)
+    assert not waiting.done() and s.pool.busy(s.ep) == 1
+    s.pool.let_go(s.ep)  # the first push ended: the waiting one goes
+    await waiting
+    assert s.handled()[0][0] == "req-1" and s.pool.busy(s.ep) == 0
+    unused = EarlyConnection(s.ep.host, s.ep.port, STALL_S, s.tls, "md-0", pool=s.pool)
+    assert s.pool.busy(s.ep) == 1  # it holds one for its push ...
+    unused.close()
+    await until(lambda: unused.settled, what="the early connection to settle")
+    assert s.pool.busy(s.ep) == 0  # ... and lets it go unused
+
+
 # --- through the emulated line -------------------------------------------------------------------
 
 
