@@ -26,14 +26,6 @@ from tests.helpers import until
 SHORT_CONTROL_S = 0.05  # the gateway waits 3x this for a plan: for the test that waits it out
 
 
-@pytest.fixture
-async def nats():
-    server = InMemoryNats()
-    yield server
-    for task in list(server.tasks):
-        task.cancel()
-
-
 async def flow(nats: InMemoryNats, on_submit, control_s: float | None = None) -> tuple[RequestFlow, list[str]]:
     """A flow whose gateway talks to a scheduler answering with `on_submit`, and the request ids
     its gateway forgets. Only a test that waits for the timeout shortens it (`control_s`); the

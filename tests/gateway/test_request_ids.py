@@ -10,8 +10,6 @@ import asyncio
 import itertools
 from types import SimpleNamespace
 
-import pytest
-
 from services.gateway.auth import OPEN, TAG_CHARS, KeyRing, scoped_request_id
 from services.gateway.flow import RequestFlow
 from services.gateway.gateway import Gateway
@@ -19,7 +17,6 @@ from services.gateway.openai_api import ParsedRequest
 from shared import subjects
 from shared.config import load_config
 from shared.messages import Plan, Sampling, Submit
-from tests.fakes import InMemoryNats
 
 ALICE, BOB = "sk-alice-7f2c", "sk-bob-19ad"
 
@@ -47,14 +44,6 @@ class RememberingScheduler:
             plan = Plan(sub.request_id, prefill="prefill-0", md="md-0", stream_key=sub.stream_key, dispatch_id=dispatch)
             self.plans[sub.request_id] = plan
         return self.plans[sub.request_id]
-
-
-@pytest.fixture
-async def nats():
-    server = InMemoryNats()
-    yield server
-    for task in list(server.tasks):
-        task.cancel()
 
 
 def test_each_key_is_its_own_namespace_and_the_same_on_every_gateway():
