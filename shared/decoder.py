@@ -465,6 +465,7 @@ class DecoderService(InstanceService):
 
 def _start_problem(task: DecodeTask, block_size: int) -> str:
     start = task.kv_start
-    if not 0 <= start <= len(task.prompt_ids) or start % block_size:
-        return f"kv_start {start} is not a block boundary inside the prompt"
+    n = len(task.prompt_ids)
+    if not 0 <= start <= n or (start % block_size and start != n):  # n: the suffix path, no KV comes
+        return f"kv_start {start} is neither a block boundary inside the prompt nor its end"
     return ""

@@ -425,6 +425,7 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
     for t in task.targets:
         if t.role not in (Role.RLD, Role.MD) or not 0 < t.port < 65536 or not t.host or not t.transfer_secret:
             return f"bad KV target {t.instance_id!r}"
-        if not 0 <= t.start <= len(task.prompt_ids) or t.start % block_size:
-            return f"KV target {t.instance_id!r}: start {t.start} is not a block boundary inside the prompt"
+        n = len(task.prompt_ids)
+        if not 0 <= t.start <= n or (t.start % block_size and t.start != n):  # n: the decoder computes [hit, n)
+            return f"KV target {t.instance_id!r}: start {t.start} is neither a block boundary in the prompt nor its end"
     return ""

@@ -85,8 +85,8 @@ class KVExchange:
             return reason
         start, n, bs = payload.header.start, seq.prompt_len, self.pool.block_size
         end = n - resumed  # [0, end) is prompt: from the cache or the payload; [end, n) computed here
-        if start % bs:
-            raise ValueError(f"KV starts at {start}, not on a block boundary of {bs}")
+        if start % bs and start != n:  # n: no KV comes (the suffix path), [hit, n) is computed here
+            raise ValueError(f"KV starts at {start}, not on a block boundary of {bs} nor at the prompt's end")
         if error := self._never_fits(seq):
             raise ValueError(error)
         # [0, hit) from this engine's own cache, all of it: a copy landing beside cached blocks of
