@@ -13,11 +13,15 @@ decoder instances; only the feature under test differs.
     pdd          B            yes  yes    auto      auto     prefill    yes   everything: the scheduler chooses both
     pdd-oneshot  B            yes  yes    auto      oneshot  prefill    yes   PDD with every handoff one-shot
     pdd-catchup  B            yes  yes    auto      catchup  prefill    yes   PDD with every handoff catch-up
+    pdd-push     B            yes  yes    auto      auto     prefill    yes   PDD with every suffix's KV pushed
 
 "1st token" is who streams it (`first_token` in the cluster config): prefill the moment it is
 sampled, or the decoder once the KV arrived, as naive cross-DC PD does. "warm" is whether a
 finished request's answer is computed into prefill's cache (`warm_prefill`): the floor has it
-too, so that pdd against pd-local measures what the line costs, not what a cache saves.
+too, so that pdd against pd-local measures what the line costs, not what a cache saves. Every
+mode but `pdd-push` and the naive baselines lets main-decode compute a short suffix it lacks
+itself when that beats pushing its KV (`md_suffix_max_tokens`; services/scheduler/policy.py):
+pdd against pdd-push measures what that saves.
 
 This module is light (no torch, no matplotlib): `pdd --help` imports it.
 """
@@ -48,6 +52,7 @@ class Mode:
     handoff: str  # the scheduler's default_handoff: AUTO or a pinned Handoff
     first_token: str = Role.PREFILL.value  # who streams it (ClusterConfig.first_token)
     warm_prefill: bool = True  # ClusterConfig.warm_prefill
+    md_suffix: bool = True  # main-decode may compute a short suffix itself (False: scheduler.md_suffix_max_tokens 0)
 
     @property
     def wan(self) -> bool:
@@ -56,7 +61,7 @@ class Mode:
 
 
 P_MD, ONESHOT, CATCHUP = Pipeline.P_MD.value, Handoff.ONESHOT.value, Handoff.CATCHUP.value
-NAIVE = {"first_token": "decoder", "warm_prefill": False}  # the naive cross-DC baselines
+NAIVE = {"first_token": "decoder", "warm_prefill": False, "md_suffix": False}  # the naive cross-DC baselines
 MODE_TABLE: dict[str, Mode] = {
     m.name: m
     for m in (
@@ -66,6 +71,7 @@ MODE_TABLE: dict[str, Mode] = {
         Mode("pdd", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO),
         Mode("pdd-oneshot", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=ONESHOT),
         Mode("pdd-catchup", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=CATCHUP),
+        Mode("pdd-push", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, md_suffix=False),
     )
 }
 MODES: tuple[str, ...] = tuple(MODE_TABLE)
@@ -125,6 +131,7 @@ def mode_config(
         "ttft_slo_ms": SLO_TTFT_MS,
         "wan_mbps": cfg["wan"]["bandwidth_mbps"],
         "kv_wire": kv_wire if m.relay else NATIVE,
+        **({} if m.md_suffix else {"md_suffix_max_tokens": 0}),
     }
     cfg["first_token"] = m.first_token
     cfg["warm_prefill"] = m.warm_prefill

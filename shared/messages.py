@@ -221,6 +221,8 @@ class PlanEstimates(Message):
     backlog_tokens: int = 0  # tokens RLD produces before MD can take over (p-rld-md, relay-finishes)
     rld_busy: int = 0  # relay's busy count (policy.py `rld_busy`) when planned
     wan_backlog_bytes: float = 0.0  # KV on the line ahead of this request's, as the estimates counted it
+    md_push_ms: float = 0.0  # main-decode's suffix: its KV's line time, and main-decode's extend of it (0: not weighed)
+    md_extend_ms: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -242,6 +244,8 @@ class Plan(Message):
     chunk_tokens: int = 0  # catch-up chunk size (0: the relay's configured default)
     kv_wire: WireFormat = WireFormat.NATIVE  # how KV crosses the WAN (shared/runtime/kv_wire.py)
     kv_wire_reason: str = ""
+    md_computes_suffix: int = 0  # prompt tokens main-decode computes itself, none of their KV crossing (0: pushed)
+    md_suffix_reason: str = ""  # why it does or does not (policy.py `choose_suffix`; "": nothing to weigh)
     estimates: PlanEstimates = field(default_factory=PlanEstimates)  # the figures the decision rested on
     # this dispatch of the request (fresh each time it is planned again under the same id): prefill
     # stamps its chunks with it, so the gateway tells the live copy's first token from a dropped one's

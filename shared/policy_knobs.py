@@ -44,6 +44,7 @@ class PolicyKnobs:
     relay_finishes: bool = False  # p-rld when the relay will have streamed the whole answer before MD's KV lands
     line_backlog: bool = False  # p-md's TTFT estimate counts the KV already dispatched on the line
     kv_wire: str = WireFormat.NATIVE.value  # KV over the WAN: a wire format, or auto (narrow as the SLO needs)
+    md_suffix_max_tokens: int = 256  # longest prompt suffix main-decode may compute itself (no KV pushed); 0 = off
 
     def __post_init__(self) -> None:
         if self.default_pipeline not in (AUTO, *PINNABLE_PIPELINES):
@@ -58,6 +59,8 @@ class PolicyKnobs:
             raise ValueError(f"kv_wire: {e}") from None
         for name in ("ttft_slo_ms", "prefill_tok_s", "wan_mbps", "decode_step_ms"):
             check_positive(self, name)
+        if self.md_suffix_max_tokens < 0:
+            raise ValueError(f"md_suffix_max_tokens must be >= 0, got {self.md_suffix_max_tokens!r}")
         if not 0.0 < self.rld_pressure <= 1.0:
             raise ValueError(f"rld_pressure must be in (0, 1], got {self.rld_pressure!r}")
 

@@ -157,7 +157,8 @@ def policy_config(cfg: SimConfig, name: str) -> PolicyConfig:
     """The scheduler's config for mode `name`, built by services/scheduler/inputs.py as the service
     builds it: knobs (what the fleet's chips imply as priors, then the config's `scheduler:`
     section, then what the mode pins) plus what the fleet fixes (KV size, relay slots, the line's
-    delay, the catch-up chunk)."""
+    delay, the catch-up chunk). Main-decode never computes its suffix here: the simulated decoder
+    does not model that extend, so the plan would get it for free."""
     m, groups = mode(name), {g.role: g for g in cfg.groups(name)}
     prefill, md = groups[Role.PREFILL].profile, groups[Role.MD].profile
     rld = groups.get(Role.RLD)
@@ -167,7 +168,8 @@ def policy_config(cfg: SimConfig, name: str) -> PolicyConfig:
         "wan_mbps": float(cfg.wan["bandwidth_mbps"]),
         "local_mbps": float(cfg.local["mbps"]),
     }
-    knobs = {**priors, **cfg.scheduler, "default_pipeline": m.pipeline, "default_handoff": m.handoff}
+    pinned = {"default_pipeline": m.pipeline, "default_handoff": m.handoff, "md_suffix_max_tokens": 0}
+    knobs = {**priors, **cfg.scheduler, **pinned}
     return inputs.policy_config(
         knobs,
         kv_bytes_per_token=prefill.kv_bytes_per_token,

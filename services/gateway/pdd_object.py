@@ -59,6 +59,8 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "local_kv_bytes": d.local_kv_bytes,
         "prefix_hit_tokens": {Role.PREFILL: d.prefill_hit_tokens, Role.MD: d.md_hit_tokens},
         "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
+        "md_computes_suffix": plan.md_computes_suffix,  # prompt tokens main-decode computed, none of their KV crossing
+        "md_suffix_reason": plan.md_suffix_reason,
         "recomputed_tokens": d.recomputed_tokens,  # planned prefix evicted meanwhile
         "migrations": stats.migrations,
         "resends": stats.resends,

@@ -18,6 +18,8 @@ HIDDEN_FROM_USERS = (
     "plan_estimates",
     "prefix_hit_tokens",
     "md_cached_tokens",
+    "md_computes_suffix",  # with the prompt's length, main-decode's cache hit
+    "md_suffix_reason",
     "recomputed_tokens",
 )
 

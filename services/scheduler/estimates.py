@@ -16,6 +16,10 @@ the KV, so the user sees it when the first decoder of the pipeline has the KV an
   the WAN a transfer also waits for the line's backlog (`wan_backlog_bytes`: KV dispatched
   across it that has not landed) / bandwidth: it finishes no sooner than everything ahead of it.
   A decoder that lacks nothing sends no KV and waits for none.
+- extend (main-decode's suffix path, `computes`): it computes what it lacks itself, so only the
+  transfer's header crosses (the one-way delay, no bytes, no backlog) and its extend of those
+  tokens (`extend_ms`, at its own prefill throughput) comes before its first step; the policy
+  takes that path when `extend_ms` beats `push_ms` (policy.py `choose_suffix`).
 - queue: each request waiting on the decoder costs about one step (the step that admits it).
   `running` enters through the measured step time: a bigger batch steps slower.
 Measured figures (`step_ms`, `prefill_tok_s`: moving averages each engine keeps of its own steps,
@@ -54,7 +58,8 @@ class InstanceView:
     block_size: int = 16
     queued_tokens: int = 0  # prefill: prompt tokens accepted and not yet computed
     step_ms: float | None = None  # decoders: measured decode step; None = use the prior
-    prefill_tok_s: float | None = None  # prefill: measured throughput; None = use the prior
+    prefill_tok_s: float | None = None  # measured prefill throughput (a decoder's: its extends); None = use the prior
+    dtype: str = "float32"  # its weights' and KV's (the suffix path needs prefill's and main-decode's alike)
 
 
 class Priors(Protocol):
@@ -85,6 +90,19 @@ def prefill_ms(uncached_tokens: int, queued_tokens: int, tok_s: float) -> float:
     return (max(uncached_tokens, 0) + max(queued_tokens, 0)) / tok_s * 1000.0
 
 
+def push_ms(tokens: int, kv_bytes_per_token: int, wan: Link, wan_backlog_bytes: float = 0.0) -> float:
+    """Line time of pushing `tokens` tokens of KV across the WAN, behind the KV already on it; the
+    one-way delay is left out: a transfer without KV (its header and the first token) pays it too."""
+    if tokens <= 0:
+        return 0.0
+    return (tokens * kv_bytes_per_token + max(wan_backlog_bytes, 0.0)) / (wan.mbps * BYTES_PER_MBIT_PER_MS)
+
+
+def extend_ms(tokens: int, decoder: InstanceView, priors: Priors) -> float:
+    """A decoder computing `tokens` prompt tokens itself, in one extend at its prefill throughput."""
+    return prefill_ms(tokens, 0, tok_s_of(decoder, priors))
+
+
 def decode_queue_ms(waiting: int, step_ms: float) -> float:
     return max(waiting, 0) * step_ms
 
@@ -103,10 +121,11 @@ class TTFTEstimate:
     transfer_ms: float
     queue_ms: float
     step_ms: float
+    extend_ms: float = 0.0  # the decoder computing what it lacks (the suffix path)
 
     @property
     def total_ms(self) -> float:
-        return self.prefill_ms + self.transfer_ms + self.queue_ms + self.step_ms
+        return self.prefill_ms + self.transfer_ms + self.extend_ms + self.queue_ms + self.step_ms
 
 
 FIRST_DECODER = {p: first_decoder(p) for p in Pipeline}
@@ -120,22 +139,26 @@ def estimate_ttft(
     priors: Priors,
     wan: Link,
     wan_backlog_bytes: float = 0.0,
+    computes: bool = False,
 ) -> TTFTEstimate:
     """TTFT of `pipeline` with these instances; `decoder` is the one that streams first (MD for
     p-md, RLD otherwise). `wan` is the live link estimate (see `BandwidthEstimator`);
-    `wan_backlog_bytes` the KV already on it, which a transfer across it waits for."""
+    `wan_backlog_bytes` the KV already on it, which a transfer across it waits for. `computes`:
+    the decoder computes what it lacks itself (the suffix path), none of its KV is pushed."""
     if decoder.role != FIRST_DECODER[pipeline]:
         raise ValueError(f"{pipeline}: first decoder must be {FIRST_DECODER[pipeline]}, got {decoder.role}")
     across = decoder.dc != prefill.dc
     link = wan if across else Link(priors.local_mbps)
     lacking = prompt_len - min(decoder.hit_tokens, prompt_len)
-    behind = max(wan_backlog_bytes, 0.0) / (wan.mbps * BYTES_PER_MBIT_PER_MS) if across and lacking > 0 else 0.0
+    pushed = 0 if computes else lacking
+    behind = max(wan_backlog_bytes, 0.0) / (wan.mbps * BYTES_PER_MBIT_PER_MS) if across and pushed > 0 else 0.0
     step = step_ms_of(decoder, priors)
     return TTFTEstimate(
         prefill_ms=prefill_ms(prompt_len - prefill.hit_tokens, prefill.queued_tokens, tok_s_of(prefill, priors)),
-        transfer_ms=transfer_ms(lacking, priors.kv_bytes_per_token, link) + behind,
+        transfer_ms=transfer_ms(pushed, priors.kv_bytes_per_token, link) + behind,
         queue_ms=decode_queue_ms(decoder.waiting, step),
         step_ms=step,
+        extend_ms=extend_ms(lacking, decoder, priors) if computes else 0.0,
     )
 
 

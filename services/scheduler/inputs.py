@@ -81,6 +81,7 @@ def instance_view(i: InstanceInfo, hit_tokens: int, unseen: int) -> InstanceView
         queued_tokens=i.queued_tokens,
         step_ms=i.step_ms or None,
         prefill_tok_s=i.prefill_tok_s or None,
+        dtype=i.dtype,
     )
 
 

@@ -40,6 +40,29 @@ widest of native, bf16, int8 whose p-md TTFT estimate meets the SLO [slo-met for
 narrowed-for-slo otherwise], else int8 [narrowest]. Narrower KV trades a little accuracy for
 WAN bytes (docs/kv-wire.md measures how little).
 
+Main-decode's suffix (`md_suffix_reason` in brackets), weighed for the MD instance before the
+pipeline, whose p-md estimate then counts it; it applies when the plan has main-decode (p-md,
+p-rld-md; the relay's KV is pushed as ever). The suffix is what MD lacks, prompt_len - its hit.
+Rather than receive the suffix's KV, MD may compute it itself (Dynamo's conditional
+disaggregation): its start is then prompt_len, prefill (which still computes the whole prompt
+and samples the first token) pushes a transfer with no KV, and MD extends [hit, prompt_len) and
+the first token in one pass before it decodes. First rule that applies:
+- `md_suffix_max_tokens` is 0 [off].
+- Prefill and MD run in different dtypes [dtypes-differ]: MD's own KV of the suffix (bfloat16
+  in the shipped fleet) would not be prefill's float32 KV and the answer would change. In one
+  dtype it is prefill's bit for bit (the batch-invariant kernels): the same answer either way.
+- The suffix is longer than `md_suffix_max_tokens` [over-cap]: one long extend would stall MD's
+  other decodes.
+- MD's extend (suffix / its measured prefill tok/s, else the `prefill_tok_s` prior) is shorter
+  than the push's line time (suffix * wire bytes per token / bandwidth, behind the line's backlog
+  when `line_backlog` counts it; the one-way delay is paid either way) [extend-cheaper]: MD
+  computes it, no KV of this request crosses and the line's backlog does not count it. Both
+  grow with the suffix, so without a backlog this is MD's prefill rate against the tokens per
+  second the line carries: at 200 Mbps, 542 tok/s of SmolLM2's float32 KV.
+- Otherwise the KV is pushed [push-cheaper]. `estimates.md_push_ms` / `md_extend_ms` record the
+  two figures whenever they were weighed.
+Nothing is weighed ("") when MD holds the whole prompt or the plan has no MD.
+
 Handoff of `p-rld-md` (`handoff_reason` in brackets): the request's hint [forced], else a pinned
 `default_handoff` [default], else from RLD's live load and the expected backlog, i.e. the tokens
 RLD will have produced before MD can take over: (TTFT via MD - TTFT via RLD) / RLD step time.
@@ -54,9 +77,10 @@ on (`avoid`). Cost trades load against prefix hit, as SGLang's cache-aware route
 KV router do: `load - hit_weight * hit_tokens / prompt_len`, where load is the KV pool's used
 share + 0.1 per running, waiting or pending request (the registry's `load` when those are unknown), +1
 when the instance lacks the free blocks this request needs. A decoder is sent only the KV it
-lacks: its start is its prefix hit (whole blocks). An instance that holds `capacity` requests
-(max_running + max_waiting: the stage's bounded queue) is full and skipped. No alive instance of
-a needed role -> `NoCapacity` (the gateway answers 503); alive but all full -> `Saturated` (429).
+lacks: its start is its prefix hit (whole blocks), or the prompt's end on MD's suffix path. An
+instance that holds `capacity` requests (max_running + max_waiting: the stage's bounded queue) is
+full and skipped. No alive instance of a needed role -> `NoCapacity` (the gateway answers 503);
+alive but all full -> `Saturated` (429).
 """
 
 from __future__ import annotations
@@ -65,7 +89,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from services.scheduler.estimates import InstanceView, Link, estimate_ttft, step_ms_of
+from services.scheduler.estimates import InstanceView, Link, estimate_ttft, extend_ms, push_ms, step_ms_of
 from shared.messages import PlanEstimates
 from shared.model_info import AUTO_WIRE, WireFormat
 from shared.pipelines import ROLES_OF, Handoff, Pipeline, Role
@@ -143,6 +167,8 @@ class Decision:
     estimates: PlanEstimates = field(default_factory=PlanEstimates)
     kv_wire: str = WireFormat.NATIVE  # how KV crosses the WAN for this request
     kv_wire_reason: str = ""
+    md_computes_suffix: int = 0  # prompt tokens MD computes itself instead of receiving their KV
+    md_suffix_reason: str = ""
 
     @property
     def instance_ids(self) -> list[str]:
@@ -282,6 +308,39 @@ def choose_wire(
     return AUTO_WIRES[-1], "narrowest"
 
 
+@dataclass(frozen=True)
+class Suffix:
+    """Whether MD computes the suffix of the prompt it lacks itself, why, and the figures weighed."""
+
+    tokens: int = 0  # the suffix MD computes (0: its KV is pushed, or MD lacks nothing)
+    reason: str = ""
+    push_ms: float = 0.0
+    extend_ms: float = 0.0
+
+
+def choose_suffix(
+    req: PlanRequest, prefill: InstanceView, md: InstanceView, priors: PolicyConfig, wan: Link, line: float
+) -> Suffix:
+    """The suffix rule (above); `priors` carry the chosen wire's bytes per token, `line` the
+    backlog the estimates count."""
+    suffix = req.prompt_len - min(md.hit_tokens, req.prompt_len)
+    if suffix == 0:
+        return Suffix()
+    if priors.md_suffix_max_tokens == 0:
+        return Suffix(reason="off")
+    if prefill.dtype != md.dtype:
+        return Suffix(reason="dtypes-differ")
+    if suffix > priors.md_suffix_max_tokens:
+        return Suffix(reason="over-cap")
+    across = md.dc != prefill.dc
+    link = wan if across else Link(priors.local_mbps)
+    push = push_ms(suffix, priors.kv_bytes_per_token, link, line if across else 0.0)
+    extend = extend_ms(suffix, md, priors)
+    if extend < push:
+        return Suffix(suffix, "extend-cheaper", push_ms=push, extend_ms=extend)
+    return Suffix(0, "push-cheaper", push_ms=push, extend_ms=extend)
+
+
 # -- the plan -------------------------------------------------------------------------------
 def choose_plan(
     req: PlanRequest,
@@ -301,10 +360,13 @@ def choose_plan(
             decoders[role] = cheapest(instances, role, req, config)
         except NoCapacity as e:
             missing[role] = e
-    wire, wire_reason = choose_wire(req, prefill, decoders.get(Role.MD), config, wan, line)
+    md = decoders.get(Role.MD)
+    wire, wire_reason = choose_wire(req, prefill, md, config, wan, line)
     priors = with_wire(config, wire)
+    suffix = choose_suffix(req, prefill, md, priors, wan, line) if md is not None else Suffix()
+    computes = {Role.MD: suffix.tokens > 0, Role.RLD: False}  # whether it computes what it lacks
     ttft = {
-        p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan, line).total_ms
+        p: estimate_ttft(p, req.prompt_len, prefill, decoders[role], priors, wan, line, computes[role]).total_ms
         for p, role in ((Pipeline.P_MD, Role.MD), (Pipeline.P_RLD_MD, Role.RLD))
         if role in decoders
     }
@@ -325,7 +387,10 @@ def choose_plan(
         handoff, handoff_reason = choose_handoff(req, decoders[Role.RLD], backlog, config)
     elif reason != "relay-finishes":
         backlog = 0  # recorded only where it counted: the handoff, or the relay finishing alone
-    starts = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != Role.PREFILL}
+    hits = {role: min(i.hit_tokens, req.prompt_len) for role, i in picked.items() if role != Role.PREFILL}
+    if Role.MD not in picked:
+        suffix = Suffix()
+    starts = hits | ({Role.MD: req.prompt_len} if suffix.tokens else {})
     estimates = PlanEstimates(
         ttft_ms=ttft,
         wan_mbps=wan.mbps,
@@ -334,12 +399,14 @@ def choose_plan(
         rld_busy=rld_busy(rld) if rld else 0,
         wan_backlog_bytes=line,
         ttft_slo_ms=config.ttft_slo_ms,
+        md_push_ms=suffix.push_ms,
+        md_extend_ms=suffix.extend_ms,
     )
     return Decision(
         pipeline=pipeline,
         handoff=handoff,
         **{role: i.id for role, i in picked.items()},
-        md_cached_tokens=starts.get(Role.MD, 0),
+        md_cached_tokens=hits.get(Role.MD, 0),
         starts=starts,
         reason=reason,
         handoff_reason=handoff_reason,
@@ -347,4 +414,6 @@ def choose_plan(
         estimates=estimates,
         kv_wire=wire if Role.MD in picked else WireFormat.NATIVE,
         kv_wire_reason=wire_reason if Role.MD in picked else "",
+        md_computes_suffix=suffix.tokens,
+        md_suffix_reason=suffix.reason,
     )

@@ -381,6 +381,8 @@ class Scheduler:
             estimates=d.estimates,
             kv_wire=d.kv_wire,
             kv_wire_reason=d.kv_wire_reason,
+            md_computes_suffix=d.md_computes_suffix,
+            md_suffix_reason=d.md_suffix_reason,
             dispatch_id=secrets.token_hex(8),
             stream_key=sub.stream_key,
         )
@@ -392,7 +394,7 @@ class Scheduler:
             _target(prefill, inst, d.starts[inst.role], plan.kv_wire, self.cfg.scheduler.kv_wire_in_dc)
             for inst in decoders
         ]
-        crossing = [t for t in targets if t.wan]
+        crossing = [t for t in targets if t.wan]  # main-decode computing its suffix (start: the prompt's end) adds none
         on_line = sum(wan_kv_bytes(len(sub.prompt_ids) - t.start, t.wire, self.policy) for t in crossing)
         to = crossing[0].instance_id if crossing else ""
         self.backlog.add(sub.request_id, on_line, now, to=to)  # before any await, as the dispatches above
@@ -461,6 +463,8 @@ class Scheduler:
             handoff=Handoff.NONE,
             md="",
             md_cached_tokens=0,
+            md_computes_suffix=0,
+            md_suffix_reason="",
             reason=f"{plan.reason}; {reason}: the relay finishes it",
         )
         await self._record(alone)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.modes import MODE_TABLE, MODES, mode_config, parse_modes
+from shared.config import config_from_dict
 from sim.config import policy_config
 from tests.sim.factories import make_config
 
@@ -17,6 +18,7 @@ def test_the_bench_cluster_follows_the_table(name):
     assert ("rld" in by_role) == m.relay
     assert by_role["md"]["dc"] == m.md_dc and by_role["md"]["prefix_cache"] == m.drc
     assert (cfg["scheduler"]["default_pipeline"], cfg["scheduler"]["default_handoff"]) == (m.pipeline, m.handoff)
+    assert (config_from_dict(cfg).scheduler.md_suffix_max_tokens > 0) == m.md_suffix
 
 
 @pytest.mark.parametrize("name", MODES)
@@ -27,11 +29,14 @@ def test_the_simulated_fleet_follows_the_table(name):
     assert groups["md"].dc == m.md_dc and groups["md"].prefix_cache == m.drc
     p = policy_config(cfg, name)
     assert (p.default_pipeline, p.default_handoff) == (m.pipeline, m.handoff)
+    assert p.md_suffix_max_tokens == 0  # the simulated decoder does not model computing a suffix
 
 
-def test_the_table_names_the_six_modes_and_the_parser_refuses_others():
-    assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup")
-    assert [n for n in MODES if MODE_TABLE[n].wan] == ["pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup"]
+def test_the_table_names_the_seven_modes_and_the_parser_refuses_others():
+    assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push")
+    wan = ["pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push"]
+    assert [n for n in MODES if MODE_TABLE[n].wan] == wan
+    assert [n for n in MODES if not MODE_TABLE[n].md_suffix] == ["pd-wan", "pd-wan-drc", "pdd-push"]
     assert parse_modes(" pd-wan, pdd ") == ["pd-wan", "pdd"]
     with pytest.raises(ValueError, match="pdd-fast"):
         parse_modes("pdd,pdd-fast")

@@ -102,6 +102,7 @@ def test_the_decode_side_cache_and_incremental_kv_work_across_precisions(keyed):
     assert first["prefix_hit_tokens"]["md"] == 0 and second["prefix_hit_tokens"]["md"] >= 144  # bf16 blocks reused
     fresh = first["wan_kv_bytes"] // BF16_KV_PER_TOKEN
     assert second["wan_kv_bytes"] < first["wan_kv_bytes"] / 5 and fresh > 144  # only the new tokens' KV crossed
+    assert (second["md_computes_suffix"], second["md_suffix_reason"]) == (0, "dtypes-differ")  # never in bf16 at md
 
 
 @pytest.mark.parametrize("wire", ["bf16", "int8"])

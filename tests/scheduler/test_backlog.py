@@ -171,6 +171,26 @@ async def test_native_kv_into_a_bfloat16_decoder_travels_as_bf16_and_is_counted_
     assert c.backlog == 100 * 23_040
 
 
+async def test_md_computing_its_suffix_is_told_so_and_puts_nothing_on_the_line(monkeypatch):
+    """A 100-token prompt MD computes itself (at the 100,000 tok/s prior: 1 ms, against 37 ms of
+    KV on the 1 Gbps line): the plan says so, MD's task and its KV target start at the prompt's
+    end, not a block boundary, and no bytes join the backlog. MD in bfloat16 beside a float32
+    prefill: pushed and counted, whatever the figures."""
+    c = await Cluster(ttft_slo_ms=1e9, prefill_tok_s=100_000.0).start()
+    plan = await c.submit("r1", 100)
+    assert (plan.pipeline, plan.md_computes_suffix, plan.md_suffix_reason) == ("p-md", 100, "extend-cheaper")
+    assert plan.estimates.md_push_ms > plan.estimates.md_extend_ms > 0
+    target = next(t for t in c.tasks["prefill-0"].targets if t.instance_id == "md-0")
+    assert (target.start, target.wan, c.tasks["md-0"].kv_start) == (100, True, 100)
+    assert c.backlog == 0 and len(c.scheduler.backlog) == 0
+    prefill, rld, md = INSTANCES
+    monkeypatch.setattr(sys.modules[__name__], "INSTANCES", [prefill, rld, dataclasses.replace(md, dtype="bfloat16")])
+    mixed = await Cluster(ttft_slo_ms=1e9, prefill_tok_s=100_000.0).start()
+    plan = await mixed.submit("r2", 100)
+    assert (plan.md_computes_suffix, plan.md_suffix_reason, mixed.tasks["md-0"].kv_start) == (0, "dtypes-differ", 0)
+    assert mixed.backlog == 100 * 23_040  # float32 KV into bfloat16 crosses as bf16
+
+
 async def test_nothing_is_counted_for_kv_that_stays_in_datacenter_a():
     c = await Cluster(anomalous_min_uncached=64, anomalous_max_output=100).start()
     plan = await c.submit("r1", 100, max_tokens=10)  # anomalous: p-rld, KV only to the relay

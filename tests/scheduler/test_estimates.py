@@ -10,7 +10,9 @@ from services.scheduler.estimates import (
     Link,
     decode_queue_ms,
     estimate_ttft,
+    extend_ms,
     prefill_ms,
+    push_ms,
     transfer_ms,
 )
 from services.scheduler.policy import PolicyConfig
@@ -63,6 +65,24 @@ def test_measured_figures_win_over_priors():
     prefill = view("prefill-0", prefill_tok_s=1000.0, queued_tokens=500)
     e = estimate_ttft("p-md", 1000, prefill, view("md-0", step_ms=20.0, waiting=1), CFG, WAN)
     assert e.prefill_ms == pytest.approx(1500.0) and e.step_ms == 20.0 and e.queue_ms == 20.0
+
+
+def test_a_main_decoder_computing_what_it_lacks_pays_its_extend_and_the_delay_alone():
+    """The suffix path: the transfer's header crosses (the delay), no KV and no backlog; MD extends
+    the 400 tokens at its measured 2,000 tok/s."""
+    md = view("md-0", hit_tokens=600, prefill_tok_s=2000.0)
+    e = estimate_ttft("p-md", 1000, view("prefill-0"), md, CFG, WAN, wan_backlog_bytes=1e9, computes=True)
+    assert (e.transfer_ms, e.extend_ms) == (pytest.approx(10.0), pytest.approx(200.0))
+    assert e.total_ms == pytest.approx(e.prefill_ms + 10 + 200 + 75)
+    assert estimate_ttft("p-md", 1000, view("prefill-0"), md, CFG, WAN).extend_ms == 0.0
+
+
+def test_push_and_extend_of_a_suffix():
+    assert push_ms(100, 46_080, WAN) == pytest.approx(4_608_000 / 125_000)  # no delay: paid either way
+    assert push_ms(100, 46_080, WAN, wan_backlog_bytes=1e6) == pytest.approx(5_608_000 / 125_000)
+    assert push_ms(0, 46_080, WAN, wan_backlog_bytes=1e6) == 0.0  # nothing to push waits for nothing
+    assert extend_ms(100, view("md-0"), CFG) == pytest.approx(100 / 300 * 1000)  # the prior
+    assert extend_ms(100, view("md-0", prefill_tok_s=2000.0), CFG) == pytest.approx(50.0)
 
 
 def test_the_first_decoder_must_match_the_pipeline():

@@ -78,6 +78,7 @@ def test_every_knob_of_the_section_reaches_the_policy():
         "relay_finishes": True,
         "line_backlog": True,
         "kv_wire": "auto",
+        "md_suffix_max_tokens": 64,
         "metrics_port": 9100,
         "kv_wire_in_dc": "bf16",
     }
@@ -99,6 +100,7 @@ def test_every_knob_of_the_section_reaches_the_policy():
         ("ttft_slo_ms", 0),
         ("prefill_tok_s", -1.0),
         ("rld_pressure", 1.5),
+        ("md_suffix_max_tokens", -1),
     ],
 )
 def test_a_bad_knob_is_refused_by_both_naming_it(knob, value):

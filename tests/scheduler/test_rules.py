@@ -1,5 +1,5 @@
-"""Pipeline choice, the anomalous filter, handoff mode, the oscillation guard, relay-finishes and
-the line's backlog, rule by rule."""
+"""Pipeline choice, the anomalous filter, handoff mode, the oscillation guard, relay-finishes,
+the line's backlog and main-decode's suffix, rule by rule."""
 
 from __future__ import annotations
 
@@ -238,6 +238,89 @@ def test_auto_wire_narrows_for_the_lines_backlog_too():
         "narrowed-for-slo",
         "p-md",
     )
+
+
+# -- main-decode's suffix: computed there rather than pushed through the line ---------------
+def warm_md(**md) -> list:
+    """Prefill and MD hold the prompt (1000 tokens) but its last 40; MD's measured prefill rate,
+    2,000 tok/s, makes their extend 20 ms."""
+    return fleet(prefill_0={"hit_tokens": 960}, md_0={"hit_tokens": 960, "prefill_tok_s": 2000.0, **md})
+
+
+PUSH_40_AT_100_MBPS = 40 * 46_080 / 12_500  # 147 ms of float32 KV on the line
+
+
+def test_md_computes_a_short_suffix_when_its_extend_beats_the_line():
+    d = choose_plan(request(1000), warm_md(), CFG, wan_mbps=100.0)
+    assert (d.pipeline, d.md_computes_suffix, d.md_suffix_reason) == ("p-md", 40, "extend-cheaper")
+    assert d.starts == {"md": 1000} and d.md_cached_tokens == 960  # its start is the prompt's end
+    assert (d.estimates.md_push_ms, d.estimates.md_extend_ms) == (pytest.approx(PUSH_40_AT_100_MBPS), 20.0)
+    pushed = choose_plan(request(1000), warm_md(), dataclasses.replace(CFG, md_suffix_max_tokens=0), wan_mbps=100.0)
+    saved = pushed.estimates.ttft_ms["p-md"] - d.estimates.ttft_ms["p-md"]
+    assert saved == pytest.approx(PUSH_40_AT_100_MBPS - 20.0)  # MD's estimate has its extend, not the push
+
+
+def test_a_suffix_over_the_cap_is_pushed():
+    capped = choose_plan(request(1000), warm_md(), dataclasses.replace(CFG, md_suffix_max_tokens=39), wan_mbps=100.0)
+    assert (capped.md_computes_suffix, capped.md_suffix_reason, capped.starts) == (0, "over-cap", {"md": 960})
+    views = fleet(md_0={"hit_tokens": 704, "prefill_tok_s": 2000.0})  # 296 tokens: over the default 256
+    long = choose_plan(request(1000), views, CFG, wan_mbps=100.0)
+    assert (long.md_computes_suffix, long.md_suffix_reason, long.starts["md"]) == (0, "over-cap", 704)
+    at_cap = choose_plan(request(1000), warm_md(), dataclasses.replace(CFG, md_suffix_max_tokens=40), wan_mbps=100.0)
+    assert at_cap.md_computes_suffix == 40
+
+
+def test_a_cap_of_zero_turns_the_path_off():
+    d = choose_plan(request(1000), warm_md(), dataclasses.replace(CFG, md_suffix_max_tokens=0), wan_mbps=100.0)
+    assert (d.md_computes_suffix, d.md_suffix_reason, d.starts["md"]) == (0, "off", 960)
+    assert (d.estimates.md_push_ms, d.estimates.md_extend_ms) == (0.0, 0.0)
+
+
+def test_a_fast_line_pushes_the_suffix():
+    """At the 1 Gbps prior the 40 tokens' KV crosses in 15 ms, sooner than MD's 20 ms extend."""
+    d = choose_plan(request(1000), warm_md(), CFG)
+    assert (d.md_computes_suffix, d.md_suffix_reason, d.starts["md"]) == (0, "push-cheaper", 960)
+    assert (d.estimates.md_push_ms, d.estimates.md_extend_ms) == (pytest.approx(PUSH_40_AT_100_MBPS / 10), 20.0)
+
+
+def test_the_lines_backlog_counts_against_the_push_when_the_estimates_count_it():
+    """The fast line with 20 MB on it: the suffix's KV would land 175 ms from now."""
+    d = choose_plan(request(1000), warm_md(), RULES, wan_backlog_bytes=20e6)
+    assert (d.md_computes_suffix, d.md_suffix_reason, d.estimates.md_push_ms) == (
+        40,
+        "extend-cheaper",
+        pytest.approx((40 * 46_080 + 20e6) / 125_000),
+    )
+    assert choose_plan(request(1000), warm_md(), CFG, wan_backlog_bytes=20e6).md_suffix_reason == "push-cheaper"
+
+
+def test_without_a_measured_rate_the_prior_stands_in():
+    """MD has not measured its prefill rate: at the 300 tok/s prior the 40 tokens take 133 ms."""
+    views = fleet(prefill_0={"hit_tokens": 960}, md_0={"hit_tokens": 960})
+    assert choose_plan(request(1000), views, CFG, wan_mbps=100.0).md_suffix_reason == "extend-cheaper"  # 147 ms
+    assert choose_plan(request(1000), views, CFG, wan_mbps=200.0).md_suffix_reason == "push-cheaper"  # 74 ms
+
+
+def test_never_when_prefill_and_md_run_in_different_dtypes():
+    """The shipped fleet (prefill float32, MD bfloat16): MD's own bfloat16 KV of the suffix is
+    not prefill's float32 KV, so the answer would change. Pushed, however slow the line."""
+    d = choose_plan(request(1000), warm_md(dtype="bfloat16"), CFG, wan_mbps=1.0)
+    assert (d.md_computes_suffix, d.md_suffix_reason, d.starts["md"]) == (0, "dtypes-differ", 960)
+    both = fleet(prefill_0={"hit_tokens": 960, "dtype": "bfloat16"}, md_0={"hit_tokens": 960, "dtype": "bfloat16"})
+    assert choose_plan(request(1000), both, CFG, wan_mbps=1.0).md_computes_suffix == 40
+
+
+def test_the_relay_still_gets_its_kv_while_md_computes_its_suffix():
+    d = choose_plan(request(1000, pipeline="p-rld-md"), warm_md(), CFG, wan_mbps=100.0)
+    assert (d.pipeline, d.md_computes_suffix, d.starts) == ("p-rld-md", 40, {"rld": 0, "md": 1000})
+
+
+def test_nothing_to_weigh_without_a_suffix_or_without_md():
+    whole = fleet(prefill_0={"hit_tokens": 992}, md_0={"hit_tokens": 992, "prefill_tok_s": 2000.0})
+    d = choose_plan(request(992), whole, CFG, wan_mbps=100.0)  # MD holds the whole prompt
+    assert (d.md_computes_suffix, d.md_suffix_reason, d.starts["md"]) == (0, "", 992)
+    relay_only = choose_plan(request(3000, 100), fleet(), CFG)  # anomalous: p-rld, no MD in the plan
+    assert (relay_only.pipeline, relay_only.md_computes_suffix, relay_only.md_suffix_reason) == ("p-rld", 0, "")
 
 
 # -- oscillation guard (relay admission control) --------------------------------------------
