@@ -36,7 +36,7 @@ from shared.kv_send import EarlyConnection, KVPush, send_kv
 from shared.kv_transport import FirstToken, Transfer, TransferHead
 from shared.messages import Ack, HandoffChunk, Sampling
 from shared.runtime.engine import Engine
-from shared.runtime.kv_payload import export_kv, import_layer, layer_from_bytes, layer_to_bytes
+from shared.runtime.kv_payload import export_kv, import_layer, layer_to_bytes, payload_from_parts
 from shared.runtime.models import load_model
 from shared.runtime.provision import provision_default_model
 from shared.runtime.sequence import Sequence
@@ -76,9 +76,9 @@ async def _kv_path(
     slots = engine.pool.slots(seq.block_table, n_prompt, n_prompt + n_tokens)
 
     async def receive(t: Transfer) -> str:
-        header = t.head.kv
-        for layer, data in enumerate(t.layers):
-            import_layer(engine.pool, slots, layer, *layer_from_bytes(header, data))
+        kv = payload_from_parts(t.head.kv, [(p.start, p.end, p.layers) for p in t.parts])
+        for layer, (k, v) in enumerate(kv.layers):
+            import_layer(engine.pool, slots, layer, k, v)
         return ""
 
     receiver = KVReceiver(receive, stall_s=30, tls=secrets.kv_server_context("md-0") if secrets else None)

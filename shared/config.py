@@ -296,6 +296,9 @@ class ClusterConfig:
     # the answer's KV into its prefix cache while idle: the session's next turn, whose prompt holds
     # that answer, does not prefill it again (token ids cross, never KV: the handoff in reverse)
     warm_prefill: bool = True
+    # prefill pushes each chunk of a long prompt's KV as soon as its engine computed it: the push
+    # crosses the line while the rest prefills (false: the whole push after the first token)
+    stream_kv: bool = True
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)

@@ -40,7 +40,7 @@ from shared.messages import Abort, Ack, DecodeTask, Drop, Resend, Resent, TokenC
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import TokenOutput
-from shared.runtime.kv_payload import KVPayload, layer_from_bytes
+from shared.runtime.kv_payload import payload_from_parts
 from shared.runtime.sequence import FinishReason, Sequence
 from shared.security import Secrets
 
@@ -218,17 +218,16 @@ class DecoderService(InstanceService):
         if not 0 <= first < self.vocab_size:
             return f"first token {first!r} is not in the vocabulary"
         header = t.head.kv
-        layers = await asyncio.to_thread(lambda: [layer_from_bytes(header, b) for b in t.layers])
+        parts = [(p.start, p.end, p.layers) for p in t.parts]
+        payload = await asyncio.to_thread(payload_from_parts, header, parts)
         if self.requests.get(t.request_id) is not req or req.phase != Phase.PENDING:
             return ""  # aborted (or a duplicate landed) while the bytes were converted
         req.stats.merge(t.first.stats)
         if t.via_wan:
             req.stats.wan_kv_bytes, req.stats.kv_wan_ms = t.wire_bytes, t.elapsed_ms
-            self.spawn(
-                self.bus.publish(
-                    subjects.wan_sample(self.inst.id), WanSample(t.wire_bytes, t.elapsed_ms / 1000, req.id)
-                )
-            )
+            if header.num_tokens:  # no KV (this decoder computes the suffix): no measure of the line
+                sample = WanSample(t.wire_bytes, t.elapsed_ms / 1000, req.id)
+                self.spawn(self.bus.publish(subjects.wan_sample(self.inst.id), sample))
         else:
             req.stats.local_kv_bytes, req.stats.kv_local_ms = t.wire_bytes, t.elapsed_ms
         task = req.task
@@ -242,7 +241,7 @@ class DecoderService(InstanceService):
         )
         seq.prompt_len = len(task.prompt_ids)
         seq.shadow = self.shadows(task)
-        req.parked, req.phase = (seq, KVPayload(header, layers), t.first), Phase.PARKED
+        req.parked, req.phase = (seq, payload, t.first), Phase.PARKED
         self.parked.append(req.id)
         await self._admit_parked()
         return req.error  # "" = committed: running, or parked until the pool has room

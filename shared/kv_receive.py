@@ -6,6 +6,7 @@ checks), hands it to the decoder and ACKs its verdict.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 import time
@@ -23,7 +24,9 @@ from shared.kv_transport import (
     ConnectionUnused,
     FirstToken,
     Frame,
+    KVPart,
     KVTransferError,
+    Part,
     Transfer,
     TransferAck,
     TransferHead,
@@ -33,6 +36,7 @@ from shared.kv_transport import (
     reset,
 )
 from shared.pipelines import Role
+from shared.runtime.kv_payload import KVHeader
 from shared.security import peer_unit
 
 log = logging.getLogger(__name__)
@@ -60,7 +64,7 @@ class KVReceiver:
         stall_s: float,
         vet: Vet | None = None,
         tls: ssl.SSLContext | None = None,
-        layer_bytes: Callable[[Transfer], int] = lambda t: t.head.kv.layer_bytes,
+        layer_bytes: Callable[[KVHeader], int] = lambda kv: kv.layer_bytes,  # a part's, per layer
         max_per_peer: int = MAX_PER_PEER,
         idle_s: float = RECEIVER_IDLE_S,
     ) -> None:
@@ -189,16 +193,30 @@ class KVReceiver:
         return True
 
     async def _receive_body(self, reader: asyncio.StreamReader, t: Transfer, keep: bool = True) -> None:
-        size = self.layer_bytes(t)
-        for _ in range(t.head.kv.num_layers):
-            layer = await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size)
+        """The parts that tile the header's range, in order (each PART's end checked before its
+        layers are read, each layer frame exactly its part's size), then the first token."""
+        kv = t.head.kv
+        covered, waited = kv.start, 0.0
+        while covered < kv.end:
+            before = time.perf_counter()
+            body = await read_frame(reader, self.stall_s, Frame.PART, MAX_CONTROL)
+            waited += time.perf_counter() - before  # for prefill to compute the part (or the line to carry its frame)
+            end = decode_body(KVPart, body, Frame.PART).end
+            if not covered < end <= kv.end:
+                raise KVTransferError(f"a part ending at {end} does not follow [{kv.start}, {covered}) in {kv}")
+            t.wire_bytes += len(body) + FRAME_HEAD.size
+            size = self.layer_bytes(dataclasses.replace(kv, start=covered, end=end))
+            layers = []
+            for _ in range(kv.num_layers):
+                layers.append(await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size))
+                t.wire_bytes += size + FRAME_HEAD.size
             if keep:
-                t.layers.append(layer)
-            t.wire_bytes += size + FRAME_HEAD.size
+                t.parts.append(Part(covered, end, layers))
+            covered = end
         body = await read_frame(reader, self.stall_s, Frame.FIRST_TOKEN, MAX_CONTROL)
         t.first = decode_body(FirstToken, body, Frame.FIRST_TOKEN)
         t.wire_bytes += len(body) + FRAME_HEAD.size
-        t.elapsed_ms = (time.perf_counter() - t.started) * 1000
+        t.elapsed_ms = (time.perf_counter() - t.started - waited) * 1000
 
     def _refuse(self, writer: asyncio.StreamWriter, t: Transfer | None, peer: str, why: str) -> None:
         self.refused += 1

@@ -13,10 +13,17 @@ needed crosses the WAN while the prompt prefills.
 Wire format, one frame = `u32 length (big endian) | u8 type | body[length - 1]`:
 
     HEADER       TransferHead (msgpack): request, sender, secret, KVHeader     at most 4 KiB
-    LAYER        raw K then V bytes of one layer, `num_layers` frames in layer order, each
-                 exactly the size the header implies
+    PART         KVPart (msgpack): the next part of the header's token range ends at `end`
+    LAYER        raw K then V bytes of one layer for the part, `num_layers` frames in layer
+                 order after each PART, each exactly the size the part's range implies
     FIRST_TOKEN  FirstToken (msgpack): prefill's first token and its figures   at most 16 KiB
     ACK          TransferAck (msgpack), receiver -> sender, after the KV is committed
+
+A transfer is HEADER, then parts that tile the header's range [start, end) in order (none when
+it is empty), then FIRST_TOKEN. Prefill sends each part as soon as its engine computed it (a
+chunk of a long prompt): the KV of a cold prompt crosses while the rest of it prefills, and
+only the last chunk's KV is left for after the first token. Between parts the sender may wait
+for its engine (a chunk's forward): the receiver allows `stall_s` for it, as for any byte.
 
 Control frames are typed messages (shared/messages.py's codec), checked field by field on decode.
 
@@ -76,6 +83,7 @@ class Frame(IntEnum):
     LAYER = 3
     FIRST_TOKEN = 4
     ACK = 5
+    PART = 6
 
 
 @dataclass
@@ -87,6 +95,14 @@ class TransferHead(Message):
     secret: str  # minted by the scheduler for (request, this decoder): the receiver checks it
     kv: KVHeader
     wan: bool = False
+
+
+@dataclass
+class KVPart(Message):
+    """PART: the KV of tokens [the previous part's end (the header's start for the first), end)
+    follows, one LAYER frame per layer."""
+
+    end: int
 
 
 @dataclass
@@ -188,16 +204,28 @@ def decode_body(cls: type[M], body: bytes, kind: Frame) -> M:
         raise KVTransferError(f"bad {kind.name} frame: {e}") from None
 
 
+@dataclass(frozen=True)
+class Part:
+    """A part of a transfer as received: tokens [start, end), per-layer raw bytes in wire format."""
+
+    start: int
+    end: int
+    layers: list[bytes]
+
+
 @dataclass
 class Transfer:
-    """What a receiver got: the header, per-layer raw bytes, and prefill's first token."""
+    """What a receiver got: the header, its range's KV in parts (per-layer raw bytes), and
+    prefill's first token."""
 
     head: TransferHead
-    layers: list[bytes] = field(default_factory=list)
+    parts: list[Part] = field(default_factory=list)
     first: FirstToken | None = None  # set once the last frame is read
     wire_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
-    elapsed_ms: float = 0.0  # first header byte read -> FIRST_TOKEN read
+    # HEADER read -> FIRST_TOKEN read, less the waits for each PART frame: the time the KV took to
+    # arrive, not the time prefill took to compute a streamed push's next part (the line's pace)
+    elapsed_ms: float = 0.0
 
     @property
     def request_id(self) -> str:

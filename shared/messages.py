@@ -363,6 +363,7 @@ class RequestStats(Message):
     md_hit_tokens: int = 0
     recomputed_tokens: int = 0  # planned prefix evicted from main-decode meanwhile
     handoff_chunks: int = 0
+    streamed_kv_tokens: int = 0  # prompt tokens whose KV prefill pushed before its first token (`stream_kv`)
 
     def merge(self, other: RequestStats | None) -> RequestStats:
         if other is not None:

@@ -57,6 +57,7 @@ def build_pdd(request_id: str, plan: Plan | None, stats: FlowStats) -> dict[str,
         "max_itl_ms": max(gaps) * 1000 if gaps else 0.0,
         "wan_kv_bytes": d.wan_kv_bytes,
         "local_kv_bytes": d.local_kv_bytes,
+        "streamed_kv_tokens": d.streamed_kv_tokens,  # prompt KV pushed while prefill still ran (`stream_kv`)
         "prefix_hit_tokens": {Role.PREFILL: d.prefill_hit_tokens, Role.MD: d.md_hit_tokens},
         "md_cached_tokens": plan.md_cached_tokens,  # what the plan counted on
         "md_computes_suffix": plan.md_computes_suffix,  # prompt tokens main-decode computed, none of their KV crossing

@@ -58,7 +58,7 @@ from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import TokenOutput
 from shared.runtime.kv_exchange import NotHeld
-from shared.runtime.kv_payload import KVPayload, layer_to_bytes
+from shared.runtime.kv_payload import KVHeader, KVPayload, layer_to_bytes
 from shared.runtime.sequence import Sequence
 from shared.security import Secrets
 
@@ -79,6 +79,9 @@ class PrefillState:
     early: dict[str, EarlyConnection] = field(default_factory=dict)  # decoder id -> its connection
     # done once the engine took its sequence: an output before that is an earlier copy's (replaced)
     added: asyncio.Future | None = None
+    pushes: dict[str, KVPush] = field(default_factory=dict)  # decoder id -> its push, once the first KV is out
+    sending: list[asyncio.Task] = field(default_factory=list)  # the pushes' tasks, in the targets' order
+    feeding: asyncio.Lock = field(default_factory=asyncio.Lock)  # KV parts go into the pushes in order
 
 
 class Prefiller(InstanceService):
@@ -180,6 +183,7 @@ class Prefiller(InstanceService):
             hold_kv=True,
             max_new=1,
             namespace=namespace_of(self.cfg.model, task.cache_salt),
+            export_from=min(t.start for t in task.targets) if self.cfg.stream_kv else None,
         )
         # Acked now, not once the engine took it: the engine takes it at its next step boundary,
         # and a step may be a prefill chunk of seconds on a busy CPU; an ack behind it would
@@ -227,6 +231,9 @@ class Prefiller(InstanceService):
             state = self.requests.get(out.seq_id)
             if state is None or not state.added.done():
                 continue
+            if out.kv_part is not None:  # a chunk of the prompt computed: its KV leaves now
+                self._spawn_for(state, self._feed(state, out.kv_part))
+                continue
             if out.token_id is None:
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
                 continue
@@ -253,22 +260,36 @@ class Prefiller(InstanceService):
         )
         await self.bus.publish(subjects.tokens(rid, state.task.plan.stream_key), chunk)
 
+    async def _feed(self, state: PrefillState, part: KVPayload) -> None:
+        """A chunk of the prompt was computed (`stream_kv`): its KV goes into each target's push at
+        once (started by the first part), so a long prompt's KV crosses while the rest prefills."""
+        async with state.feeding:
+            self._start_pushes(state, part.header)
+            for t in state.task.targets:
+                await self._add_part(state.pushes[t.instance_id], part, t.wire)
+
     async def _push(self, state: PrefillState, out: TokenOutput) -> None:
+        """The first token is sampled: the KV not streamed yet is exported (the blocks are freed),
+        and each push ends with it and the first token; then the pushes' outcome is settled."""
         task = state.task
         rid = task.request_id
         prefill_ms = (time.monotonic() - state.accepted_at) * 1000
+        async with state.feeding:  # after every part of the prompt fed before it
+            starts = [state.pushes[t.instance_id].covered if state.pushes else t.start for t in task.targets]
+            try:
+                payloads, hit = await self.worker.call(lambda e: e.export_and_release(rid, starts))
+            except NotHeld:
+                return  # aborted between the first token and the export: nothing is held
+            self._start_pushes(state, payloads[0].header)
+            streamed = max(start - t.start for start, t in zip(starts, task.targets))
+            stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit, streamed_kv_tokens=streamed)
+            first = FirstToken(out.token_id, stats, out.logprob)
+            for t, payload in zip(task.targets, payloads):
+                push = state.pushes[t.instance_id]
+                await self._add_part(push, payload, t.wire)
+                push.finish(first)
         try:
-            payloads, hit = await self.worker.call(lambda e: e.export_and_release(rid, [t.start for t in task.targets]))
-        except NotHeld:
-            return  # aborted between the first token and the export: nothing is held
-        stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit)
-        first = FirstToken(out.token_id, stats, logprob=out.logprob)
-        sends = [
-            self._spawn_for(state, self._send(t, rid, p, first, state.early.get(t.instance_id)))
-            for t, p in zip(task.targets, payloads)
-        ]
-        try:
-            results = await asyncio.gather(*sends, return_exceptions=True)
+            results = await asyncio.gather(*state.sending, return_exceptions=True)
         finally:
             self._settle_early(state)
         if self.requests.get(rid) is not state:
@@ -277,6 +298,30 @@ class Prefiller(InstanceService):
         failed = [(t, r) for t, r in zip(task.targets, results) if isinstance(r, Exception)]
         if failed:
             await self._degrade(task, failed)
+
+    def _start_pushes(self, state: PrefillState, kv: KVHeader) -> None:
+        """Each target's push, [its start, n) of the prompt's KV, sent as its parts come (once)."""
+        if state.pushes:
+            return
+        task = state.task
+        for t in task.targets:
+            head = TransferHead(
+                request_id=task.request_id,
+                sender=self.inst.id,
+                secret=t.transfer_secret,
+                kv=dataclasses.replace(kv, start=t.start, end=len(task.prompt_ids), wire=t.wire),
+                wan=t.wan,
+            )
+            state.pushes[t.instance_id] = push = KVPush(head)
+            state.sending.append(self._spawn_for(state, self._send(t, push, state.early.get(t.instance_id))))
+
+    @staticmethod
+    async def _add_part(push: KVPush, part: KVPayload, wire: str) -> None:
+        """What of `part` the push lacks (a target starting later skips what it holds), in `wire`."""
+        if part.header.end <= push.covered:
+            return
+        mine = part.narrow(push.covered, part.header.end)
+        push.add(mine.header.end, await asyncio.to_thread(lambda: [layer_to_bytes(k, v, wire) for k, v in mine.layers]))
 
     async def _degrade(self, task: PrefillTask, failed: list[tuple[KVTarget, Exception]]) -> None:
         """Some pushes failed after their retries. If the relay has its copy and only main-decode's
@@ -294,24 +339,15 @@ class Prefiller(InstanceService):
         errors = "; ".join(str(e) for _, e in failed)
         await self._fail(rid, errors, blame=failed[0][0].instance_id, plan=task.plan)
 
-    async def _send(
-        self, target: KVTarget, rid: str, payload: KVPayload, first: FirstToken, early: EarlyConnection | None
-    ) -> int:
-        """Push one target's KV (the first try on its early connection, if one is ready; else on a
-        standing one, or dialed); a dropped or stalled connection is retried from the start on a new
-        one (a standing connection found dead costs one redial, not a retry: `KVConnections.send`)."""
-        layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v, target.wire) for k, v in payload.layers])
-        head = TransferHead(
-            request_id=rid,
-            sender=self.inst.id,
-            secret=target.transfer_secret,
-            kv=dataclasses.replace(payload.header, wire=target.wire),
-            wan=target.wan,
-        )
-        push = KVPush(head, layers, first)
+    async def _send(self, target: KVTarget, push: KVPush, early: EarlyConnection | None) -> int:
+        """Push one target's KV as its parts come (the first try on its early connection, if one is
+        ready; else on a standing one, or dialed); a dropped or stalled connection is retried from
+        the start on a new one (a standing connection found dead costs one redial, not a retry:
+        `KVConnections.send`)."""
         endpoint = Endpoint(target.host, target.port, target.instance_id)
         t = self.cfg.timeouts
         path = "wan" if target.wan else "in_dc"
+        kv = push.head.kv
         for attempt in range(t.kv_retries + 1):
             t0 = time.perf_counter()
             try:
@@ -322,9 +358,9 @@ class Prefiller(InstanceService):
                 log.info(
                     "%s: %s: KV [%d, %d) to %s (%s): %d bytes in %.0f ms",
                     self.inst.id,
-                    rid,
-                    payload.header.start,
-                    payload.header.end,
+                    push.head.request_id,
+                    kv.start,
+                    kv.end,
                     target.instance_id,
                     path,
                     sent,
@@ -332,12 +368,14 @@ class Prefiller(InstanceService):
                 )
                 return sent
             except KVTransferError as e:
+                if push.abandoned:
+                    raise  # the request ended: nothing to retry
                 self.kv_failures.labels(path=path).inc()
                 error = e
                 log.warning(
                     "%s: %s: KV push to %s failed (attempt %d): %s",
                     self.inst.id,
-                    rid,
+                    push.head.request_id,
                     target.instance_id,
                     attempt + 1,
                     e,
@@ -354,6 +392,10 @@ class Prefiller(InstanceService):
         log.warning("%s: request %s failed: %s", self.inst.id, rid, error)
         if (state := self.requests.pop(rid, None)) is not None:
             self._settle_early(state)
+            for push in state.pushes.values():  # waiting for KV that will not come
+                push.abandon(error)
+            for t in state.tasks:
+                t.cancel()
             plan = plan or state.task.plan
         dispatch_id, stream_key = (plan.dispatch_id, plan.stream_key) if plan else ("", "")
         chunk = TokenChunk(
@@ -403,6 +445,8 @@ class Prefiller(InstanceService):
         if self.requests.get(rid) is state:
             del self.requests[rid]
         self._settle_early(state)
+        for push in state.pushes.values():
+            push.abandon("the request was let go")
         me = asyncio.current_task()
         for t in list(state.tasks):
             if t is not me and not keep_kv:  # finished on the relay: md's push may still land

@@ -35,6 +35,7 @@ import torch
 from shared.messages import EngineFigures, IndexEvent, Logprob
 from shared.runtime.grammar import Grammars, Masks
 from shared.runtime.kv_exchange import KVExchange
+from shared.runtime.kv_payload import KVPayload
 from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
@@ -53,6 +54,7 @@ class TokenOutput:
     error: str | None = None
     caught_up: bool = False  # a shadow sequence computed every token it knows (no token sampled)
     logprob: Logprob | None = None  # the token's, when its request asked for them
+    kv_part: KVPayload | None = None  # a streaming prefill's KV computed by this step (no token: `export_from`)
 
 
 class Engine(KVExchange):
@@ -207,6 +209,8 @@ class Engine(KVExchange):
                 seq.num_computed, seq.imported = seq.imported[1], None
             if seq.shadow and seq.num_pending == 1:
                 outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, caught_up=True))
+            if seq.export_from is not None and seq.export_from < seq.num_computed < seq.num_tokens:
+                outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, kv_part=self.export_part(seq)))
         sampled = result.sampled
         steps = [s.num_output for s in sampled]
         histories = [self.stops.history(s) if s.params.penalised else None for s in sampled]

@@ -3,7 +3,8 @@ allocates, frees or caches blocks (`Engine` is a `KVExchange`; the services call
 `EngineWorker.call`, on the engine thread):
 
     decoder     admit_with_kv        prefill's KV [start, n) stitched onto the cached prefix
-    prefill     export_and_release   a finished prompt's KV copied out, its blocks freed
+    prefill     export_part          a prompt's KV chunk as it is computed (a streaming push)
+    prefill     export_and_release   a finished prompt's KV (the rest) copied out, its blocks freed
     relay       generated            the tokens it streamed so far (what a handoff chunk sends)
     md          extend_shadow        the relay's tokens appended to a shadow (one extend computes them)
 """
@@ -123,6 +124,13 @@ class KVExchange:
             return [export_kv(self.pool, seq.block_table, start, seq.prompt_len) for start in starts], seq.cached_tokens
         finally:
             self.release(seq_id)
+
+    def export_part(self, seq: Sequence) -> KVPayload:
+        """A streaming prefill's KV computed since its last part, [export_from, num_computed),
+        copied out while the rest of its prompt prefills (its blocks stay its own)."""
+        part = export_kv(self.pool, seq.block_table, seq.export_from, seq.num_computed)
+        seq.export_from = seq.num_computed
+        return part
 
     def generated(self, seq_id: str) -> list[int] | None:
         """The tokens a running sequence generated so far (None: it is not running)."""

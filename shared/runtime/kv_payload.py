@@ -120,3 +120,23 @@ def layer_to_bytes(k: torch.Tensor, v: torch.Tensor, wire: str = WireFormat.NATI
 
 def layer_from_bytes(header: KVHeader, data: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_wire.decode_layer(data, header.num_tokens, header.kv_heads, header.head_dim, header.dtype, header.wire)
+
+
+def payload_from_parts(header: KVHeader, parts: list[tuple[int, int, list[bytes]]]) -> KVPayload:
+    """The KV of `header`'s range from the parts that tile it in order, each `(start, end, per-layer
+    wire bytes)` (a push streamed while prefill ran comes in several; an empty range in none)."""
+    edges = [header.start] + [end for _, end, _ in parts]
+    if [start for start, _, _ in parts] != edges[:-1] or edges[-1] != header.end:
+        raise ValueError(f"KV parts {[(a, b) for a, b, _ in parts]} do not tile [{header.start}, {header.end})")
+    if not parts:
+        return KVPayload(header, [layer_from_bytes(header, b"")] * header.num_layers)
+    decoded = [
+        [layer_from_bytes(dataclasses.replace(header, start=a, end=b), data) for data in layers]
+        for a, b, layers in parts
+    ]
+    if len(decoded) == 1:
+        return KVPayload(header, decoded[0])
+    return KVPayload(
+        header,
+        [tuple(torch.cat([part[i][kv] for part in decoded]) for kv in (0, 1)) for i in range(header.num_layers)],
+    )

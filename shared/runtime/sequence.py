@@ -49,6 +49,10 @@ class Sequence:
     # not: the engine computes up to `start`, then jumps to `end` (a prefix evicted mid-flight).
     imported: tuple[int, int] | None = None
     namespace: str = ""  # prefix-cache namespace (model and tenant salt); "" = the engine's
+    # Prefill streaming its KV: each step that computes part of the prompt (and samples nothing)
+    # hands out [export_from, num_computed) and moves this up (`Engine.step`'s `kv_part`
+    # outputs); the rest is exported once the first token is sampled. None: at the end only.
+    export_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

@@ -53,3 +53,20 @@ def test_a_second_p_md_request_pushes_its_kv_without_a_handshake(
             assert operator.wan().accepted.get("md-0", 0) == accepted  # the line saw no new connection
     print(f"\nKV over the line (pdd timings_ms.kv_wan): first request {timings[0]} ms, second {timings[1]} ms")
     assert all(s.requests == [] for s in operator.idle().values())
+
+
+def test_a_long_prompts_kv_leaves_chunk_by_chunk_while_prefill_runs(cluster, model_id, reference, smol_tokenizer):
+    """`stream_kv`: a cold prompt longer than prefill's step is prefilled in chunks, and each
+    chunk's KV is pushed as soon as it is computed: all of it but the last chunk's left before
+    the first token (prefill's count, carried to the response), and the answer is the model's."""
+    chunk = cluster.cfg.instance("prefill-0").max_step_tokens
+    prompt = fresh_prompt(int(chunk * 0.6), "streamed")
+    ids = smol_tokenizer(prompt)["input_ids"]
+    assert chunk < len(ids) <= 3 * chunk
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    text, pdd, _ = stream_completion(cluster.url + "/v1/completions", {**body, "pdd": {"pipeline": "p-md"}})
+    assert text == reference(ids, 8, ignore_eos=True, draft=text)
+    assert pdd["pipeline"] == "p-md" and pdd["wan_kv_bytes"] > 0
+    hit = pdd["prefix_hit_tokens"]["prefill"]  # a fresh prompt: none, or a block of its opening
+    assert pdd["streamed_kv_tokens"] >= (len(ids) - 1 - hit) // chunk * chunk >= chunk, pdd
+    print(f"\n{len(ids)} tokens: {pdd['streamed_kv_tokens']} of them pushed before the first token")

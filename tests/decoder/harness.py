@@ -20,7 +20,7 @@ from shared import subjects
 from shared.config import config_from_dict
 from shared.decoder import DecoderService
 from shared.kv_receive import Verdict
-from shared.kv_transport import FirstToken, Transfer, TransferHead
+from shared.kv_transport import FirstToken, Part, Transfer, TransferHead
 from shared.messages import Ack, DecodeTask, Logprob, Plan, RequestStats, Sampling, TokenChunk
 from shared.runtime.engine import Engine
 from shared.runtime.kv_payload import export_kv, layer_to_bytes
@@ -141,7 +141,8 @@ class DecoderPair:
             wan=via_wan,
         )
         first_token = FirstToken(first.token_id, RequestStats(prefill_ms=1.0), logprob=first.logprob)
-        return Transfer(head, layers=layers, first=first_token, wire_bytes=sum(map(len, layers)))
+        parts = [Part(start, len(prompt), layers)] if start < len(prompt) else []
+        return Transfer(head, parts=parts, first=first_token, wire_bytes=sum(map(len, layers)))
 
     async def land(self, role: str, rid: str, prompt: list[int], transfer: Transfer | None = None) -> str:
         """What the KV listener does with a transfer: vet its header, then hand it over."""

@@ -612,7 +612,9 @@ async def test_narrowed_kv_lands_and_decodes_as_one_process_would(tiny, pair, pr
     d.add(ref)
     expected = [first] + run_to_completion(d)["d"]
     assert [t for t, _ in pair.tokens("r1").values()] == expected
-    assert pair.chunks["r1"][-1].stats.wan_kv_bytes < sum(len(x) for x in pair.transfer("r2", prompt, True).layers)
+    assert pair.chunks["r1"][-1].stats.wan_kv_bytes < sum(
+        len(x) for p in pair.transfer("r2", prompt, True).parts for x in p.layers
+    )
     pair.assert_gone("r1")
 
 

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from shared.model_info import link_wire
-from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, layer_from_bytes, layer_to_bytes
+from shared.runtime.kv_payload import (
+    KVPayload,
+    export_kv,
+    import_kv,
+    layer_from_bytes,
+    layer_to_bytes,
+    payload_from_parts,
+)
 from shared.runtime.kv_pool import KVLayout, KVPool
 from shared.runtime.sequence import Sequence
 from tests.helpers import greedy, make_engine, random_prompts, reference_generate, reference_model, run_to_completion
@@ -200,3 +207,43 @@ def test_fp32_to_fp16_rounds_once_and_fp16_to_fp32_is_exact():
     for (k, _), (k32, v32), orig in zip(sent.layers, held.layers, fp16):
         assert torch.equal(k, orig) and k32.dtype == torch.float32
         assert torch.equal(k32, orig.float()) and torch.equal(v32, -orig.float())
+
+
+@pytest.mark.parametrize("wire", ["native", "bf16", "int8"])
+def test_a_prompt_streamed_in_chunks_is_the_same_kv_as_one_export(tiny, wire):
+    """The engine hands a streaming prefill's KV out per computed chunk (`export_from`); the parts,
+    through the wire and put back together, are the very KV of one export after the first token."""
+    [prompt] = random_prompts(tiny.config.vocab_size, [53], seed=13)
+    engine = make_engine(tiny, block_size=16, max_step_tokens=20)
+    seq = Sequence("p", list(prompt), greedy(1), hold_kv=True, max_new=1, export_from=5)
+    engine.add(seq)
+    chunks = []
+    while "p" not in engine.held:
+        for out in engine.step():
+            if out.kv_part is not None:
+                assert out.token_id is None
+                chunks.append(out.kv_part)
+    assert [(c.header.start, c.header.end) for c in chunks] == [(5, 20), (20, 40)]  # the last chunk samples
+    [rest] = engine.export_and_release("p", [40])[0]
+    reference, _ = _prefill_and_export(tiny, prompt, start=5)  # one export, nothing streamed
+
+    def wired(p: KVPayload) -> tuple[int, int, list[bytes]]:
+        return p.header.start, p.header.end, [layer_to_bytes(k, v, wire) for k, v in p.layers]
+
+    header = dataclasses.replace(reference.header, wire=wire)
+    got = payload_from_parts(header, [wired(p) for p in [*chunks, rest]])
+    expected = KVPayload(header, [layer_from_bytes(header, layer_to_bytes(k, v, wire)) for k, v in reference.layers])
+    assert got.header == expected.header
+    for (k, v), (ke, ve) in zip(got.layers, expected.layers):
+        assert torch.equal(k, ke) and torch.equal(v, ve)
+
+
+def test_parts_that_do_not_tile_the_range_are_refused_and_none_make_an_empty_range(tiny):
+    payload, _ = _prefill_and_export(tiny, list(range(3, 35)), start=16)
+    h = payload.header
+    layer = [layer_to_bytes(k[:8], v[:8]) for k, v in payload.layers]
+    for parts in ([(16, 24, layer)], [(16, 24, layer), (25, 32, layer)], [(8, 16, layer), (16, 24, layer)]):
+        with pytest.raises(ValueError, match="do not tile"):
+            payload_from_parts(h, parts)
+    empty = payload_from_parts(dataclasses.replace(h, start=32), [])
+    assert [k.shape[0] for k, _ in empty.layers] == [0] * h.num_layers

@@ -18,11 +18,11 @@ from pdd.certs import make_secrets
 from services.wanlink import Forward, WanLink
 from shared.config import WanConfig, config_from_dict
 from shared.kv_send import EarlyConnection, Endpoint, KVConnections, alive, send_kv
-from shared.kv_transport import Frame, KVTransferError, TransferAck, frame, packed, reset
+from shared.kv_transport import KVTransferError, TransferAck, reset
 from shared.messages import WanControl
 from shared.security import Secrets
 from tests.helpers import until
-from tests.transport.test_kv_receiver import FIRST, KV, Peer, Rig, header, layers, push
+from tests.transport.test_kv_receiver import KV, Peer, Rig, layers, layers_of, push, transfer_bytes
 
 STALL_S = 5.0
 
@@ -72,7 +72,7 @@ class Side:
         return sum(len(v) for v in self.rx._idle.values())
 
     def handled(self) -> list[tuple[str, list[bytes]]]:
-        return [(t.request_id, t.layers) for t in self.rig.handled]
+        return [(t.request_id, layers_of(t)) for t in self.rig.handled]
 
 
 @pytest.fixture
@@ -177,9 +177,7 @@ async def test_a_raw_peer_sends_two_transfers_on_one_connection(rig, refusals):
     r = await rig(stall_s=STALL_S)
     peer = await Peer.dial(r.rx.port)
     for rid in ("req-1", "req-2"):
-        await peer.send(
-            header(rid) + b"".join(frame(Frame.LAYER, d) for d in layers()) + packed(Frame.FIRST_TOKEN, FIRST)
-        )
+        await peer.send(transfer_bytes(rid))
         assert await peer.ack() == TransferAck()
     assert [t.request_id for t in r.handled] == ["req-1", "req-2"] and r.rx.refused == 0
     peer.writer.close()  # cleanly, between transfers: not a refusal

@@ -26,7 +26,9 @@ from shared.kv_transport import (
     MAX_HEADER,
     FirstToken,
     Frame,
+    KVPart,
     KVTransferError,
+    Part,
     Transfer,
     TransferAck,
     TransferHead,
@@ -92,8 +94,20 @@ def layers(n: int = KV.num_layers, size: int = LAYER) -> list[bytes]:
     return [bytes([i + 1]) * size for i in range(n)]
 
 
+PART = packed(Frame.PART, KVPart(KV.end))  # the whole range in one part
+
+
+def layers_of(t: Transfer) -> list[bytes]:
+    """The layers of a transfer that came in one part (a whole push)."""
+    [part] = t.parts
+    assert (part.start, part.end) == (t.head.kv.start, t.head.kv.end)
+    return part.layers
+
+
 def transfer_bytes(request_id: str = "req-1") -> bytes:
-    return header(request_id) + b"".join(frame(Frame.LAYER, d) for d in layers()) + packed(Frame.FIRST_TOKEN, FIRST)
+    return (
+        header(request_id) + PART + b"".join(frame(Frame.LAYER, d) for d in layers()) + packed(Frame.FIRST_TOKEN, FIRST)
+    )
 
 
 def push(
@@ -148,7 +162,7 @@ async def test_a_valid_transfer_arrives_whole_and_is_acked(rig, refusals):
     assert t.head == head() and (t.request_id, t.via_wan) == ("req-1", True)
     assert (t.head.sender, t.head.secret, t.head.kv) == ("prefill-0", SECRET, KV)
     assert type(t.head.kv) is KVHeader and type(t.head.kv.wire) is WireFormat  # typed, not maps and strings
-    assert t.layers == layers() and t.first == FIRST and type(t.first.stats) is RequestStats
+    assert layers_of(t) == layers() and t.first == FIRST and type(t.first.stats) is RequestStats
     assert t.wire_bytes == sent
     assert r.vetted == ["req-1"] and r.rx.refused == 0 and refusals() == []
 
@@ -175,7 +189,7 @@ async def test_the_layer_size_follows_the_headers_wire_format(rig, refusals, wir
     assert kv.layer_bytes == size and (size < LAYER) == (wire != WireFormat.NATIVE)
     await send_kv("127.0.0.1", r.rx.port, push(kv=kv, data=layers(size=size)), stall_s=5.0)
     [t] = r.handled
-    assert t.head.kv.wire == wire and t.layers == layers(size=size) and refusals() == []
+    assert t.head.kv.wire == wire and layers_of(t) == layers(size=size) and refusals() == []
     if wire != WireFormat.NATIVE:
         with pytest.raises(KVTransferError):
             await send_kv("127.0.0.1", r.rx.port, push("req-2", kv=kv), stall_s=5.0)
@@ -240,7 +254,7 @@ async def test_a_header_the_vet_refuses_is_cut_before_any_kv_is_read(rig, refusa
 async def test_a_layer_frame_of_any_other_than_its_planned_size_is_refused_on_its_prefix(rig, refusals, which, size):
     r = await rig(stall_s=5.0)
     peer = await Peer.dial(r.rx.port)
-    good = b"".join(frame(Frame.LAYER, d) for d in layers(which))
+    good = PART + b"".join(frame(Frame.LAYER, d) for d in layers(which))
     sent = await peer.send(header() + good + struct.pack(">IB", size + 1, Frame.LAYER))  # and no body
     assert await peer.cut() - sent < 2.0
     assert refusals() == [
@@ -259,7 +273,7 @@ async def test_a_push_with_a_short_layer_fails_on_both_sides(rig, refusals):
     assert r.handled == [] and r.rx.refused == 1 and "LAYER frame of 2044 bytes" in refusals()[0]
 
 
-LAYERS = b"".join(frame(Frame.LAYER, d) for d in layers())
+LAYERS = PART + b"".join(frame(Frame.LAYER, d) for d in layers())
 OVERSIZED = {"token_id": 7, "x": "y" * MAX_CONTROL}  # a field the codec would ignore, but too long a frame
 BAD_HEADERS = {  # each refused on decode, "bad HEADER frame: " and this
     "not msgpack": (frame(Frame.HEADER, b"\xc1\xc1"), "TransferHead: not msgpack"),
@@ -361,6 +375,24 @@ MALFORMED = {
         header() + LAYERS + frame(Frame.LAYER, layers(1)[0]),
         "expected a FIRST_TOKEN frame, got type 3",
     ),
+    "layers without a part": (header() + LAYERS[len(PART) :], "expected a PART frame, got type 3"),
+    "a part past the range": (header() + packed(Frame.PART, KVPart(9)), "a part ending at 9 does not follow [0, 0)"),
+    "a part that does not advance": (
+        header() + packed(Frame.PART, KVPart(0)),
+        "a part ending at 0 does not follow [0, 0)",
+    ),
+    "a part going back": (
+        header()
+        + packed(Frame.PART, KVPart(4))
+        + b"".join(frame(Frame.LAYER, bytes(LAYER // 2)) for _ in range(3))
+        + packed(Frame.PART, KVPart(2)),
+        "a part ending at 2 does not follow [0, 4)",
+    ),
+    "a part that is not msgpack": (header() + frame(Frame.PART, b"\xc1"), "bad PART frame: KVPart: not msgpack"),
+    "a part's end that is no integer": (
+        header() + packed(Frame.PART, {"end": "8"}),
+        "bad PART frame: KVPart.end: expected int, got str",
+    ),
 }
 
 
@@ -382,8 +414,9 @@ CUTS = {  # where the sender's stream ends (it closes its side) before the trans
     "mid length prefix": 2,
     "mid header": len(header()) - 3,
     "after the header": len(header()),
-    "mid layer": len(header()) + 5 + LAYER // 2,
-    "before the first token": len(header()) + 3 * (5 + LAYER),
+    "mid part": len(header()) + len(PART) - 1,
+    "mid layer": len(header()) + len(PART) + 5 + LAYER // 2,
+    "before the first token": len(header()) + len(PART) + 3 * (5 + LAYER),
     "mid first token": len(WHOLE) - 2,
 }
 
@@ -420,7 +453,7 @@ async def test_a_retried_push_of_a_committed_transfer_is_acked_and_not_handled_a
 
 async def test_one_connection_past_max_per_peer_is_refused_while_the_others_proceed(rig, refusals):
     r = await rig(stall_s=5.0, max_per_peer=2)
-    half = header("req-1") + frame(Frame.LAYER, layers(1)[0])[: LAYER // 2]
+    half = header("req-1") + PART + frame(Frame.LAYER, layers(1)[0])[: LAYER // 2]
     first, second = await Peer.dial(r.rx.port), await Peer.dial(r.rx.port)
     await first.send(half)
     await second.send(header("req-2") + half[len(header()) :])
@@ -437,7 +470,7 @@ async def test_one_connection_past_max_per_peer_is_refused_while_the_others_proc
     await second.send(rest)
     assert await first.ack() == TransferAck() and await second.ack() == TransferAck()
     assert sorted(t.request_id for t in r.handled) == ["req-1", "req-2", "req-4"]
-    assert all(t.layers == layers() for t in r.handled) and r.rx.refused == 1
+    assert all(layers_of(t) == layers() for t in r.handled) and r.rx.refused == 1
     for peer in (first, second, extra, other):
         peer.close()
     await until(lambda: not r.rx._per_peer, what="the connections to be counted out")
@@ -458,7 +491,7 @@ async def test_a_slow_sender_that_keeps_making_progress_is_not_a_stall(rig, refu
     layer = bytes(range(256)) * (BIG_LAYER // 256)
     data = frame(Frame.LAYER, layer)
     loop = asyncio.get_running_loop()
-    await peer.send(header(**BIG))
+    await peer.send(header(**BIG) + packed(Frame.PART, KVPart(BIG["end"])))
     start = loop.time()
     step = -(-len(data) // pieces)
     for i in range(0, len(data), step):
@@ -469,7 +502,7 @@ async def test_a_slow_sender_that_keeps_making_progress_is_not_a_stall(rig, refu
     assert await peer.ack() == TransferAck(ok=True, error="")
     assert took > stall_s  # the layer took longer than stall_s, and still arrived
     [t] = r.handled
-    assert t.layers == [layer] and r.rx.refused == 0 and refusals() == []
+    assert layers_of(t) == [layer] and r.rx.refused == 0 and refusals() == []
     peer.close()
 
 
@@ -527,7 +560,7 @@ async def test_send_kv_gives_up_on_a_receiver_that_stops_reading_or_never_answer
 async def test_cancel_cuts_a_transfer_that_is_arriving(rig, refusals):
     r = await rig(stall_s=5.0)
     peer = await Peer.dial(r.rx.port)
-    await peer.send(header() + frame(Frame.LAYER, layers(1)[0])[:100])
+    await peer.send(header() + PART + frame(Frame.LAYER, layers(1)[0])[:100])
     await until(lambda: "req-1" in r.rx._receiving, what="the transfer to be under way")
     assert r.rx.cancel("req-1") and not r.rx.cancel("req-1")
     cancelled = asyncio.get_running_loop().time()
@@ -550,7 +583,7 @@ def secrets(tmp_path_factory) -> Secrets:
 async def test_over_mutual_tls_a_prefill_peer_is_served_and_any_other_refused(rig, refusals, secrets):
     r = await rig(tls=secrets.kv_server_context("md-0"))
     await send_kv("127.0.0.1", r.rx.port, push(), 5.0, tls=secrets.kv_client_context("prefill-0"), server_name="md-0")
-    assert [t.layers for t in r.handled] == [layers()]
+    assert [layers_of(t) for t in r.handled] == [layers()]
     with pytest.raises(KVTransferError):  # a decoder's certificate from the same CA: not a prefill instance
         await send_kv(
             "127.0.0.1", r.rx.port, push("req-2"), 5.0, tls=secrets.kv_client_context("md-0"), server_name="md-0"
@@ -567,3 +600,78 @@ async def test_over_mutual_tls_a_prefill_peer_is_served_and_any_other_refused(ri
         )
     assert "of req-3 from 127.0.0.1 refused: wrong transfer secret" in refusals()[-1]
     assert len(r.handled) == 1 and r.rx.refused == 2 and r.vetted == ["req-1", "req-3"]
+
+
+# --- pushes streamed while prefill runs ---------------------------------------------------------
+
+
+async def test_a_push_streamed_in_parts_arrives_in_those_parts_after_waiting_for_each(rig, refusals):
+    """Prefill adds each computed chunk's KV to a push already under way: the receiver has the
+    header and the first part while the rest is still being computed, and the handler gets the
+    parts that tile the range, in order, then the first token."""
+    r = await rig(stall_s=5.0)
+    streamed = KVPush(head())
+    sending = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, streamed, stall_s=5.0))
+    first_half = layers(size=LAYER // 2)
+    streamed.add(4, first_half)
+    await until(lambda: "req-1" in r.rx._receiving, what="the push to be under way")
+    assert r.handled == [] and not sending.done()  # the receiver waits for the next part
+    second_half = [bytes([9 + i]) * (LAYER // 2) for i in range(KV.num_layers)]
+    streamed.add(8, second_half)
+    assert not sending.done()
+    streamed.finish(FIRST)
+    sent = await sending
+    [t] = r.handled
+    assert t.parts == [Part(0, 4, first_half), Part(4, 8, second_half)] and t.first == FIRST
+    assert t.wire_bytes == sent and refusals() == []
+
+
+def test_a_push_takes_only_parts_that_follow_and_a_first_token_once_they_cover_the_range():
+    streamed = KVPush(head())
+    with pytest.raises(ValueError, match="parts cover"):
+        streamed.finish(FIRST)
+    with pytest.raises(ValueError, match="does not fit"):
+        streamed.add(0, layers(size=0))  # does not advance
+    with pytest.raises(ValueError, match="does not fit"):
+        streamed.add(9, layers())  # past the range
+    with pytest.raises(ValueError, match="does not fit"):
+        streamed.add(4, layers(n=2, size=LAYER // 2))  # a layer short
+    streamed.add(4, layers(size=LAYER // 2))
+    assert streamed.covered == 4
+    streamed.add(8, layers(size=LAYER // 2))
+    streamed.finish(FIRST)
+    with pytest.raises(ValueError, match="does not fit"):
+        streamed.add(8, layers(size=0))
+
+
+async def test_a_push_given_up_or_starved_fails_at_once_and_the_receiver_takes_nothing(rig, refusals):
+    r = await rig(stall_s=5.0)
+    given_up = KVPush(head())
+    given_up.add(4, layers(size=LAYER // 2))
+    sending = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, given_up, stall_s=5.0))
+    await until(lambda: "req-1" in r.rx._receiving, what="the push to be under way")
+    given_up.abandon("the request was aborted")
+    with pytest.raises(KVTransferError, match="given up: the request was aborted"):
+        await sending
+    starved = KVPush(head("req-2"))  # nothing computed for longer than the sender's stall bound
+    with pytest.raises(KVTransferError, match="no KV computed for 0s"):
+        await send_kv("127.0.0.1", r.rx.port, starved, stall_s=0.3)
+    await until(lambda: r.rx.refused == 2, what="the receiver to see both cut")
+    assert r.handled == []
+
+
+async def test_a_streamed_push_retried_on_a_new_connection_sends_its_parts_again(rig, refusals):
+    """A retry (a stale standing connection, or the caller's) reads the push from its first frame."""
+    r = await rig(stall_s=5.0)
+    streamed = KVPush(head())
+    streamed.add(4, layers(size=LAYER // 2))
+    cut = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, streamed, stall_s=5.0))
+    await until(lambda: "req-1" in r.rx._receiving, what="the first try to be under way")
+    assert r.rx.cancel("req-1")  # the connection is reset under it
+    streamed.add(8, layers(size=LAYER // 2))
+    streamed.finish(FIRST)
+    with pytest.raises(KVTransferError):
+        await cut
+    await send_kv("127.0.0.1", r.rx.port, streamed, stall_s=5.0)
+    [t] = r.handled
+    assert [(p.start, p.end) for p in t.parts] == [(0, 4), (4, 8)] and t.first == FIRST

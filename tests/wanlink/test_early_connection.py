@@ -12,9 +12,10 @@ import pytest
 from pdd.servers import free_port
 from shared.kv_receive import KVReceiver
 from shared.kv_send import EarlyConnection, send_kv
+from shared.kv_transport import Part
 from shared.messages import WanControl
 from tests.wanlink.conftest import until
-from tests.wanlink.test_tls import push, receiver
+from tests.wanlink.test_tls import KV, LAYERS, push, receiver
 
 
 def connections(link) -> int:
@@ -41,7 +42,7 @@ async def test_the_push_runs_on_the_connection_dialed_before_its_kv(make_link, s
     sent_push = push()
     await send_kv("127.0.0.1", link.ports["md-0"], sent_push, 10.0, conn=conn)
     [transfer] = got
-    assert transfer.head == sent_push.head and transfer.layers == sent_push.layers
+    assert transfer.head == sent_push.head and transfer.parts == [Part(0, KV.end, LAYERS)]
     assert transfer.first == sent_push.first
     assert accepted(link) == 1  # no second connection: the push went on the early one
     await settle(rx, link)

@@ -8,7 +8,7 @@ import pytest
 
 from shared.kv_receive import KVReceiver
 from shared.kv_send import KVPush, send_kv
-from shared.kv_transport import FirstToken, KVTransferError, Transfer, TransferHead
+from shared.kv_transport import FirstToken, KVTransferError, Part, Transfer, TransferHead
 from shared.messages import RequestStats, WanControl
 from shared.runtime.kv_payload import KVHeader
 from tests.wanlink.conftest import Tap, until
@@ -18,10 +18,12 @@ KV = KVHeader(start=0, end=64, num_layers=4, kv_heads=4, head_dim=64, dtype="flo
 LAYER = 2 * 64 * 4 * 64 * 4  # K and V of one layer, float32
 
 
+LAYERS = [(b"layer %d " % i + MARKER * (LAYER // len(MARKER) + 1))[:LAYER] for i in range(KV.num_layers)]
+
+
 def push() -> KVPush:
-    layers = [(b"layer %d " % i + MARKER * (LAYER // len(MARKER) + 1))[:LAYER] for i in range(KV.num_layers)]
     head = TransferHead(request_id="req-1", sender="prefill-0", secret="secret-1", kv=KV, wan=True)
-    return KVPush(head, layers, FirstToken(7, RequestStats(prefill_ms=3.5, wan_kv_bytes=KV.num_layers * LAYER)))
+    return KVPush(head, LAYERS, FirstToken(7, RequestStats(prefill_ms=3.5, wan_kv_bytes=KV.num_layers * LAYER)))
 
 
 async def receiver(secrets, stall_s: float = 10.0) -> tuple[KVReceiver, list[Transfer]]:
@@ -48,7 +50,7 @@ async def test_a_mutual_tls_kv_push_crosses_intact_and_opaque(make_link, secrets
     )
     [transfer] = got
     assert transfer.head == sent_push.head and (transfer.request_id, transfer.via_wan) == ("req-1", True)
-    assert transfer.layers == sent_push.layers and transfer.first == sent_push.first
+    assert transfer.parts == [Part(0, KV.end, LAYERS)] and transfer.first == sent_push.first
     await until(lambda: not link.control(WanControl()).connections.get("md-0"), what="the connection to close")
     lines = link.control(WanControl()).lines
     ab, ba = lines["a-b"].bytes_by_forward["md-0"], lines["b-a"].bytes_by_forward["md-0"]

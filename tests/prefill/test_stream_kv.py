@@ -1,0 +1,118 @@
+"""Prefill streams a long prompt's KV as its engine computes it (`stream_kv`), on a real engine
+stepped by hand and a real KV receiver on loopback: the push is under way after the first chunk,
+before any token is sampled; it arrives in parts that tile each target's range (a target that
+holds a prefix gets only the rest) and carry the very KV a whole push carries; an abort
+mid-prompt cuts the push and leaves nothing held; with `stream_kv: false` the push waits for
+the first token and comes whole."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared import subjects
+from shared.messages import Abort, KVTarget, Plan, PrefillTask, Sampling
+from shared.runtime.kv_payload import KVPayload, payload_from_parts
+from tests.helpers import until
+from tests.prefill.test_early_connection import DEADLINE_S, _rig
+
+CHUNK = 16  # the engine's step budget here: a 40-token prompt prefills in three steps
+PROMPT = list(range(3, 43))
+
+
+@pytest.fixture
+async def streaming(tiny):
+    rigs = []
+
+    async def make(**settings):
+        rig = await _rig(tiny, **settings)
+        rig.worker.engine.max_step_tokens = CHUNK
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        await rig.service.shutdown()
+        await rig.rx.stop()
+
+
+def task(rig, rid: str, md_start: int = 0) -> PrefillTask:
+    """p-rld-md: the relay takes the whole prompt, main-decode [md_start, n) across the line."""
+    rld = KVTarget("rld-0", "rld", "127.0.0.1", rig.rx.port, start=0, transfer_secret=f"rld-{rid}")
+    md = KVTarget("md-0", "md", "127.0.0.1", rig.rx.port, start=md_start, transfer_secret=f"md-{rid}", wan=True)
+    plan = Plan(rid, pipeline="p-rld-md", prefill="prefill-0", rld="rld-0", md="md-0")
+    return PrefillTask(rid, PROMPT, Sampling(max_tokens=4), [rld, md], plan)
+
+
+def sampled(outputs) -> list:
+    """The step's outputs that carry a token (not a KV part)."""
+    return [o for o in outputs if o.kv_part is None and o.token_id is not None]
+
+
+def received(rig) -> dict[str, KVPayload]:
+    """What each decoder got (by its transfer secret's role), assembled from its parts."""
+    return {
+        t.head.secret.split("-")[0]: payload_from_parts(t.head.kv, [(p.start, p.end, p.layers) for p in t.parts])
+        for t in rig.rx.got
+    }
+
+
+def parts(rig) -> dict[str, list[tuple[int, int]]]:
+    return {t.head.secret.split("-")[0]: [(p.start, p.end) for p in t.parts] for t in rig.rx.got}
+
+
+def same(a: KVPayload, b: KVPayload) -> bool:
+    return a.header == b.header and all(
+        torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a.layers, b.layers)
+    )
+
+
+async def test_a_long_prompts_kv_leaves_chunk_by_chunk_and_equals_a_whole_push(streaming):
+    rig = await streaming()
+    await rig.submit(task(rig, "r1", md_start=16))
+    assert sampled(rig.worker.step()) == []  # the first chunk, [0, 16): no token yet
+    # both pushes are under way (their headers vetted, the first part read) before the prompt is done
+    await until(lambda: {"r1"} == set(rig.rx._receiving), DEADLINE_S, "the push to start before the first token")
+    assert rig.rx.got == [] and rig.service.nats.sent(subjects.tokens("r1")) == []
+    rig.worker.step()  # [16, 32)
+    [out] = sampled(rig.worker.step())  # [32, 40) and the first token
+    await until(lambda: len(rig.rx.got) == 2, DEADLINE_S, "both pushes to land")
+    assert parts(rig) == {"rld": [(0, 16), (16, 32), (32, 40)], "md": [(16, 32), (32, 40)]}
+    await rig.settled()
+
+    whole = await streaming(stream_kv=False)  # the same prompt pushed the old way, after the first token
+    await whole.submit(task(whole, "r1", md_start=16))
+    assert whole.worker.step() == [] and whole.worker.step() == []  # no KV part handed out
+    assert not whole.rx._receiving and whole.rx.got == []  # nothing leaves before the first token
+    [first] = whole.worker.step()
+    await until(lambda: len(whole.rx.got) == 2, DEADLINE_S, "both pushes to land")
+    assert parts(whole) == {"rld": [(0, 40)], "md": [(16, 40)]}
+    assert first.token_id == out.token_id
+    streamed, pushed = received(rig), received(whole)
+    assert same(streamed["rld"], pushed["rld"]) and same(streamed["md"], pushed["md"])
+    assert rig.rx.got[0].first == rig.rx.got[1].first  # one first token for both
+    await whole.settled()
+
+
+async def test_a_short_prompt_goes_in_one_part(streaming):
+    rig = await streaming()
+    short = dataclasses.replace(task(rig, "r1"), prompt_ids=PROMPT[:12])
+    await rig.submit(short)
+    rig.worker.step()
+    await until(lambda: len(rig.rx.got) == 2, DEADLINE_S, "both pushes to land")
+    assert parts(rig) == {"rld": [(0, 12)], "md": [(0, 12)]}
+    await rig.settled()
+
+
+async def test_an_abort_mid_prompt_cuts_the_streaming_push_and_holds_nothing(streaming, refusals):
+    rig = await streaming()
+    await rig.submit(task(rig, "r1"))
+    rig.worker.step()
+    await until(lambda: {"r1"} == set(rig.rx._receiving), DEADLINE_S, "the push to start")
+    await rig.scheduler.publish(subjects.ABORT, Abort("r1", reason="the client left"))
+    await until(lambda: not rig.rx._receiving, DEADLINE_S, "the receiver to see the push cut")
+    assert rig.rx.got == [] and rig.worker.step() == []  # the sequence is gone: nothing left to compute
+    await rig.settled()
+    assert all("KV connection closed mid-transfer" in line or "reset" in line for line in refusals())
