@@ -19,6 +19,7 @@ from shared.kv_transport import (
     MAX_CONTROL,
     MAX_HEADER,
     MAX_PER_PEER,
+    PART_WAIT_S,
     RECEIVER_IDLE_S,
     ConnectionIdle,
     ConnectionUnused,
@@ -67,6 +68,7 @@ class KVReceiver:
         layer_bytes: Callable[[KVHeader], int] = lambda kv: kv.layer_bytes,  # a part's, per layer
         max_per_peer: int = MAX_PER_PEER,
         idle_s: float = RECEIVER_IDLE_S,
+        part_wait_s: float = PART_WAIT_S,
     ) -> None:
         self.handler = handler
         self.stall_s = stall_s
@@ -75,6 +77,7 @@ class KVReceiver:
         self.layer_bytes = layer_bytes
         self.max_per_peer = max_per_peer
         self.idle_s = idle_s  # a standing connection's wait for its next HEADER
+        self.part_wait_s = part_wait_s  # a streamed push's wait for its next PART (prefill computing it)
         self.server: asyncio.base_events.Server | None = None
         self.port = 0
         self.refused = 0  # transfers cut before or while reading: bad peer, header, token or frame
@@ -199,7 +202,9 @@ class KVReceiver:
         covered, waited = kv.start, 0.0
         while covered < kv.end:
             before = time.perf_counter()
-            body = await read_frame(reader, self.stall_s, Frame.PART, MAX_CONTROL)
+            # the first part comes with the header; a later one once prefill computed it
+            wait_s = self.stall_s if covered == kv.start else max(self.part_wait_s, self.stall_s)
+            body = await read_frame(reader, wait_s, Frame.PART, MAX_CONTROL)
             waited += time.perf_counter() - before  # for prefill to compute the part (or the line to carry its frame)
             end = decode_body(KVPart, body, Frame.PART).end
             if not covered < end <= kv.end:

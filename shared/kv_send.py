@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from shared.kv_transport import (
     MAX_BUSY,
     MAX_CONTROL,
+    PART_WAIT_S,
     POOL_IDLE_S,
     POOL_MAX_IDLE,
     WRITE_SLICE,
@@ -51,8 +52,15 @@ class KVPush:
     new connection, sends its frames from the beginning and waits for those not computed yet.
     The frames are kept until the push ends, as the whole push's layers were."""
 
-    def __init__(self, head: TransferHead, layers: list[bytes] | None = None, first: FirstToken | None = None):
+    def __init__(
+        self,
+        head: TransferHead,
+        layers: list[bytes] | None = None,
+        first: FirstToken | None = None,
+        wait_s: float = PART_WAIT_S,
+    ) -> None:
         self.head = head
+        self.wait_s = wait_s  # the most it waits for a next part (`PART_WAIT_S`)
         self.first: FirstToken | None = None
         self._frames = [packed(Frame.HEADER, head)]
         self._covered = head.kv.start  # the parts added tile [start, _covered)
@@ -99,9 +107,9 @@ class KVPush:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def frames(self, wait_s: float):
-        """Every frame from the first, waiting for those not added yet (at most `wait_s` for each:
-        the receiver's stall bound); ends after FIRST_TOKEN."""
+    async def frames(self):
+        """Every frame from the first, waiting for those not added yet (at most `wait_s` for each);
+        ends after FIRST_TOKEN."""
         i = 0
         while True:
             while i < len(self._frames):
@@ -112,9 +120,9 @@ class KVPush:
             if self._abandoned:
                 raise KVTransferError(f"the push was given up: {self._abandoned}")
             try:
-                await asyncio.wait_for(self._changed.wait(), wait_s)
+                await asyncio.wait_for(self._changed.wait(), self.wait_s)
             except TimeoutError:
-                raise KVTransferError(f"no KV computed for {wait_s:.0f}s") from None
+                raise KVTransferError(f"no KV computed for {self.wait_s:.0f}s") from None
 
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -160,7 +168,7 @@ async def _push_on(conn: Connection, push: KVPush, stall_s: float, where: str) -
     reader, writer = conn
     sent, acked = 0, False
     try:
-        async for data in push.frames(stall_s):
+        async for data in push.frames():
             for i in range(0, len(data), WRITE_SLICE):
                 writer.write(data[i : i + WRITE_SLICE])
                 await asyncio.wait_for(writer.drain(), stall_s)

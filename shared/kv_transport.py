@@ -22,8 +22,8 @@ Wire format, one frame = `u32 length (big endian) | u8 type | body[length - 1]`:
 A transfer is HEADER, then parts that tile the header's range [start, end) in order (none when
 it is empty), then FIRST_TOKEN. Prefill sends each part as soon as its engine computed it (a
 chunk of a long prompt): the KV of a cold prompt crosses while the rest of it prefills, and
-only the last chunk's KV is left for after the first token. Between parts the sender may wait
-for its engine (a chunk's forward): the receiver allows `stall_s` for it, as for any byte.
+only the last chunk's KV is left for after the first token. Between parts the sender waits for
+its engine (a chunk's forward): both sides allow `PART_WAIT_S` for a next PART, not `stall_s`.
 
 Control frames are typed messages (shared/messages.py's codec), checked field by field on decode.
 
@@ -76,6 +76,10 @@ POOL_MAX_IDLE = 4  # ... and it keeps at most this many idle per decoder
 MAX_PER_PEER = 16  # a receiver's connections from one address; past it (no idle one to close) it refuses
 MAX_BUSY = MAX_PER_PEER // 2  # a sender's connections in use per decoder: two senders on one host fit
 RECEIVER_IDLE_S = 2 * POOL_IDLE_S  # the receiver waits this long for a HEADER after an ACK: the sender closes first
+# A streamed push's next PART comes once prefill computed it: a chunk's forward, seconds on a loaded
+# CPU, not a stalled line. A sender that dies resets its connections at once; one whose request is
+# aborted cuts its push; this bounds only a sender that hangs.
+PART_WAIT_S = 120.0
 
 
 class Frame(IntEnum):

@@ -82,12 +82,22 @@ CLUSTERS = {  # in the order their tests run (tests/conftest.py): the shortest g
     },
     # two prefill and two main-decode instances (small md pools, so eviction happens; at most
     # 12 requests each, so a burst finds the stage full)
-    "fleet": {"port": 0, "instances": FLEET, "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90}},
+    # Both float32 clusters below push every decoder's KV (`md_suffix_max_tokens: 0`): their tests
+    # hold or drop pushes on purpose, and a line held at 1 Mbps drags the scheduler's bandwidth
+    # estimate down until main-decode computing a fresh ~100-token prompt itself looks cheaper
+    # (tests/cluster/test_md_suffix.py tests that path on its own cluster).
+    "fleet": {
+        "port": 0,
+        "instances": FLEET,
+        "timeouts": {"kv_stall_s": 10, "kv_retries": 1, "request_s": 90},
+        "scheduler": {"md_suffix_max_tokens": 0},
+    },
     # small handoff chunks so a few seconds of WAN build a multi-chunk catch-up on a CPU
     # float32 everywhere: outputs must equal the model alone (transformers, float32) token for token
     "cluster": {
         "port": 0,
         "handoff": {"chunk_tokens": 12, "final_tokens": 3},
+        "scheduler": {"md_suffix_max_tokens": 0},
         "max_queue": 12,
         "instances": [
             {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384, "threads": 2},

@@ -653,9 +653,9 @@ async def test_a_push_given_up_or_starved_fails_at_once_and_the_receiver_takes_n
     given_up.abandon("the request was aborted")
     with pytest.raises(KVTransferError, match="given up: the request was aborted"):
         await sending
-    starved = KVPush(head("req-2"))  # nothing computed for longer than the sender's stall bound
+    starved = KVPush(head("req-2"), wait_s=0.3)  # nothing computed for longer than its bound
     with pytest.raises(KVTransferError, match="no KV computed for 0s"):
-        await send_kv("127.0.0.1", r.rx.port, starved, stall_s=0.3)
+        await send_kv("127.0.0.1", r.rx.port, starved, stall_s=5.0)
     await until(lambda: r.rx.refused == 2, what="the receiver to see both cut")
     assert r.handled == []
 
@@ -675,3 +675,26 @@ async def test_a_streamed_push_retried_on_a_new_connection_sends_its_parts_again
     await send_kv("127.0.0.1", r.rx.port, streamed, stall_s=5.0)
     [t] = r.handled
     assert [(p.start, p.end) for p in t.parts] == [(0, 4), (4, 8)] and t.first == FIRST
+
+
+async def test_between_parts_the_receiver_waits_part_wait_s_not_stall_s(rig, refusals):
+    """A chunk's forward on a loaded CPU may outlast the line's stall bound: the next PART may take
+    `part_wait_s`; a sender silent for longer is cut like any stalled one."""
+    stall_s = 0.2
+    r = await rig(stall_s=stall_s, part_wait_s=5.0)
+    slow = KVPush(head())
+    sending = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, slow, stall_s=5.0))
+    slow.add(4, layers(size=LAYER // 2))
+    await until(lambda: "req-1" in r.rx._receiving, what="the push to be under way")
+    await asyncio.sleep(3 * stall_s)  # the pace under test: prefill computing the next chunk
+    slow.add(8, layers(size=LAYER // 2))
+    slow.finish(FIRST)
+    await sending
+    assert [(p.start, p.end) for p in r.handled[0].parts] == [(0, 4), (4, 8)] and refusals() == []
+
+    short = await rig(stall_s=stall_s, part_wait_s=0.3)
+    hung = KVPush(head(), wait_s=0.6)  # the sender learns of the cut when it next writes, or at its own bound
+    hung.add(4, layers(size=LAYER // 2))
+    with pytest.raises(KVTransferError):
+        await send_kv("127.0.0.1", short.rx.port, hung, stall_s=5.0)
+    assert short.handled == [] and "no data for 0.3s" in refusals()[-1]
