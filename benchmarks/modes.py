@@ -6,28 +6,28 @@ Every mode runs the same model, the same WAN settings and the same count of pref
 decoder instances; only the feature under test differs.
 
     mode         main-decode  DRC  relay  pipeline  handoff  1st token  warm  stream  what it is
-    pd-local     A            yes  no     p-md      -        prefill    yes   yes     P and D in one datacenter, no
+    pd-local     A            yes  no     p-md      -        prefill    yes    no     P and D in one datacenter, no
                                                                                       WAN: the floor
     pd-wan       B            no   no     p-md      -        decoder    no    no      naive cross-DC PD: the full KV
                                                                                       of every request crosses the
                                                                                       WAN before a token
     pd-wan-drc   B            yes  no     p-md      -        decoder    no    no      cross-DC PD with the decode-
                                                                                       side cache
-    pdd          B            yes  yes    auto      auto     prefill    yes   yes     everything: the scheduler
+    pdd          B            yes  yes    auto      auto     prefill    yes    no     everything: the scheduler
                                                                                       chooses both
-    pdd-oneshot  B            yes  yes    auto      oneshot  prefill    yes   yes     PDD, every handoff one-shot
-    pdd-catchup  B            yes  yes    auto      catchup  prefill    yes   yes     PDD, every handoff catch-up
-    pdd-push     B            yes  yes    auto      auto     prefill    yes   yes     PDD, every suffix's KV pushed
-    pdd-whole    B            yes  yes    auto      auto     prefill    yes   no      PDD, each push whole after the
-                                                                                      first token
+    pdd-oneshot  B            yes  yes    auto      oneshot  prefill    yes    no     PDD, every handoff one-shot
+    pdd-catchup  B            yes  yes    auto      catchup  prefill    yes    no     PDD, every handoff catch-up
+    pdd-push     B            yes  yes    auto      auto     prefill    yes    no     PDD, every suffix's KV pushed
+    pdd-stream   B            yes  yes    auto      auto     prefill    yes   yes     PDD, KV streamed while prefill
+                                                                                      runs
 
 "1st token" is who streams it (`first_token` in the cluster config): prefill the moment it is
 sampled, or the decoder once the KV arrived, as naive cross-DC PD does. "warm" is whether a
 finished request's answer is computed into prefill's cache (`warm_prefill`): the floor has it
 too, so that pdd against pd-local measures what the line costs, not what a cache saves.
 "stream" is whether prefill pushes a long prompt's KV chunk by chunk as it computes it
-(`stream_kv`), or whole after the first token as naive PD does: pdd against pdd-whole
-measures what streaming saves. Every mode but `pdd-push` and
+(`stream_kv`, off by default: on a CPU it costs TTFT), or whole after the first token: pdd-stream
+against pdd measures what streaming saves and costs. Every mode but `pdd-push` and
 the naive baselines lets main-decode compute a short suffix it lacks itself when that beats
 pushing its KV (`md_suffix_max_tokens`; services/scheduler/policy.py): pdd against pdd-push
 measures what that saves.
@@ -61,7 +61,7 @@ class Mode:
     handoff: str  # the scheduler's default_handoff: AUTO or a pinned Handoff
     first_token: str = Role.PREFILL.value  # who streams it (ClusterConfig.first_token)
     warm_prefill: bool = True  # ClusterConfig.warm_prefill
-    stream_kv: bool = True  # ClusterConfig.stream_kv
+    stream_kv: bool = False  # ClusterConfig.stream_kv
     md_suffix: bool = True  # main-decode may compute a short suffix itself (False: scheduler.md_suffix_max_tokens 0)
 
     @property
@@ -71,7 +71,7 @@ class Mode:
 
 
 P_MD, ONESHOT, CATCHUP = Pipeline.P_MD.value, Handoff.ONESHOT.value, Handoff.CATCHUP.value
-NAIVE = {"first_token": "decoder", "warm_prefill": False, "stream_kv": False, "md_suffix": False}  # naive cross-DC PD
+NAIVE = {"first_token": "decoder", "warm_prefill": False, "md_suffix": False}  # the naive cross-DC baselines
 MODE_TABLE: dict[str, Mode] = {
     m.name: m
     for m in (
@@ -82,7 +82,7 @@ MODE_TABLE: dict[str, Mode] = {
         Mode("pdd-oneshot", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=ONESHOT),
         Mode("pdd-catchup", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=CATCHUP),
         Mode("pdd-push", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, md_suffix=False),
-        Mode("pdd-whole", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, stream_kv=False),
+        Mode("pdd-stream", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, stream_kv=True),
     )
 }
 MODES: tuple[str, ...] = tuple(MODE_TABLE)

@@ -296,9 +296,12 @@ class ClusterConfig:
     # the answer's KV into its prefix cache while idle: the session's next turn, whose prompt holds
     # that answer, does not prefill it again (token ids cross, never KV: the handoff in reverse)
     warm_prefill: bool = True
-    # prefill pushes each chunk of a long prompt's KV as soon as its engine computed it: the push
-    # crosses the line while the rest prefills (false: the whole push after the first token)
-    stream_kv: bool = True
+    # prefill pushes each chunk of a long prompt's KV as soon as its engine computed it, so the push
+    # crosses the line while the rest prefills; off by default: on a CPU the push's encoding and
+    # TLS (and here the emulated line) take prefill's cores, and a 2,000-token prompt's TTFT on a
+    # 2-core host grew by 30% for a second token 24% sooner (docs/kv-wire.md). On where prefill
+    # computes on an accelerator and the transfer has cores of its own.
+    stream_kv: bool = False
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)

@@ -33,12 +33,12 @@ def test_the_simulated_fleet_follows_the_table(name):
 
 
 def test_the_table_names_the_eight_modes_and_the_parser_refuses_others():
-    assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-whole")
-    wan = ["pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-whole"]
+    assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-stream")
+    wan = ["pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-stream"]
     assert [n for n in MODES if MODE_TABLE[n].wan] == wan
     assert [n for n in MODES if not MODE_TABLE[n].md_suffix] == ["pd-wan", "pd-wan-drc", "pdd-push"]
-    assert [n for n in MODES if not MODE_TABLE[n].stream_kv] == ["pd-wan", "pd-wan-drc", "pdd-whole"]
-    assert [mode_config(n)["stream_kv"] for n in ("pdd", "pdd-whole")] == [True, False]
+    assert [n for n in MODES if MODE_TABLE[n].stream_kv] == ["pdd-stream"]
+    assert [mode_config(n)["stream_kv"] for n in ("pdd", "pdd-stream")] == [False, True]
     assert parse_modes(" pd-wan, pdd ") == ["pd-wan", "pdd"]
     with pytest.raises(ValueError, match="pdd-fast"):
         parse_modes("pdd,pdd-fast")

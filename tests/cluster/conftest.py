@@ -98,6 +98,7 @@ CLUSTERS = {  # in the order their tests run (tests/conftest.py): the shortest g
         "port": 0,
         "handoff": {"chunk_tokens": 12, "final_tokens": 3},
         "scheduler": {"md_suffix_max_tokens": 0},
+        "stream_kv": True,  # off by default (it costs a CPU's TTFT): every push here streams, tested as it runs
         "max_queue": 12,
         "instances": [
             {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384, "threads": 2},

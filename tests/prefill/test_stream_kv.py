@@ -2,8 +2,8 @@
 stepped by hand and a real KV receiver on loopback: the push is under way after the first chunk,
 before any token is sampled; it arrives in parts that tile each target's range (a target that
 holds a prefix gets only the rest) and carry the very KV a whole push carries; an abort
-mid-prompt cuts the push and leaves nothing held; with `stream_kv: false` the push waits for
-the first token and comes whole."""
+mid-prompt cuts the push and leaves nothing held; with `stream_kv: false` (the default) the push
+waits for the first token and comes whole."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def streaming(tiny):
     rigs = []
 
     async def make(**settings):
-        rig = await _rig(tiny, **settings)
+        rig = await _rig(tiny, **{"stream_kv": True, **settings})
         rig.worker.engine.max_step_tokens = CHUNK
         rigs.append(rig)
         return rig
