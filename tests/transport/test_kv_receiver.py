@@ -605,16 +605,22 @@ async def test_over_mutual_tls_a_prefill_peer_is_served_and_any_other_refused(ri
 # --- pushes streamed while prefill runs ---------------------------------------------------------
 
 
+async def under_way(r: Rig, push: KVPush) -> asyncio.Task:
+    """`push` sending in the background, once the receiver has read its header (and vetted it)."""
+    sending = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, push, stall_s=5.0))
+    await until(lambda: push.head.request_id in r.rx._receiving, what="the push to be under way")
+    return sending
+
+
 async def test_a_push_streamed_in_parts_arrives_in_those_parts_after_waiting_for_each(rig, refusals):
     """Prefill adds each computed chunk's KV to a push already under way: the receiver has the
     header and the first part while the rest is still being computed, and the handler gets the
     parts that tile the range, in order, then the first token."""
     r = await rig(stall_s=5.0)
     streamed = KVPush(head())
-    sending = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, streamed, stall_s=5.0))
     first_half = layers(size=LAYER // 2)
     streamed.add(4, first_half)
-    await until(lambda: "req-1" in r.rx._receiving, what="the push to be under way")
+    sending = await under_way(r, streamed)
     assert r.handled == [] and not sending.done()  # the receiver waits for the next part
     second_half = [bytes([9 + i]) * (LAYER // 2) for i in range(KV.num_layers)]
     streamed.add(8, second_half)
@@ -648,8 +654,7 @@ async def test_a_push_given_up_or_starved_fails_at_once_and_the_receiver_takes_n
     r = await rig(stall_s=5.0)
     given_up = KVPush(head())
     given_up.add(4, layers(size=LAYER // 2))
-    sending = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, given_up, stall_s=5.0))
-    await until(lambda: "req-1" in r.rx._receiving, what="the push to be under way")
+    sending = await under_way(r, given_up)
     given_up.abandon("the request was aborted")
     with pytest.raises(KVTransferError, match="given up: the request was aborted"):
         await sending
@@ -665,8 +670,7 @@ async def test_a_streamed_push_retried_on_a_new_connection_sends_its_parts_again
     r = await rig(stall_s=5.0)
     streamed = KVPush(head())
     streamed.add(4, layers(size=LAYER // 2))
-    cut = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, streamed, stall_s=5.0))
-    await until(lambda: "req-1" in r.rx._receiving, what="the first try to be under way")
+    cut = await under_way(r, streamed)
     assert r.rx.cancel("req-1")  # the connection is reset under it
     streamed.add(8, layers(size=LAYER // 2))
     streamed.finish(FIRST)
@@ -683,9 +687,8 @@ async def test_between_parts_the_receiver_waits_part_wait_s_not_stall_s(rig, ref
     stall_s = 0.2
     r = await rig(stall_s=stall_s, part_wait_s=5.0)
     slow = KVPush(head())
-    sending = asyncio.create_task(send_kv("127.0.0.1", r.rx.port, slow, stall_s=5.0))
     slow.add(4, layers(size=LAYER // 2))
-    await until(lambda: "req-1" in r.rx._receiving, what="the push to be under way")
+    sending = await under_way(r, slow)
     await asyncio.sleep(3 * stall_s)  # the pace under test: prefill computing the next chunk
     slow.add(8, layers(size=LAYER // 2))
     slow.finish(FIRST)
