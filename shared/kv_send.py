@@ -433,6 +433,7 @@ class EarlyConnection:
         else:
             dialing = functools.partial(dial, host, port, stall_s, tls, server_name)
         self._let_go_done = False
+        self._closed = False  # `close` was called: never hand the connection out
         self._task = spawn(self._hold(dialing))
         # "used", "unused" (expired or closed), "failed" (the dial) or "busy" (none free), once settled
         self.outcome = ""
@@ -476,7 +477,8 @@ class EarlyConnection:
             except asyncio.CancelledError:
                 self._let_go(conn)
                 raise
-        if not self._wanted.is_set():
+        # closed while dialing: Python 3.11's wait_for loses a cancellation that meets a finished dial
+        if self._closed or not self._wanted.is_set():
             self._let_go(conn)
             self.outcome = "unused"
             return None
@@ -497,7 +499,9 @@ class EarlyConnection:
 
     def close(self) -> None:
         """Unused after all (the request ended first): close it, or stop dialing."""
+        self._closed = True
         if not self._task.done():
+            self._wanted.set()  # wakes a wait that outlived its cancellation
             self._task.cancel()
             self.outcome = self.outcome or "unused"
 

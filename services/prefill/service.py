@@ -80,7 +80,7 @@ class PrefillState:
     # done once the engine took its sequence: an output before that is an earlier copy's (replaced)
     added: asyncio.Future | None = None
     pushes: dict[str, KVPush] = field(default_factory=dict)  # decoder id -> its push, once the first KV is out
-    sending: list[asyncio.Task] = field(default_factory=list)  # the pushes' tasks, in the targets' order
+    sending: dict[str, asyncio.Task] = field(default_factory=dict)  # decoder id -> its push's task, once under way
     feeding: asyncio.Lock = field(default_factory=asyncio.Lock)  # KV parts go into the pushes in order
 
 
@@ -262,11 +262,14 @@ class Prefiller(InstanceService):
 
     async def _feed(self, state: PrefillState, part: KVPayload) -> None:
         """A chunk of the prompt was computed (`stream_kv`): its KV goes into each target's push at
-        once (started by the first part), so a long prompt's KV crosses while the rest prefills."""
+        once, so a long prompt's KV crosses while the rest prefills. A target's push goes out with
+        its first part: one that starts later in the prompt (main-decode holding a longer prefix,
+        or computing the suffix itself) waits for its own, as its decoder waits only `stall_s`
+        between a HEADER and its first part."""
         async with state.feeding:
-            self._start_pushes(state, part.header)
-            for t in state.task.targets:
-                await self._add_part(state.pushes[t.instance_id], part, t.wire)
+            self._make_pushes(state, part.header)
+            for t, mine in zip(state.task.targets, await self._encode(state, [part] * len(state.task.targets))):
+                self._add(state, t, mine)
 
     async def _push(self, state: PrefillState, out: TokenOutput) -> None:
         """The first token is sampled: the KV not streamed yet is exported (the blocks are freed),
@@ -280,16 +283,20 @@ class Prefiller(InstanceService):
                 payloads, hit = await self.worker.call(lambda e: e.export_and_release(rid, starts))
             except NotHeld:
                 return  # aborted between the first token and the export: nothing is held
-            self._start_pushes(state, payloads[0].header)
-            streamed = max(start - t.start for start, t in zip(starts, task.targets))
-            stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit, streamed_kv_tokens=streamed)
-            first = FirstToken(out.token_id, stats, out.logprob)
-            for t, payload in zip(task.targets, payloads):
-                push = state.pushes[t.instance_id]
-                await self._add_part(push, payload, t.wire)
-                push.finish(first)
+            try:
+                self._make_pushes(state, payloads[0].header)
+                streamed = max(start - t.start for start, t in zip(starts, task.targets))
+                stats = RequestStats(prefill_ms=prefill_ms, prefill_hit_tokens=hit, streamed_kv_tokens=streamed)
+                first = FirstToken(out.token_id, stats, out.logprob)
+                for t, part in zip(task.targets, await self._encode(state, payloads)):
+                    self._add(state, t, part, first)
+            except Exception as e:  # the pushes wait for what will not come: the request fails, once
+                log.exception("%s: %s: KV export failed", self.inst.id, rid)
+                return await self._fail(rid, f"KV export failed: {e}")
         try:
-            results = await asyncio.gather(*state.sending, return_exceptions=True)
+            results = await asyncio.gather(
+                *(state.sending[t.instance_id] for t in task.targets), return_exceptions=True
+            )
         finally:
             self._settle_early(state)
         if self.requests.get(rid) is not state:
@@ -299,8 +306,9 @@ class Prefiller(InstanceService):
         if failed:
             await self._degrade(task, failed)
 
-    def _start_pushes(self, state: PrefillState, kv: KVHeader) -> None:
-        """Each target's push, [its start, n) of the prompt's KV, sent as its parts come (once)."""
+    def _make_pushes(self, state: PrefillState, kv: KVHeader) -> None:
+        """Each target's push, [its start, n) of the prompt's KV (once); each goes out with its
+        first part (`_add`)."""
         if state.pushes:
             return
         task = state.task
@@ -312,16 +320,39 @@ class Prefiller(InstanceService):
                 kv=dataclasses.replace(kv, start=t.start, end=len(task.prompt_ids), wire=t.wire),
                 wan=t.wan,
             )
-            state.pushes[t.instance_id] = push = KVPush(head)
-            state.sending.append(self._spawn_for(state, self._send(t, push, state.early.get(t.instance_id))))
+            state.pushes[t.instance_id] = KVPush(head)
 
-    @staticmethod
-    async def _add_part(push: KVPush, part: KVPayload, wire: str) -> None:
-        """What of `part` the push lacks (a target starting later skips what it holds), in `wire`."""
-        if part.header.end <= push.covered:
-            return
-        mine = part.narrow(push.covered, part.header.end)
-        push.add(mine.header.end, await asyncio.to_thread(lambda: [layer_to_bytes(k, v, wire) for k, v in mine.layers]))
+    async def _encode(self, state: PrefillState, parts: list[KVPayload]) -> list[tuple[int, list[bytes]] | None]:
+        """What of each target's part its push lacks (a target starting later skips what it holds),
+        in its wire format, all targets' layers at once: (end, layers), or None when it lacks none."""
+
+        async def lacking(t: KVTarget, part: KVPayload) -> tuple[int, list[bytes]] | None:
+            push = state.pushes[t.instance_id]
+            if part.header.end <= push.covered:
+                return None
+            mine = part.narrow(push.covered, part.header.end)
+            layers = await asyncio.to_thread(lambda: [layer_to_bytes(k, v, t.wire) for k, v in mine.layers])
+            return mine.header.end, layers
+
+        return await asyncio.gather(*(lacking(t, p) for t, p in zip(state.task.targets, parts)))
+
+    def _add(
+        self,
+        state: PrefillState,
+        target: KVTarget,
+        part: tuple[int, list[bytes]] | None,
+        first: FirstToken | None = None,
+    ) -> None:
+        """Add the encoded part (and, with `first`, end the push), and send the push once it holds
+        more than its HEADER."""
+        push = state.pushes[target.instance_id]
+        if part is not None:
+            push.add(*part)
+        if first is not None:
+            push.finish(first)
+        if target.instance_id not in state.sending and (push.covered > push.head.kv.start or push.first is not None):
+            early = state.early.get(target.instance_id)
+            state.sending[target.instance_id] = self._spawn_for(state, self._send(target, push, early))
 
     async def _degrade(self, task: PrefillTask, failed: list[tuple[KVTarget, Exception]]) -> None:
         """Some pushes failed after their retries. If the relay has its copy and only main-decode's
@@ -394,8 +425,10 @@ class Prefiller(InstanceService):
             self._settle_early(state)
             for push in state.pushes.values():  # waiting for KV that will not come
                 push.abandon(error)
+            me = asyncio.current_task()
             for t in state.tasks:
-                t.cancel()
+                if t is not me:  # `_push` failing calls this: its error chunk must still go out
+                    t.cancel()
             plan = plan or state.task.plan
         dispatch_id, stream_key = (plan.dispatch_id, plan.stream_key) if plan else ("", "")
         chunk = TokenChunk(
@@ -445,8 +478,9 @@ class Prefiller(InstanceService):
         if self.requests.get(rid) is state:
             del self.requests[rid]
         self._settle_early(state)
-        for push in state.pushes.values():
-            push.abandon("the request was let go")
+        if not keep_kv:  # finished on the relay: md's push may still land (its task is not cancelled)
+            for push in state.pushes.values():
+                push.abandon("the request was let go")
         me = asyncio.current_task()
         for t in list(state.tasks):
             if t is not me and not keep_kv:  # finished on the relay: md's push may still land

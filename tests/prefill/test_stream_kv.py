@@ -63,6 +63,12 @@ def parts(rig) -> dict[str, list[tuple[int, int]]]:
     return {t.head.secret.split("-")[0]: [(p.start, p.end) for p in t.parts] for t in rig.rx.got}
 
 
+def fed(rig, decoder: str) -> int:
+    """Where r1's push to `decoder` is fed up to (0 before prefill made its pushes)."""
+    push = rig.service.requests["r1"].pushes.get(decoder)
+    return push.covered if push is not None else 0
+
+
 def same(a: KVPayload, b: KVPayload) -> bool:
     return a.header == b.header and all(
         torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a.layers, b.layers)
@@ -116,3 +122,57 @@ async def test_an_abort_mid_prompt_cuts_the_streaming_push_and_holds_nothing(str
     assert rig.rx.got == [] and rig.worker.step() == []  # the sequence is gone: nothing left to compute
     await rig.settled()
     assert all("KV connection closed mid-transfer" in line or "reset" in line for line in refusals())
+
+
+async def test_a_target_that_starts_later_is_sent_only_from_its_own_first_part(streaming):
+    """Main-decode holding [0, 32) gets nothing while prefill computes [0, 16) and [16, 32): its
+    push goes out with its first part (its decoder allows a HEADER only `stall_s` without one),
+    here the last chunk's, which comes with the first token; the relay's goes out at once."""
+    rig = await streaming()
+    await rig.submit(task(rig, "r1", md_start=32))
+    rig.worker.step()
+    await until(lambda: {"r1"} == set(rig.rx._receiving), DEADLINE_S, "the relay's push to start")
+    rig.worker.step()
+    await until(lambda: fed(rig, "rld-0") == 32, DEADLINE_S, "[16, 32) fed")
+    assert set(rig.service.requests["r1"].sending) == {"rld-0"}  # nothing of main-decode's range yet
+    rig.worker.step()  # [32, 40) and the first token
+    await until(lambda: len(rig.rx.got) == 2, DEADLINE_S, "both pushes to land")
+    assert parts(rig) == {"rld": [(0, 16), (16, 32), (32, 40)], "md": [(32, 40)]}
+    await rig.settled()
+
+
+async def test_the_suffix_paths_push_goes_out_with_the_first_token_and_no_kv(streaming):
+    rig = await streaming()
+    await rig.submit(task(rig, "r1", md_start=len(PROMPT)))  # main-decode computes [its hit, n) itself
+    rig.worker.step()
+    rig.worker.step()
+    await until(lambda: fed(rig, "rld-0") == 32, DEADLINE_S, "[0, 32) fed")
+    assert set(rig.service.requests["r1"].sending) == {"rld-0"}
+    [out] = sampled(rig.worker.step())
+    await until(lambda: len(rig.rx.got) == 2, DEADLINE_S, "both pushes to land")
+    [md] = [t for t in rig.rx.got if t.head.secret.startswith("md")]
+    assert (md.head.kv.start, md.head.kv.end, md.parts, md.first.token_id) == (40, 40, [], out.token_id)
+    await rig.settled()
+
+
+async def test_a_push_that_cannot_be_encoded_fails_the_request_once_and_holds_nothing(tiny, monkeypatch):
+    """The default path (nothing streamed): the KV is exported after the first token; an error
+    there reaches the gateway as the request's error, and no push is left waiting for it."""
+    rig = await _rig(tiny)
+    try:
+
+        def broken(k, v, wire):
+            raise RuntimeError("no such wire")
+
+        monkeypatch.setattr("services.prefill.service.layer_to_bytes", broken)
+        await rig.submit(task(rig, "r1"))
+        rig.worker.step()
+        errors = lambda: [c for c in rig.service.nats.sent(subjects.tokens("r1")) if c.error]  # noqa: E731
+        await until(errors, DEADLINE_S, "the request's error")
+        [chunk] = errors()
+        assert chunk.finish_reason == "error" and "KV export failed: no such wire" in chunk.error
+        assert rig.rx.got == []
+        await rig.settled()
+    finally:
+        await rig.service.shutdown()
+        await rig.rx.stop()

@@ -283,6 +283,28 @@ async def test_an_early_connection_is_not_readied_when_every_one_is_in_use(side)
     assert s.pool.busy(s.ep) == 0  # ... and lets it go unused
 
 
+async def test_an_early_connection_closed_while_its_dial_swallows_the_cancel_is_still_let_go(side):
+    """Python 3.11's wait_for returns a dial that completes as it is cancelled, and the cancel is
+    lost: a connection closed meanwhile must still be let go at once, not held until its deadline."""
+    s = await side()
+    dial = s.pool.dial
+
+    async def swallowing(ep):
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass  # as wait_for does when the connection is made with the cancel
+        return await dial(ep)
+
+    s.pool.dial = swallowing
+    early = EarlyConnection(s.ep.host, s.ep.port, STALL_S, s.tls, "md-0", pool=s.pool)
+    await asyncio.sleep(0)  # its dial under way
+    early.close()
+    await until(lambda: early.settled and s.pool.busy(s.ep) == 0, timeout=1.0, what="the connection let go")
+    assert early.outcome == "unused"
+    await until(lambda: not s.rx._per_peer, what="md-0 to see the connection closed")
+
+
 # --- through the emulated line -------------------------------------------------------------------
 
 
