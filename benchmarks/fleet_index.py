@@ -53,10 +53,13 @@ def with_load(info: InstanceInfo, rng: random.Random, blocks: int) -> InstanceIn
     holding cached (reusable) blocks, measured speeds."""
     info.running, info.waiting = rng.randint(0, 8), rng.randint(0, 2)
     info.held = info.running + info.waiting
-    info.capacity = 96  # max_running 32 + max_waiting 64, the config's defaults
+    # no capacity (never full): a simulated instance acks and holds nothing, so the live view's
+    # count of dispatches since its last heartbeat would fill a real one's 96 (max_running 32 +
+    # max_waiting 64) at ~300 plans/s, and the closed loop met 429s instead of the scheduler
+    info.capacity = 0
     info.total_blocks = blocks + blocks // 5
     info.cached_blocks = blocks
-    info.free_blocks = info.total_blocks - info.running * 200
+    info.free_blocks = max(info.total_blocks - info.running * 200, 0)  # a small pool is full, never below
     info.step_ms = 0.0 if info.role == Role.PREFILL else 20.0 + rng.random() * 5
     info.prefill_tok_s = 20_000.0 if info.role == Role.PREFILL else 0.0
     return info
