@@ -31,8 +31,9 @@ from pdd.servers import EmbeddedServer, free_port
 from services.wanlink.link import Forward, WanLink
 from shared.bus import Bus
 from shared.config import WanConfig, load_config
+from shared.kv_push import KVPush
 from shared.kv_receive import KVReceiver
-from shared.kv_send import EarlyConnection, KVPush, send_kv
+from shared.kv_send import EarlyConnection, send_kv
 from shared.kv_transport import FirstToken, Transfer, TransferHead
 from shared.messages import Ack, HandoffChunk, Sampling
 from shared.runtime.engine import Engine

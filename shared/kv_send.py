@@ -1,5 +1,5 @@
-"""The KV plane's sending side: a push on a standing connection (shared/kv_transport.py has
-the frames and what the receiver checks).
+"""The KV plane's sending side: a push (shared/kv_push.py) on a standing connection
+(shared/kv_transport.py has the frames and what the receiver checks).
 
 A sender keeps its connections to each decoder in a small idle pool (`KVConnections`): a push
 takes an idle one (no TCP or TLS handshake: across the WAN that is two round trips saved) or
@@ -21,108 +21,23 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
+from shared.kv_push import KVPush
 from shared.kv_transport import (
     MAX_BUSY,
     MAX_CONTROL,
-    PART_WAIT_S,
     POOL_IDLE_S,
     POOL_MAX_IDLE,
     WRITE_SLICE,
     ConnectionLost,
-    FirstToken,
     Frame,
-    KVPart,
     KVTransferError,
     TransferAck,
-    TransferHead,
     decode_body,
-    frame,
-    packed,
     read_frame,
     reset,
 )
 
 log = logging.getLogger(__name__)
-
-
-class KVPush:
-    """One push: a decoder's range of a request's KV, in parts, and prefill's first token after
-    them. Built whole (`KVPush(head, layers, first)`: one part) or as prefill computes it
-    (`KVPush(head)`, then `add` per computed chunk and `finish`): a push, and a retry of it on a
-    new connection, sends its frames from the beginning and waits for those not computed yet.
-    The frames are kept until the push ends, as the whole push's layers were."""
-
-    def __init__(
-        self,
-        head: TransferHead,
-        layers: list[bytes] | None = None,
-        first: FirstToken | None = None,
-        wait_s: float = PART_WAIT_S,
-    ) -> None:
-        self.head = head
-        self.wait_s = wait_s  # the most it waits for a next part (`PART_WAIT_S`)
-        self.first: FirstToken | None = None
-        self._frames = [packed(Frame.HEADER, head)]
-        self._covered = head.kv.start  # the parts added tile [start, _covered)
-        self._changed = asyncio.Event()
-        self._abandoned = ""  # why its producer gave it up (the request ended): no part will come
-        if layers is not None and head.kv.end > head.kv.start:
-            self.add(head.kv.end, layers)
-        if first is not None:
-            self.finish(first)
-
-    @property
-    def covered(self) -> int:
-        """Where the parts added so far end."""
-        return self._covered
-
-    def add(self, end: int, layers: list[bytes]) -> None:
-        """The next part: tokens [covered, end), one wire-format bytes object per layer."""
-        kv = self.head.kv
-        if self.first is not None or not self._covered < end <= kv.end or len(layers) != kv.num_layers:
-            raise ValueError(f"part [{self._covered}, {end}) of {len(layers)} layers does not fit {kv}")
-        self._frames += [packed(Frame.PART, KVPart(end)), *(frame(Frame.LAYER, d) for d in layers)]
-        self._covered = end
-        self._wake()
-
-    def finish(self, first: FirstToken) -> None:
-        """The first token, once the parts cover the whole range: the push's last frame."""
-        if self._covered != self.head.kv.end:
-            raise ValueError(f"parts cover [{self.head.kv.start}, {self._covered}) of {self.head.kv}")
-        self.first = first
-        self._frames.append(packed(Frame.FIRST_TOKEN, first))
-        self._wake()
-
-    @property
-    def abandoned(self) -> bool:
-        return bool(self._abandoned)
-
-    def abandon(self, why: str) -> None:
-        """No more parts will come (the request was aborted or failed): a push waiting for one
-        fails now, whatever became of its task's cancellation."""
-        self._abandoned = why
-        self._wake()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def frames(self):
-        """Every frame from the first, waiting for those not added yet (at most `wait_s` for each);
-        ends after FIRST_TOKEN."""
-        i = 0
-        while True:
-            while i < len(self._frames):
-                yield self._frames[i]
-                i += 1
-            if self.first is not None:
-                return
-            if self._abandoned:
-                raise KVTransferError(f"the push was given up: {self._abandoned}")
-            try:
-                await asyncio.wait_for(self._changed.wait(), self.wait_s)
-            except TimeoutError:
-                raise KVTransferError(f"no KV computed for {self.wait_s:.0f}s") from None
 
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from services.prefill.warm import AnswerWarmer
 from shared import subjects
 from shared.instance import InstanceService, service_main
-from shared.kv_send import EarlyConnection, Endpoint, KVConnections, KVPush
+from shared.kv_push import KVPush
+from shared.kv_send import EarlyConnection, Endpoint, KVConnections
 from shared.kv_transport import FirstToken, KVTransferError, TransferHead
 from shared.messages import (
     Abort,

@@ -18,8 +18,9 @@ import pytest
 
 from pdd.certs import make_secrets
 from shared.config import config_from_dict
+from shared.kv_push import KVPush
 from shared.kv_receive import KVReceiver, Verdict
-from shared.kv_send import KVPush, send_kv
+from shared.kv_send import send_kv
 from shared.kv_transport import (
     CONTROL_BODY_S,
     MAX_CONTROL,
@@ -696,7 +697,9 @@ async def test_between_parts_the_receiver_waits_part_wait_s_not_stall_s(rig, ref
     assert [(p.start, p.end) for p in r.handled[0].parts] == [(0, 4), (4, 8)] and refusals() == []
 
     short = await rig(stall_s=stall_s, part_wait_s=0.3)
-    hung = KVPush(head(), wait_s=0.6)  # the sender learns of the cut when it next writes, or at its own bound
+    # the sender learns of the cut when it next writes, or at its own bound: far past the receiver's,
+    # so the receiver cuts first however late the loop runs its timer
+    hung = KVPush(head(), wait_s=2.0)
     hung.add(4, layers(size=LAYER // 2))
     with pytest.raises(KVTransferError):
         await send_kv("127.0.0.1", short.rx.port, hung, stall_s=5.0)

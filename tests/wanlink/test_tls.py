@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from shared.kv_push import KVPush
 from shared.kv_receive import KVReceiver
-from shared.kv_send import KVPush, send_kv
+from shared.kv_send import send_kv
 from shared.kv_transport import FirstToken, KVTransferError, Part, Transfer, TransferHead
 from shared.messages import RequestStats, WanControl
 from shared.runtime.kv_payload import KVHeader
