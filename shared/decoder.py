@@ -40,7 +40,7 @@ from shared.messages import Abort, Ack, DecodeTask, Drop, Resend, Resent, TokenC
 from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import TokenOutput
-from shared.runtime.kv_payload import payload_from_parts
+from shared.runtime.kv_payload import payload_from_parts, valid_start
 from shared.runtime.sequence import FinishReason, Sequence
 from shared.security import Secrets
 
@@ -464,7 +464,6 @@ class DecoderService(InstanceService):
 
 def _start_problem(task: DecodeTask, block_size: int) -> str:
     start = task.kv_start
-    n = len(task.prompt_ids)
-    if not 0 <= start <= n or (start % block_size and start != n):  # n: the suffix path, no KV comes
+    if not valid_start(start, len(task.prompt_ids), block_size):
         return f"kv_start {start} is neither a block boundary inside the prompt nor its end"
     return ""

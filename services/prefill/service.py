@@ -59,7 +59,7 @@ from shared.prefix_hash import namespace_of
 from shared.recent import RecentIds
 from shared.runtime.engine import TokenOutput
 from shared.runtime.kv_exchange import NotHeld
-from shared.runtime.kv_payload import KVHeader, KVPayload, layer_to_bytes
+from shared.runtime.kv_payload import KVHeader, KVPayload, layer_to_bytes, valid_start
 from shared.runtime.sequence import Sequence
 from shared.security import Secrets
 
@@ -504,7 +504,6 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
     for t in task.targets:
         if t.role not in (Role.RLD, Role.MD) or not 0 < t.port < 65536 or not t.host or not t.transfer_secret:
             return f"bad KV target {t.instance_id!r}"
-        n = len(task.prompt_ids)
-        if not 0 <= t.start <= n or (t.start % block_size and t.start != n):  # n: the decoder computes [hit, n)
+        if not valid_start(t.start, len(task.prompt_ids), block_size):
             return f"KV target {t.instance_id!r}: start {t.start} is neither a block boundary in the prompt nor its end"
     return ""

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from shared.runtime.kv_payload import KVPayload, export_kv, import_kv
+from shared.runtime.kv_payload import KVPayload, export_kv, import_kv, valid_start
 from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.sequence import Sequence
@@ -86,7 +86,7 @@ class KVExchange:
             return reason
         start, n, bs = payload.header.start, seq.prompt_len, self.pool.block_size
         end = n - resumed  # [0, end) is prompt: from the cache or the payload; [end, n) computed here
-        if start % bs and start != n:  # n: no KV comes (the suffix path), [hit, n) is computed here
+        if not valid_start(start, n, bs):
             raise ValueError(f"KV starts at {start}, not on a block boundary of {bs} nor at the prompt's end")
         if error := self._never_fits(seq):
             raise ValueError(error)

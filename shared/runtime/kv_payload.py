@@ -75,6 +75,12 @@ class KVPayload:
         return KVPayload(dataclasses.replace(h, start=start, end=end), [(k[a:b], v[a:b]) for k, v in self.layers])
 
 
+def valid_start(start: int, prompt_len: int, block_size: int) -> bool:
+    """Where a decoder's KV may start: a block boundary inside the prompt (the prefix it holds), or
+    the prompt's end (no KV comes: it computes what it lacks itself, the suffix path)."""
+    return 0 <= start <= prompt_len and (start % block_size == 0 or start == prompt_len)
+
+
 def export_kv(pool: KVPool, block_table: list[int], start: int, end: int) -> KVPayload:
     if not 0 <= start <= end:
         raise ValueError(f"bad KV range [{start}, {end})")

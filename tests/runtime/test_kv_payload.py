@@ -16,6 +16,7 @@ from shared.runtime.kv_payload import (
     layer_from_bytes,
     layer_to_bytes,
     payload_from_parts,
+    valid_start,
 )
 from shared.runtime.kv_pool import KVLayout, KVPool
 from shared.runtime.sequence import Sequence
@@ -247,3 +248,9 @@ def test_parts_that_do_not_tile_the_range_are_refused_and_none_make_an_empty_ran
             payload_from_parts(h, parts)
     empty = payload_from_parts(dataclasses.replace(h, start=32), [])
     assert [k.shape[0] for k, _ in empty.layers] == [0] * h.num_layers
+
+
+def test_a_decoders_kv_starts_on_a_block_boundary_inside_the_prompt_or_at_its_end():
+    assert [valid_start(s, 40, 16) for s in (0, 16, 32, 40)] == [True] * 4  # 40: the suffix path
+    assert [valid_start(s, 40, 16) for s in (-16, 8, 33, 48)] == [False] * 4
+    assert valid_start(48, 48, 16) and not valid_start(49, 48, 16)
