@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 import yaml
 
+from pdd import footprint
 from pdd.control import write_state
 from pdd.forkserver import ForkedProcess, ForkServer
 from pdd.natsconf import server_conf
@@ -377,6 +378,8 @@ def run_cluster(config_path: str | None, **overrides: Any) -> int:
         )
     threads = ", ".join(f"{i.id} {i.threads}" for i in cluster.cfg.instances)
     print(f"pdd: torch threads on {len(os.sched_getaffinity(0))} cores: {threads}", flush=True)
+    pools, fits = footprint.summary(footprint.pool_bytes(cluster.cfg), footprint.available_bytes())
+    print(f"pdd: {pools}" if fits else f"pdd: WARNING: {pools}", flush=True)
     metrics = [f"gateway {cluster.url}/metrics", f"scheduler :{cluster.cfg.scheduler.metrics_port}/metrics"]
     metrics += [f"{i.id} :{i.metrics_port}/metrics" for i in cluster.cfg.instances]
     print(f"pdd: Prometheus metrics: {', '.join(metrics)}", flush=True)

@@ -1,5 +1,9 @@
 """Paged KV pool: one preallocated tensor per instance, handed out by block.
 
+On a CPU the tensor is a mapping the kernel commits page by page as blocks are first written
+(shared/runtime/memory.py): the allocator hands out the lowest free ids first and reuses freed
+blocks first, so an instance's memory follows the most blocks it has held, not its capacity.
+
 Layout `[layers, 2 (K/V), slots, kv_heads, head_dim]` with `slots = (num_blocks + 1) * block_size`.
 A sequence owns a *block table* (list of block ids); token position `p` lives in slot
 `table[p // block_size] * block_size + p % block_size`. Blocks carry reference counts so a
@@ -27,6 +31,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from shared.runtime import memory
 
 
 class PoolExhausted(RuntimeError):
@@ -118,7 +124,7 @@ class KVPool:
         self.allocator = BlockAllocator(num_blocks)
         # one extra block past the allocator's range: the scratch block (see the module docstring)
         shape = (layout.num_layers, 2, (num_blocks + 1) * block_size, layout.kv_heads, layout.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv = memory.zeros(shape, dtype, self.device)  # on a CPU: resident as blocks are first written
         self.scratch_slot = num_blocks * block_size
         self._logs: list[weakref.ref[WriteLog]] = []  # subscribers to `write` (see `track_writes`)
 

@@ -28,12 +28,11 @@ memory is advised for huge pages (`zeros`): a step's K writes land 4 x capacity 
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 
+from shared.runtime import memory
 from shared.runtime.kv_pool import KVPool
 from shared.runtime.sequence import Sequence
 
@@ -47,16 +46,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     """A zeroed tensor, on a CPU in memory the kernel may back with 2 MB pages (transparent huge
     pages, `madvise` mode). A step writes one position of every row's transposed K: one float
     per (row, head, dim), each 4 bytes x capacity apart, so on 4 KB pages every one of them is a
-    TLB miss (at batch 16, 3072 per layer). Where that is not available: `torch.zeros`."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
+    TLB miss (at batch 16, 3072 per layer). Under 2 MB: `torch.zeros`."""
+    if memory.nbytes(shape, dtype) < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled, private:
-    try:  # (shared anonymous memory would follow shmem's huge page setting instead)
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel without transparent huge pages: plain pages, as torch's
-        pass
-    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    return memory.zeros(shape, dtype, device, huge_pages=True)
 
 
 @dataclass

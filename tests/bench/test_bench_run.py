@@ -26,13 +26,19 @@ def _agentic(out: Path) -> tuple[list[str], dict[str, str]]:
     return [*argv, "--out", str(out), "--requests", "3", "--rate", "2"], {}
 
 
-def _check_schema(results: dict, modes: list[str], n: int) -> None:
+def _errors(out: Path) -> list[tuple[str, str, str]]:
+    """Each failed request's mode, id and error, for an assertion's message (a CI log shows it)."""
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    return [(r.get("mode", ""), r["request_id"], r["error"]) for r in records if r.get("error")]
+
+
+def _check_schema(results: dict, modes: list[str], n: int, errors: list) -> None:
     assert set(results) == {"workload", "settings", "modes", "outputs_match_across_modes", "environment"}
     assert results["environment"]["git_commit"] and results["environment"]["packages"]["torch"]
     assert list(results["modes"]) == modes
     for mode, m in results["modes"].items():
         assert set(m) == MODE_KEYS, mode
-        assert m["requests"] == n and m["completed"] == n and m["failed"] == 0, (mode, m)
+        assert m["requests"] == n and m["completed"] == n and m["failed"] == 0, (mode, errors, m)
         for key in ("ttft_ms", "ttst_ms", "itl_ms", "tpot_ms", "e2e_ms", "max_gap_ms"):
             assert set(m[key]) == LATENCY
         assert m["ttft_ms"]["p50"] > 0 and set(m["tokens_by_role"]) == {"prefill", "rld", "md"}
@@ -50,7 +56,7 @@ def test_agentic_pdd_against_naive_cross_dc(background_job):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "3/3" in run.stderr  # the progress bar reached the end
     results = json.loads((tmp_path / "results.json").read_text())
-    _check_schema(results, ["pd-wan", "pdd"], 3)
+    _check_schema(results, ["pd-wan", "pdd"], 3, _errors(tmp_path))
     assert results["outputs_match_across_modes"] == 1.0
     pd_wan, pdd = results["modes"]["pd-wan"], results["modes"]["pdd"]
     assert pdd["wan_kv_bytes"] <= pd_wan["wan_kv_bytes"]
