@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._prefix_text = ""
+        self._sent = 0  # characters past _prefix_text released while the tail was incomplete
 
     @property
     def token_ids(self) -> list[int]:
@@ -55,11 +56,17 @@ class IncrementalDetokenizer:
 
     def _step(self, final: bool) -> str:
         text = self._decode(self._ids[self._prefix_offset :])
-        held = len(self._ids) - self._read_offset
-        incomplete = text.endswith(REPLACEMENT) and held < MAX_HELD_TOKENS
-        if len(text) <= len(self._prefix_text) or (incomplete and not final):
+        if len(text) <= len(self._prefix_text):
             return ""
-        delta = text[len(self._prefix_text) :]
+        new = text[len(self._prefix_text) :]
+        held = len(self._ids) - self._read_offset
+        if new.endswith(REPLACEMENT) and held < MAX_HELD_TOKENS and not final:
+            # the tokens end inside a character: what comes before it is complete and goes now
+            # (a first token of a space and a character's first byte shows its space at once)
+            complete = new.rstrip(REPLACEMENT)
+            delta, self._sent = complete[self._sent :], max(self._sent, len(complete))
+            return delta
+        delta, self._sent = new[self._sent :], 0
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         return delta

@@ -93,11 +93,18 @@ def test_metrics_and_health(cluster, model_id):
     assert httpx.get(cluster.url + "/health").json()["status"] == "ok"
 
 
-def test_the_first_token_never_waits_for_the_line(cluster, model_id, operator, reference, smol_tokenizer):
+# a few-shot prompt whose answer starts inside a character: the model's first token is a space and
+# the first byte of 猫 (two more tokens complete it), so the client's first text is the space alone
+CJK_TAIL = "\nEnglish: cat. Chinese: 猫. English: dog. Chinese: 狗. English: bird. Chinese:"
+
+
+@pytest.mark.parametrize("tail", ["", CJK_TAIL], ids=["ascii", "mid-character"])
+def test_the_first_token_never_waits_for_the_line(cluster, model_id, operator, reference, smol_tokenizer, tail):
     """`first_token: prefill` (the default): with main-decode's KV crawling at 1 Mbps (~15 MB, two
     minutes of it), the first token reaches the client from prefill while the line has carried
-    almost none of the KV; the rest comes from main-decode once the line opens again."""
-    prompt = fresh_prompt(100, "first")  # ~330 tokens: ~15 MB of fp32 KV
+    almost none of the KV; the rest comes from main-decode once the line opens again. A first
+    token that ends inside a character still shows what precedes it (the gateway's detokenizer)."""
+    prompt = fresh_prompt(100, "first") + tail  # ~330 tokens: ~15 MB of fp32 KV
     body = {"model": model_id, "prompt": prompt, "max_tokens": 8, "temperature": 0, "pdd": {"pipeline": "p-md"}}
     events: list[dict] = []
     result: dict = {}
@@ -115,6 +122,7 @@ def test_the_first_token_never_waits_for_the_line(cluster, model_id, operator, r
             assert worker.is_alive() and time.monotonic() < deadline, "no first token while the line crawled"
             time.sleep(0.01)
         crossed = operator.line_bytes("md-0") - before
+        first = next(e["choices"][0]["text"] for e in list(events) if e["choices"] and e["choices"][0].get("text"))
     finally:
         operator.wan(bandwidth_mbps=cluster.cfg.wan.bandwidth_mbps)
         worker.join(240)
@@ -127,6 +135,7 @@ def test_the_first_token_never_waits_for_the_line(cluster, model_id, operator, r
     assert text == reference(smol_tokenizer(prompt)["input_ids"], 8, draft=text)
     assert pdd["tokens_by_role"] == {"prefill": 1, "rld": 0, "md": 7}, pdd["tokens_by_role"]
     assert crossed < pdd["wan_kv_bytes"] / 4, "the first token came before main-decode had its KV"
+    assert first == (" " if tail else text[: len(first)]), (first, text)
     assert t["ttft"] < t["queue"] + t["prefill"] + t["kv_wan"]
 
 

@@ -171,3 +171,19 @@ def test_detokenizer_and_stop_checker_together(smol_tokenizer):
         if stopped:
             break
     assert stopped and sent == "hi 你"
+
+
+def test_what_precedes_an_incomplete_character_is_released_at_once(smol_tokenizer):
+    """A token of a space and a character's first byte (a first token the model gives on CJK or
+    emoji answers) shows its space with that token, not with the one that completes the
+    character: with the first token from prefill, a client sees text before the second token."""
+    split = next(i for i in range(smol_tokenizer.vocab_size) if smol_tokenizer.decode([i]) == " " + REPLACEMENT)
+    rest = next(i for i in range(smol_tokenizer.vocab_size) if REPLACEMENT not in smol_tokenizer.decode([split, i]))
+    detok = IncrementalDetokenizer(smol_tokenizer)
+    first = detok.add([split])
+    assert first == " "
+    second = detok.add([rest])
+    assert first + second == smol_tokenizer.decode([split, rest]) and REPLACEMENT not in second
+    ids = encode(smol_tokenizer, "ok 你好 😀 ok")
+    pieces = stream(IncrementalDetokenizer(smol_tokenizer), ids)
+    assert "".join(pieces) == "ok 你好 😀 ok" and not any(REPLACEMENT in p for p in pieces)
