@@ -353,7 +353,10 @@ class Prefiller(InstanceService):
             push.finish(first)
         if target.instance_id not in state.sending and (push.covered > push.head.kv.start or push.first is not None):
             early = state.early.get(target.instance_id)
-            state.sending[target.instance_id] = self._spawn_for(state, self._send(target, push, early))
+            sending = self._spawn_for(state, self._send(target, push, early))
+            # its outcome is `_push`'s to settle; a push given up with its request has none to settle
+            sending.add_done_callback(lambda t: t.cancelled() or t.exception())
+            state.sending[target.instance_id] = sending
 
     async def _degrade(self, task: PrefillTask, failed: list[tuple[KVTarget, Exception]]) -> None:
         """Some pushes failed after their retries. If the relay has its copy and only main-decode's

@@ -66,6 +66,8 @@ class Connection:
         pipes = self._pipe(self.client[0], self.upstream[1], self.out)
         pipes += self._pipe(self.upstream[0], self.client[1], self.back)
         self._tasks = [*pipes, asyncio.create_task(self._watch_resets(pipes))]
+        for task in self._tasks:  # the first error is logged below; a pipe cut by `abort` may end in
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its socket's reset: not news
         clean = False
         try:
             done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_EXCEPTION)
