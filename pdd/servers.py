@@ -5,16 +5,19 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 _LOWEST_PORT = 10000
 _handed_out: set[int] = set()
+_CLAIMS = Path(tempfile.gettempdir()) / f"pdd-ports-{os.getuid()}"  # one file per port handed out (`_claim`)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -25,13 +28,16 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default; other systems: IANA's is 49152-65535, above it
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", claims: Path | None = None) -> int:
     """A port to listen on later, chosen below the kernel's ephemeral range.
 
     A port from `bind(port 0)` lies inside that range, so between our probe and the service's own
     bind any outgoing connection on the host may be given it as its local port ("address already
     in use", seen when two clusters started side by side). Below the range only another listener
-    can take it: a random choice, probed, and never handed out twice by this process."""
+    can take it: a random choice, probed, never handed out twice by this process, and claimed for
+    it on the host (`_claim`): two processes choosing at once (the test suite's halves, each
+    starting a cluster) once both probed the same free port, and the second service to bind it
+    died at start."""
     lo, _ = _ephemeral_range()
     top = lo - 1 if lo - 1 > _LOWEST_PORT + 1000 else 65535
     rng = random.Random()
@@ -44,9 +50,51 @@ def free_port(host: str = "127.0.0.1") -> int:
                 s.bind((host, port))
             except OSError:
                 continue
+        if not _claim(port, claims or _CLAIMS):
+            continue
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port on {host} in {_LOWEST_PORT}..{top} after 200 tries")
+
+
+def _claim(port: int, claims: Path) -> bool:
+    """Claim `port` for this process on this host: a file named after it holding our pid, created
+    only if absent (a claim whose process has ended is taken over). False: another live process
+    holds it. Without a writable folder, claim nothing and hand the port out (as before claims)."""
+    path = claims / str(port)
+    try:
+        claims.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if _alive(path):
+                    return False
+                path.unlink(missing_ok=True)  # its process ended: one of the takers creates it anew
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return True
+        return False
+    except OSError:
+        return True
+
+
+def _alive(claim: Path) -> bool:
+    """Whether the process that wrote `claim` still runs (a claim being written counts as alive)."""
+    try:
+        pid = int(claim.read_text() or 0)
+    except (OSError, ValueError):
+        return True
+    if pid == 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def port_open(host: str, port: int) -> bool:
