@@ -330,8 +330,8 @@ async def test_across_the_line_a_reused_push_pays_no_handshake(side, refusals):
         assert (s.count("dialed"), s.count("reused")) == (1, 2)
         print(f"\npush over a 20 ms line: dialed {took[0]:.0f} ms, reused {took[1]:.0f} and {took[2]:.0f} ms")
         # the line's delay was in force: the dialed push paid TCP's, TLS's and its own round trips
-        # (3 x 40 ms, on any machine), the reused ones their own (40 ms); how much sooner the reused ones came is printed,
-        # not asserted (a loaded host took 92 ms for one of them in a full run)
+        # (3 x 40 ms, on any machine), each reused one its own (40 ms); how much sooner the reused
+        # ones came is printed, not asserted (a loaded host took 92 ms for one in a full run)
         assert took[0] > 115 and min(took[1:]) > 35, took
     finally:
         await link.stop()
