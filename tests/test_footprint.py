@@ -52,5 +52,7 @@ def test_a_pool_is_resident_as_its_blocks_are_written_not_when_it_is_made():
     assert not pool.kv[:, :, -pool.block_size :].any()  # reads as zeros (the scratch block, never written)
     pool.kv[:, :, : 100 * pool.block_size] = 1.0  # 1,600 tokens: ~74 MB
     written = _resident_bytes() - made
-    assert 70_000_000 < written < 150_000_000, written
+    # 60 planes (layer x K/V) of 1.2 MB each; on a host whose kernel backs anonymous memory with
+    # 2 MB pages whatever it is advised, each plane's rows may take two: up to 240 MB, not 1.5 GB
+    assert 70_000_000 < written < 400_000_000, written
     del pool
