@@ -28,7 +28,7 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default; other systems: IANA's is 49152-65535, above it
 
 
-def free_port(host: str = "127.0.0.1", claims: Path | None = None) -> int:
+def free_port(host: str = "127.0.0.1", claims: Path | None = None, rng: random.Random | None = None) -> int:
     """A port to listen on later, chosen below the kernel's ephemeral range.
 
     A port from `bind(port 0)` lies inside that range, so between our probe and the service's own
@@ -40,7 +40,7 @@ def free_port(host: str = "127.0.0.1", claims: Path | None = None) -> int:
     died at start."""
     lo, _ = _ephemeral_range()
     top = lo - 1 if lo - 1 > _LOWEST_PORT + 1000 else 65535
-    rng = random.Random()
+    rng = rng or random.Random()
     for _ in range(200):
         port = rng.randint(_LOWEST_PORT, top)
         if port in _handed_out:

@@ -1,6 +1,7 @@
 """free_port: listening ports are chosen where an outgoing connection cannot take them first."""
 
 import os
+import random
 import socket
 import subprocess
 
@@ -26,10 +27,12 @@ def test_outgoing_connections_take_ports_from_the_range_free_port_avoids():
             assert lo <= client.getsockname()[1] <= hi  # why bind(0)'s ports raced the services
 
 
-class _Fixed:
-    """random.Random standing in for free_port's choice: these ports, in this order."""
+class _Fixed(random.Random):
+    """free_port's choice: these ports, in this order."""
 
-    ports: list[int] = []
+    def __init__(self, *ports: int) -> None:
+        super().__init__()
+        self.ports = list(ports)
 
     def randint(self, lo: int, hi: int) -> int:
         return self.ports.pop(0)
@@ -51,20 +54,18 @@ def _bindable_pair() -> tuple[int, int]:
     raise AssertionError("no two free ports")
 
 
-def test_a_port_another_live_process_claimed_is_skipped_and_a_dead_ones_claim_taken_over(tmp_path, monkeypatch):
+def test_a_port_another_live_process_claimed_is_skipped_and_a_dead_ones_claim_taken_over(tmp_path):
     """The halves of `make test` each choose ports for their clusters: a port one of them chose
     is not handed out by the other before its service binds it (md-0 died at start on one)."""
     first, second = _bindable_pair()
-    monkeypatch.setattr(servers.random, "Random", _Fixed)
     other = subprocess.Popen(["sleep", "60"])
     try:
         (tmp_path / str(first)).write_text(str(other.pid))  # another live process chose it
-        _Fixed.ports = [first, second]
-        assert servers.free_port(claims=tmp_path) == second
+        assert free_port(claims=tmp_path, rng=_Fixed(first, second)) == second
         assert (tmp_path / str(second)).read_text() == str(os.getpid())
     finally:
         other.kill()
         other.wait()
-    _Fixed.ports = [first]  # its process has ended: the claim is stale
-    assert servers.free_port(claims=tmp_path) == first
+    # its process has ended: the claim is stale
+    assert free_port(claims=tmp_path, rng=_Fixed(first)) == first
     assert (tmp_path / str(first)).read_text() == str(os.getpid())
