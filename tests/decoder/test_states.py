@@ -162,21 +162,25 @@ async def test_parked_requests_join_together_at_one_step_boundary(tiny, tiny_ref
     to the other) wait that many steps for its ACK, past prefill's deadline."""
     pair = await DecoderPair(tiny, md_blocks=8).start()  # a (100 + 24 tokens) fills it; b, c fit after
     prompts = dict(zip("abc", random_prompts(tiny.config.vocab_size, [100, 40, 40], seed=7)))
-    admissions = []
+    joined = []  # per admission call, how many parked requests it joined
     worker_call = pair.md.worker.call
 
     async def counted(fn):
+        results = await worker_call(fn)
         if "_admit_parked" in fn.__qualname__:
-            admissions.append(fn)
-        return await worker_call(fn)
+            joined.append(len(results))
+        return results
 
     pair.md.worker.call = counted
     try:
         await _land_all_on_md(pair, prompts)
-        assert list(pair.md.parked) == ["b", "c"] and len(admissions) == 3  # a joined; b, c tried, parked
+        # a joined; b, c tried and parked. The watchdog's retries each second while requests are
+        # parked (a slow host) may add calls that join none
+        assert list(pair.md.parked) == ["b", "c"] and [n for n in joined if n] == [1], joined
         await pair.drive(lambda: pair.finished("a"))
         await pair.drive(lambda: not pair.md.parked)
-        assert len(admissions) == 4, admissions  # b and c joined in one call when a's blocks came back
+        # b and c joined in one call when a's blocks came back
+        assert [n for n in joined if n] == [1, 2], joined
         await pair.drive(lambda: pair.finished("b") and pair.finished("c"))
         _assert_exact_and_gone(pair, tiny_ref, prompts)
     finally:
