@@ -249,6 +249,8 @@ class InstanceService:
     async def _index_loop(self) -> None:
         while True:
             await asyncio.sleep(0.1)
+            if not (self._index_stale or self.worker.engine.has_cache_events):
+                continue  # an idle instance costs no call to its engine's thread ten times a second
             try:
                 await self.report_index()
             except Exception as e:  # never let the index loop die

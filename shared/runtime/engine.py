@@ -176,6 +176,13 @@ class Engine(KVExchange):
         )
 
     # -- the prefix cache's reports -----------------------------------------------------------
+    @property
+    def has_cache_events(self) -> bool:
+        """Whether the cache changed since the last `cache_events`. A peek another thread may
+        take without a call to the engine's (a list's length under the GIL): a stale answer
+        only moves the report to the next look."""
+        return self.cache is not None and bool(self.cache.events)
+
     def cache_events(self, full: bool) -> list[IndexEvent]:
         """The prefix cache's changes since the last call; `full`: all of it, from a clean slate."""
         if self.cache is None:

@@ -4,6 +4,8 @@ the real registrar and Redis, which apply the parts in order: the whole set arri
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from nats.errors import MaxPayloadError
 
@@ -79,3 +81,51 @@ def test_parts_keep_the_order_and_the_bound():
     assert flat == [(e.kind, h) for e in events for h in e.hashes]
     assert index_parts([IndexEvent("stored", ["a"])]) == [[IndexEvent("stored", ["a"])]]
     assert index_parts([]) == []
+
+
+class IdleEngine:
+    """An engine whose cache changes when the test says so; counts the index loop's peeks."""
+
+    def __init__(self) -> None:
+        self.changed, self.peeks, self.calls = False, 0, 0
+
+    @property
+    def has_cache_events(self) -> bool:
+        self.peeks += 1
+        return self.changed
+
+    def cache_events(self, full: bool) -> list[IndexEvent]:
+        events = [IndexEvent("cleared")] if full else []
+        if self.changed:
+            self.changed = False
+            events.append(IndexEvent("stored", ["h1"]))
+        return events
+
+    async def call(self, fn):
+        self.calls += 1
+        return fn(self)
+
+
+class Published(list):
+    async def publish(self, subject: str, msg) -> None:
+        self.append(msg)
+
+
+async def test_an_idle_instance_reports_nothing_and_calls_no_engine():
+    """The index loop looks every 0.1 s; it calls the engine's thread only when the cache changed
+    (or the registrar asked for all of it): an idle cluster's instances each made ten calls a
+    second to their engine thread, for nothing."""
+    cfg = config_from_dict(cluster())
+    svc = InstanceService(cfg, cfg.instance("prefill-0"))
+    engine = IdleEngine()
+    engine.engine = engine  # the worker's engine, peeked at without a call
+    svc.bus, svc.worker = Published(), engine
+    task = asyncio.create_task(svc._index_loop())
+    try:
+        await until(lambda: engine.peeks >= 5, timeout=30, what="five looks at an idle cache")
+        assert engine.calls == 1 and [e.kind for m in svc.bus for e in m.events] == ["cleared"]  # the first, whole
+        engine.changed = True
+        await until(lambda: len(svc.bus) == 2, timeout=30, what="the change reported")
+        assert svc.bus[-1].events == [IndexEvent("stored", ["h1"])] and engine.calls == 2
+    finally:
+        task.cancel()
