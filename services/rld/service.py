@@ -166,7 +166,8 @@ class RelayDecoder(DecoderService):
         deadline = time.monotonic() + self.cfg.handoff.ack_timeout_s
         wait = max(HANDOFF_RESEND_S, 8 * self.cfg.wan.delay_ms / 1000)  # a few round trips of the line
         while True:
-            left = deadline - time.monotonic()
+            sent = time.monotonic()
+            left = deadline - sent
             try:
                 if failpoints.hit("rld.handoff_chunk"):  # lost on purpose: as if no ack came in time
                     await asyncio.sleep(min(wait, max(left, 0)))
@@ -177,6 +178,9 @@ class RelayDecoder(DecoderService):
                 if time.monotonic() >= deadline:
                     log.warning("%s: handoff chunk for %s got no ack: %s", self.inst.id, chunk.request_id, e)
                     return False
+                # "no responders" comes back at once (main-decode restarting): resend after the
+                # wait, not in a tight loop of requests until the deadline
+                await asyncio.sleep(max(0.0, min(sent + wait, deadline) - time.monotonic()))
                 log.info("%s: handoff chunk for %s got no ack yet; sending it again", self.inst.id, req.id)
                 wait = min(wait * 2, self.cfg.handoff.ack_timeout_s)
         if not ack.ok:

@@ -267,12 +267,22 @@ async def test_md_gone_during_handoff_leaves_the_relay_serving(tiny, prompt, tin
     pair = await DecoderPair(tiny, handoff={**CONFIG["handoff"], "ack_timeout_s": 4}).start()
     try:
         await _relayed(pair, prompt, "catchup")
+        tries, request = [], pair.rld.bus.request
+
+        def counted(subject, *args):
+            tries.append(subject)
+            return request(subject, *args)
+
+        pair.rld.bus.request = counted
         await pair.md.bus.close()  # killed: its subjects have no responders, its handlers are gone
         await pair.drive(lambda: pair.finished("r1"), roles=("rld",))
         tokens = pair.tokens("r1")
         assert [t for t, _ in tokens.values()] == _expected(tiny_ref, prompt)
         assert all(role == "rld" for _, role in tokens.values())
         assert "r1" not in pair.rld.requests and pair.rld.requests == {}
+        # "no responders" comes back at once: the chunk is sent again after the resend wait
+        # (2 s, doubling), not in a tight loop of requests until `ack_timeout_s`
+        assert 1 <= tries.count(subjects.handoff_chunk("md-0")) <= 3, len(tries)
     finally:
         await pair.stop()
 

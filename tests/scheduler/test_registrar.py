@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 from services.scheduler.registrar import Registrar, Roster
+from shared import registry as registry_module
 from shared.config import config_from_dict
 from shared.messages import Heartbeat, IndexEvent, IndexUpdate, InstanceInfo, Leave
 
@@ -81,9 +82,10 @@ async def test_liveness_is_the_registrar_clock_and_allows_for_the_line(registry)
     assert [i.id for i in await registry.alive()] == ["rld-0"], "the line towards it is down: not refreshed"
 
 
-async def test_updates_handled_at_once_are_applied_in_their_order(registry):
+async def test_updates_handled_at_once_are_applied_in_their_order(registry, monkeypatch):
     """The bus runs each update in its own task: a whole index in parts, then a removal, all
     in flight together, must reach Redis in the order they were sent."""
+    monkeypatch.setattr(registry_module, "INDEX_ORDER_WAIT_S", 10.0)  # order is checked, not the shipped bound
     reg = Registrar(registry)
     parts = [IndexUpdate("md-0", [IndexEvent("cleared"), IndexEvent("stored", ["h0"])], seq=1)]
     parts += [IndexUpdate("md-0", [IndexEvent("stored", [f"h{i}"])], seq=i + 1) for i in range(1, 40)]

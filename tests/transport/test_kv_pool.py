@@ -297,10 +297,11 @@ async def test_an_early_connection_closed_while_its_dial_swallows_the_cancel_is_
         return await dial(ep)
 
     s.pool.dial = swallowing
-    early = EarlyConnection(s.ep.host, s.ep.port, STALL_S, s.tls, "md-0", pool=s.pool)
+    # held for 30 s if the close were lost: let go within 10 s (a mutual-TLS dial on a loaded host) is "at once"
+    early = EarlyConnection(s.ep.host, s.ep.port, 60.0, s.tls, "md-0", pool=s.pool)
     await asyncio.sleep(0)  # its dial under way
     early.close()
-    await until(lambda: early.settled and s.pool.busy(s.ep) == 0, timeout=1.0, what="the connection let go")
+    await until(lambda: early.settled and s.pool.busy(s.ep) == 0, timeout=10.0, what="the connection let go")
     assert early.outcome == "unused"
     await until(lambda: not s.rx._per_peer, what="md-0 to see the connection closed")
 

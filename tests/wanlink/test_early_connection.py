@@ -68,9 +68,11 @@ async def test_an_early_connection_unused_past_its_hold_is_closed_quietly(make_l
 async def test_by_default_the_sender_gives_up_before_the_receiver_would(make_link, secrets, refusals):
     """Both sides run with the same stall deadline (the cluster's kv_stall_s): the receiver waits
     that long for a header, the sender holds an unused connection for half of it."""
-    rx, got = await receiver(secrets, stall_s=0.6)
+    # 3 s between the sender's give-up and the receiver's: a stalled loop on a loaded host fired
+    # both in one turn with 0.3 s between them
+    rx, got = await receiver(secrets, stall_s=6.0)
     link = await make_link({"md-0": ("A", rx.port)})
-    early = EarlyConnection("127.0.0.1", link.ports["md-0"], 0.6, secrets.kv_client_context("prefill-0"), "md-0")
+    early = EarlyConnection("127.0.0.1", link.ports["md-0"], 6.0, secrets.kv_client_context("prefill-0"), "md-0")
     await until(lambda: early.settled, what="the sender to give the unused connection up")
     await settle(rx, link)
     assert rx.refused == 0 and refusals() == [] and got == []
