@@ -212,6 +212,6 @@ def test_a_stream_that_fails_ends_with_an_error_event(fleet, fleet_operator):
     print(f"\nerror event: {error}")
     assert error["type"] == "server_error" and error["message"]
     assert all("error" not in json.loads(x[6:]) for x in lines[:-2])
-    states = operator.idle(timeout=5.0)
+    states = operator.idle()
     assert all(s.requests == [] for s in states.values()), states
     assert operator.request_keys() == []

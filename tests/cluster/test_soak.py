@@ -130,7 +130,7 @@ def test_a_full_stage_answers_429_at_once_and_holds_no_more(fleet, fleet_operato
         assert not r["error"]
         assert r["text"] == reference(smol_tokenizer(prompt)["input_ids"], 16, ignore_eos=True, draft=r["text"])
         _complete(r, 16)
-    assert all(s.requests == [] for s in fleet_operator.idle(timeout=5).values())
+    assert all(s.requests == [] for s in fleet_operator.idle().values())
 
 
 # -- the soak -------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def test_soak_with_disconnects_and_a_killed_instance(fleet, fleet_operator, refe
             restart(fleet, victim)
         results = [f.result() for f in futures]
     elapsed = time.monotonic() - t0
-    states = fleet_operator.idle(timeout=10)
+    states = fleet_operator.idle()
     leaked = {iid: s.total_blocks - s.free_blocks - s.figures.engine.cached_blocks for iid, s in states.items()}
     figures = {
         "requests": len(results),

@@ -22,16 +22,20 @@ def transfer_s(nbytes: int, mbps: float) -> float:
     return (nbytes - CHUNK) / (mbps * MBPS)
 
 
-async def timed_send(trio, forward: str, payload: bytes) -> float:
-    """Send `payload` from the forward's dialer; seconds until the upstream had all of it, intact."""
-    _, writer = await dial(trio.link, forward)
-    arrival = await trio.sinks[forward].arrival()
+async def timed_sends(trio, sends: list[tuple[str, bytes]]) -> list[float]:
+    """Send each payload from its forward's dialer, all from one start once every connection is
+    up (a connection accepted late would otherwise run alone for a while); seconds until each
+    upstream had all of its payload, intact."""
+    writers = [(await dial(trio.link, forward))[1] for forward, _ in sends]
+    arrivals = [await trio.sinks[forward].arrival() for forward, _ in sends]
     start = now()
-    writer.write(payload)
-    end = await arrival.wait(len(payload))
-    assert arrival.data == payload
-    writer.close()
-    return end - start
+    for writer, (_, payload) in zip(writers, sends):
+        writer.write(payload)
+    ends = await asyncio.gather(*(a.wait(len(p)) for a, (_, p) in zip(arrivals, sends)))
+    for writer, arrival, (_, payload) in zip(writers, arrivals, sends):
+        assert arrival.data == payload
+        writer.close()
+    return [end - start for end in ends]
 
 
 @pytest.mark.parametrize("how", ["reverse", "control"])
@@ -46,16 +50,16 @@ async def test_each_direction_has_its_own_cap(trio, how):
     state = t.link.control(WanControl())
     assert (state.lines["a-b"].bandwidth_mbps, state.lines["b-a"].bandwidth_mbps) == (fast, slow)
     n = 512 * 1024
-    ab, ba = await asyncio.gather(timed_send(t, "ab", os.urandom(n)), timed_send(t, "ba", os.urandom(n)))
+    ab, ba = await timed_sends(t, [("ab", os.urandom(n)), ("ba", os.urandom(n))])
     assert ab >= 0.9 * transfer_s(n, fast)
     assert ba >= 0.9 * transfer_s(n, slow)
-    assert ba > 3 * ab  # 8x slower by the caps; a-b is not held to b-a's rate
+    assert ba > 2 * ab  # 8x slower by the caps (a loaded host stretches the fast one): a-b is not held to b-a's rate
 
 
 async def test_two_connections_in_one_direction_share_the_cap(trio):
     mbps, n = 16.0, 512 * 1024
     t = await trio(echo=False, bandwidth_mbps=mbps)
-    one, two = await asyncio.gather(timed_send(t, "ab", os.urandom(n)), timed_send(t, "ab2", os.urandom(n)))
+    one, two = await timed_sends(t, [("ab", os.urandom(n)), ("ab2", os.urandom(n))])
     # together they take the time of 2n at the cap; each alone at the cap would take half that
     assert min(one, two) >= 0.9 * 0.9 * transfer_s(2 * n, mbps)
     assert max(one, two) >= 0.9 * transfer_s(2 * n, mbps)
