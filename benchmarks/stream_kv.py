@@ -40,8 +40,9 @@ def fresh(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 32_000) for _ in range(n)]
 
 
-async def one(url: str, model: str, prompt: list[int], pipeline: str, tokens: int) -> dict[str, float]:
-    """One streamed completion: client-side arrival times of its tokens (ms from the send)."""
+async def one(url: str, model: str, prompt: list[int], pipeline: str, tokens: int) -> dict:
+    """One streamed completion: client-side arrival times of its tokens (ms from the send), and
+    its text."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -52,6 +53,7 @@ async def one(url: str, model: str, prompt: list[int], pipeline: str, tokens: in
         "pdd": {"pipeline": pipeline},
     }
     arrivals: list[float] = []
+    text = []
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=300) as client:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -62,9 +64,11 @@ async def one(url: str, model: str, prompt: list[int], pipeline: str, tokens: in
                 chunk = json.loads(line[6:])
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     arrivals.append((time.perf_counter() - t0) * 1000)
-    if len(arrivals) < 2:
+                    text.append(chunk["choices"][0]["text"])
+    if len(arrivals) < 3:
         raise RuntimeError(f"{pipeline}: {len(arrivals)} text chunks came back")
-    return {"ttft": arrivals[0], "second": arrivals[1], "e2e": arrivals[-1]}
+    tpot = (arrivals[-1] - arrivals[1]) / (len(arrivals) - 2)  # the decoders' pace, past the first two
+    return {"ttft": arrivals[0], "second": arrivals[1], "e2e": arrivals[-1], "tpot": tpot, "text": "".join(text)}
 
 
 def summary(values: list[float]) -> str:

@@ -48,6 +48,7 @@ from pdd.natsconf import server_conf
 from pdd.redisconf import sentinel_lines, server_lines
 from pdd.servers import EmbeddedServer, die_with_parent, redis_has_selectors
 from pdd.topology import plan_processes, resolve
+from shared import cores
 from shared.config import (
     ClusterConfig,
     ConfigError,
@@ -62,18 +63,18 @@ from shared.security import Secrets, bundle_name, site_bundle
 
 ROOT = Path(__file__).resolve().parent.parent
 # the run config says it all
-CHILD_ENV_DROPPED = ("PDD_NATS_URL", "PDD_REDIS_URL", "PDD_REDIS_SENTINELS", "PDD_SECRETS_DIR")
+CHILD_ENV_DROPPED = ("PDD_NATS_URL", "PDD_REDIS_URL", "PDD_REDIS_SENTINELS", "PDD_SECRETS_DIR", cores.ENV)
 _fork_server: ForkServer | None = None  # one per launching process, started by its first cluster
 
 
 def child_env() -> dict[str, str]:
     """The services' environment: the launcher's, less what the run config says, plus
     - two malloc arenas: the engine's worker and asyncio's threads otherwise each grow their own heap;
-    - OpenMP threads that sleep when idle (unless the caller chose): every instance of a host has
-      its own OpenMP pool, and spinning ones burn the cores the busy instance needs (on a 2-core
-      AMD host `pdd up`'s TPOT median was 141 ms spinning, 97 ms passive)."""
+    - OpenMP threads that sleep when idle after a short spin (unless the caller chose): every
+      instance of a host has its own OpenMP pool; spinning ones burn the cores the busy instance
+      needs, and ones that sleep at once make a second thread worth nothing (shared/cores.py)."""
     env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED}
-    return {"OMP_WAIT_POLICY": "PASSIVE"} | env | {"PYTHONUNBUFFERED": "1", "MALLOC_ARENA_MAX": "2"}
+    return env | cores.openmp_env(env) | {"PYTHONUNBUFFERED": "1", "MALLOC_ARENA_MAX": "2"}
 
 
 def fork_server(log_dir: Path) -> ForkServer:
@@ -117,6 +118,10 @@ class Cluster:
         # a CUDA context does not survive fork: on a GPU every service starts as a fresh process
         self.forked = all((self.cfg.device or i.device) == "cpu" for i in self.cfg.instances)
         self.failpoints = self.run_dir / "failpoints" if failpoints else None
+        self.core_slots: dict[str, str] = {}  # instance -> its slot of its host's core board
+        for k, group in enumerate(given.core_boards()):
+            board = cores.create(self.run_dir / f"cores-{k}", len(group))
+            self.core_slots |= {inst.id: cores.env_value(board, slot) for slot, inst in enumerate(group)}
 
     @property
     def url(self) -> str:
@@ -238,12 +243,14 @@ class Cluster:
 
     def process_env(self, name: str) -> dict[str, str]:
         """Process `name`'s environment: `child_env()`, its own bundle of the secrets (not the
-        whole set the run config names), the failpoints file."""
+        whole set the run config names), the failpoints file, its slot of the core board."""
         env = child_env()
         if self.secrets is not None:
             env["PDD_SECRETS_DIR"] = str(self.secrets.bundle(bundle_name(self.specs[name].role, name)).directory)
         if self.failpoints is not None:
             env["PDD_FAILPOINTS_FILE"] = str(self.failpoints)
+        if name in self.core_slots:
+            env[cores.ENV] = self.core_slots[name]
         return env
 
     def _until(self, predicate, timeout: float, what: str) -> None:
@@ -318,7 +325,7 @@ def serve_one(role: str, config_path: str | None, instance: str | None) -> int:
         return 2
     argv = serve_argv(role, path, instance)
     if role in ROLES and shares_host(cfg, cfg.instance(instance, role)):
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as child_env() says, unless the caller chose
+        os.environ.update(cores.openmp_env(os.environ))  # as child_env() says, unless the caller chose
     os.chdir(ROOT)
     os.execv(argv[0], argv)
 

@@ -302,6 +302,10 @@ class ClusterConfig:
     # 2-core host grew by 30% for a second token 24% sooner (docs/kv-wire.md). On where prefill
     # computes on an accelerator and the transfer has cores of its own.
     stream_kv: bool = False
+    # instances with `threads: auto` on one host lend each other their cores: one that steps while
+    # the others have no work runs on all of them (`pdd up`'s main-decode decodes on both cores
+    # while the relay is idle), and on its share otherwise (shared/cores.py)
+    lend_idle_cores: bool = True
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
@@ -381,9 +385,11 @@ class ClusterConfig:
         `host` share. The decoders (relay, main-decode) step all the time, so they split the
         cores the explicit ones leave: two OpenMP pools on one core each wait on the other's
         preempted threads. Prefill runs in bursts, so the prefill instances split every core the
-        explicit prefills leave, the decoders' too: theirs sleep while idle (`OMP_WAIT_POLICY=PASSIVE`,
-        which the launcher sets) and a 2,000-token prompt's TTFT on a 2-core host fell from 6.4 s
-        to 3.7 s, its TPOT from 54 to 46 ms. A CUDA instance's host thread only feeds the device: 1."""
+        explicit prefills leave, the decoders' too: theirs sleep while idle (the launcher's
+        `cores.openmp_env`) and a 2,000-token prompt's TTFT on a 2-core host fell from 6.4 s
+        to 3.7 s, its TPOT from 54 to 46 ms. While the others have no work, an instance may take
+        every core (`lend_idle_cores`, shared/cores.py). A CUDA instance's host thread only feeds
+        the device: 1."""
         if inst.threads != AUTO:
             return int(inst.threads)
         if (self.device or inst.device) != "cpu":
@@ -398,6 +404,18 @@ class ClusterConfig:
         ]
         taken = sum(int(i.threads) for i in group if i.threads != AUTO)
         return max(1, (cores - taken) // sum(1 for i in group if i.threads == AUTO))
+
+    def core_boards(self) -> list[list[InstanceConfig]]:
+        """The groups of instances that lend each other their idle cores (shared/cores.py): per
+        host, those whose threads are "auto" on the CPU, where there are two or more; none with
+        `lend_idle_cores` off. Read before `threads` are resolved (the launcher's)."""
+        if not self.lend_idle_cores:
+            return []
+        hosts: dict[str, list[InstanceConfig]] = {}
+        for i in self.instances:
+            if i.threads == AUTO and (self.device or i.device) == "cpu":
+                hosts.setdefault(i.host or self.host, []).append(i)
+        return [group for group in hosts.values() if len(group) > 1]
 
     def kv_endpoint(self, inst: InstanceConfig) -> tuple[str, int]:
         """Where prefill dials a decoder's KV listener: the emulated line's forward when the

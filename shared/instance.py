@@ -30,6 +30,7 @@ from typing import Any
 from shared import failpoints, heap, subjects
 from shared.bus import Bus, BusTimeout
 from shared.config import ClusterConfig, InstanceConfig, service_args
+from shared.cores import CoreBoard
 from shared.messages import (
     Abort,
     Ack,
@@ -175,7 +176,9 @@ class InstanceService:
         failpoints.configure(self.inst.id, self.role)
         bus = await Bus.connect(self.cfg.nats_url_for(self.inst.dc), self.inst.id, self.inst.id, Secrets.of(self.cfg))
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
-        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=self.cfg.threads_of(self.inst)))
+        threads = self.cfg.threads_of(self.inst)
+        board = CoreBoard.from_env(threads)  # the launcher's: the host's idle cores, lent (shared/cores.py)
+        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=threads, board=board))
         self.metrics.serve(self.cfg.host, self.inst.metrics_port)
         heap.settle(self.metrics)  # the model's objects out of the collector's reach (shared/heap.py)
         log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)

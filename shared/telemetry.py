@@ -113,6 +113,7 @@ class _EngineCollector(Collector):
         for name, doc, key in (
             ("pdd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queried"),
             ("pdd:prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hit"),
+            ("pdd:lent_core_steps", "Engine steps run on the idle cores of the host's other instances", "lent_steps"),
         ):
             c = CounterMetricFamily(name, doc, labels=keys)
             c.add_metric(values, float(getattr(f, key)))

@@ -3,12 +3,15 @@ from __future__ import annotations
 import logging
 import os
 
+from shared.cores import openmp_env
+
 # Set before torch loads OpenMP, and inherited by every process the suite starts. A test run's
 # processes share 2 cores (background jobs, clusters booting, references computed here), and
-# OpenMP's default of spinning while it waits burns the core another process needs: beside one
-# busy process, tests/runtime/test_equivalence.py took 95 s (110 s of CPU) spinning and 48 s
-# (44 s) waiting passively; alone, 40-45 s either way.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's default of spinning ~3 ms while it waits burns the core another process needs: beside
+# one busy process, tests/runtime/test_equivalence.py took 95 s (110 s of CPU) spinning and 48 s
+# (44 s) waiting passively; alone, 40-45 s either way. Passive after a short spin, as every
+# launcher's service (shared/cores.py).
+os.environ.update(openmp_env(os.environ))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

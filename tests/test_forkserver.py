@@ -77,11 +77,19 @@ def test_children_get_sigterm_when_the_server_exits(tmp_path):
 
 def test_services_get_sleeping_openmp_threads_unless_the_caller_chose(monkeypatch):
     """Every instance on a host has its own OpenMP pool; spinning idle threads burn the cores a
-    busy instance needs, so the launcher gives the services (and the fork server they come from)
-    OMP_WAIT_POLICY=PASSIVE, and keeps a value the caller set."""
+    busy instance needs, and threads that sleep at once make a second one useless, so the launcher
+    gives the services (and the fork server they come from) a passive wait after a short spin,
+    and keeps a wait the caller chose (shared/cores.py)."""
     from pdd.launcher import child_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert child_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = child_env()
+    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"]) == ("PASSIVE", "10000")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert child_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    env = child_env()
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in env  # it would override ACTIVE
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    env = child_env()
+    assert env["GOMP_SPINCOUNT"] == "0" and "OMP_WAIT_POLICY" not in env

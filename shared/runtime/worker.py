@@ -16,6 +16,9 @@ that cost main-decode ~1-2 ms a token; benchmarks/served_step.py measures it).
 with the measured pace (`StepRates`): what the scheduler's estimates use instead of priors.
 It is replaced whole, never mutated, so the loop reads it without waiting for a step: a
 heartbeat must not stall behind a long prefill chunk, or the instance looks dead.
+
+With a `CoreBoard` (shared/cores.py) a step runs on every core of the host while the instance's
+neighbours there have no work, and on its share (`threads`) otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from shared.cores import CoreBoard
 from shared.messages import EngineFigures
 from shared.runtime.engine import Engine, TokenOutput
 
@@ -64,10 +68,14 @@ class EngineWorker:
         on_outputs: Callable[[list[TokenOutput]], Any],
         threads: int = 1,
         handoff_wait_s: float = HANDOFF_WAIT_S,
+        board: CoreBoard | None = None,
     ) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
-        self.threads = threads
+        self.threads = threads  # its share of the host's cores; more while it steps alone (`board`)
+        self.board = board
+        self.lent_steps = 0  # steps run on the cores of idle neighbours (shared/cores.py)
+        self._threads_now = threads
         self.handoff_wait_s = handoff_wait_s
         self.rates = StepRates()
         self.busy_s = 0.0  # time spent in engine steps since start
@@ -111,8 +119,12 @@ class EngineWorker:
         while True:
             with self._cond:
                 while not self._stopped and not self._commands and not self.engine.has_work:
+                    if self.board is not None:
+                        self.board.idle()
                     self._cond.wait()
                 if self._stopped:
+                    if self.board is not None:
+                        self.board.close()
                     return
                 commands, self._commands = self._commands, []
             for fn, future in commands:
@@ -140,9 +152,21 @@ class EngineWorker:
             step_ms=round(r.step_ms, 2),
             prefill_tok_s=round(r.prefill_tok_s, 1),
             busy_s=round(self.busy_s, 3),
+            lent_steps=self.lent_steps,
         )
 
+    def _use_threads(self) -> None:
+        """The step's threads: every core this instance may use while its neighbours on the host
+        are idle, else its share."""
+        n = self.board.threads()
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            self._threads_now = n
+        self.lent_steps += n > self.threads
+
     def _step(self) -> None:
+        if self.board is not None:
+            self._use_threads()
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()

@@ -1,0 +1,37 @@
+"""The shipped config's instances lend each other their idle cores (shared/cores.py): main-decode
+decoding a `p-md` request while prefill and the relay have no work steps on every core of the
+host, not on its one-thread share, and its answer is the one it gives on its share."""
+
+from __future__ import annotations
+
+import os
+
+from tests.cluster.conftest import KEYS, Operator, fresh_prompt, stream_completion
+
+ADMIN = {"Authorization": f"Bearer {KEYS['tenant-a']}"}
+
+
+def lent(op: Operator, instance: str) -> int:
+    return op.inspect(instance).figures.engine.lent_steps
+
+
+def test_main_decode_alone_decodes_on_the_relays_cores_too(keyed, mixed_reference, smol_tokenizer):
+    op = Operator(keyed)
+    md = keyed.cfg.instance("md-0")
+    share, cores = md.threads, len(os.sched_getaffinity(0))
+    op.idle()
+    before = {i: lent(op, i) for i in ("prefill-0", "rld-0", "md-0")}
+    prompt = fresh_prompt(12, "lend")
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    text, obj, _ = stream_completion(keyed.url + "/v1/completions", body, headers=ADMIN)
+    assert obj["pipeline"] == "p-md"
+    assert text == mixed_reference(smol_tokenizer(prompt)["input_ids"], 24, ignore_eos=True)
+    op.idle()
+    after = {i: lent(op, i) for i in before}
+    assert after["rld-0"] == before["rld-0"]  # it had no work
+    assert after["prefill-0"] == before["prefill-0"]  # its share is every core already
+    if cores > share:
+        # its decode steps ran after prefill was done, with the relay idle: each on every core
+        assert after["md-0"] - before["md-0"] >= 20, (before, after)
+    else:
+        assert after["md-0"] == before["md-0"]  # a host of one core has none to lend
