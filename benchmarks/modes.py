@@ -20,6 +20,7 @@ decoder instances; only the feature under test differs.
     pdd-push     B            yes  yes    auto      auto     prefill    yes    no     PDD, every suffix's KV pushed
     pdd-stream   B            yes  yes    auto      auto     prefill    yes   yes     PDD, KV streamed while prefill
                                                                                       runs
+    pdd-own-cores B           yes  yes    auto      auto     prefill    yes    no     PDD, no idle core lent
 
 "1st token" is who streams it (`first_token` in the cluster config): prefill the moment it is
 sampled, or the decoder once the KV arrived, as naive cross-DC PD does. "warm" is whether a
@@ -30,7 +31,9 @@ too, so that pdd against pd-local measures what the line costs, not what a cache
 against pdd measures what streaming saves and costs. Every mode but `pdd-push` and
 the naive baselines lets main-decode compute a short suffix it lacks itself when that beats
 pushing its KV (`md_suffix_max_tokens`; services/scheduler/policy.py): pdd against pdd-push
-measures what that saves.
+measures what that saves. Every mode but `pdd-own-cores` lets an instance that steps while the
+host's others are idle take their cores (`lend_idle_cores`, shared/cores.py): pdd against
+pdd-own-cores measures what that saves on a host the instances share.
 
 This module is light (no torch, no matplotlib): `pdd --help` imports it.
 """
@@ -63,6 +66,7 @@ class Mode:
     warm_prefill: bool = True  # ClusterConfig.warm_prefill
     stream_kv: bool = False  # ClusterConfig.stream_kv
     md_suffix: bool = True  # main-decode may compute a short suffix itself (False: scheduler.md_suffix_max_tokens 0)
+    lend_cores: bool = True  # ClusterConfig.lend_idle_cores
 
     @property
     def wan(self) -> bool:
@@ -83,6 +87,7 @@ MODE_TABLE: dict[str, Mode] = {
         Mode("pdd-catchup", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=CATCHUP),
         Mode("pdd-push", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, md_suffix=False),
         Mode("pdd-stream", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, stream_kv=True),
+        Mode("pdd-own-cores", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, lend_cores=False),
     )
 }
 MODES: tuple[str, ...] = tuple(MODE_TABLE)
@@ -147,6 +152,7 @@ def mode_config(
     cfg["first_token"] = m.first_token
     cfg["warm_prefill"] = m.warm_prefill
     cfg["stream_kv"] = m.stream_kv
+    cfg["lend_idle_cores"] = m.lend_cores
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)
     return cfg

@@ -32,13 +32,15 @@ def test_the_simulated_fleet_follows_the_table(name):
     assert p.md_suffix_max_tokens == 0  # the simulated decoder does not model computing a suffix
 
 
-def test_the_table_names_the_eight_modes_and_the_parser_refuses_others():
-    assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-stream")
-    wan = ["pd-wan", "pd-wan-drc", "pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-stream"]
+def test_the_table_names_the_nine_modes_and_the_parser_refuses_others():
+    pdds = ("pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-stream", "pdd-own-cores")
+    assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", *pdds)
+    wan = ["pd-wan", "pd-wan-drc", *pdds]
     assert [n for n in MODES if MODE_TABLE[n].wan] == wan
     assert [n for n in MODES if not MODE_TABLE[n].md_suffix] == ["pd-wan", "pd-wan-drc", "pdd-push"]
     assert [n for n in MODES if MODE_TABLE[n].stream_kv] == ["pdd-stream"]
     assert [mode_config(n)["stream_kv"] for n in ("pdd", "pdd-stream")] == [False, True]
+    assert [n for n in MODES if not mode_config(n)["lend_idle_cores"]] == ["pdd-own-cores"]
     assert parse_modes(" pd-wan, pdd ") == ["pd-wan", "pdd"]
     with pytest.raises(ValueError, match="pdd-fast"):
         parse_modes("pdd,pdd-fast")
