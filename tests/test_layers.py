@@ -52,8 +52,9 @@ SCHEDULER_PURE = {
     "services.scheduler.inputs",
 }
 # pure, and import nothing of the repo but each other (messages: the typed values the runtime shares with the wire,
-# its sampling parameters, prefix-cache events and figures; pipelines: the names of roles the messages carry)
-RUNTIME_LEAVES = {"shared.model_info", "shared.prefix_hash", "shared.messages", "shared.pipelines"}
+# its sampling parameters, prefix-cache events and figures; pipelines: the names of roles the messages carry;
+# cores: the host's board of busy instances, which the engine worker reads before each step)
+RUNTIME_LEAVES = {"shared.model_info", "shared.prefix_hash", "shared.messages", "shared.pipelines", "shared.cores"}
 RUNTIME_BRIDGE = {"shared.runtime.build": {"shared.config", "shared.security"}}
 
 
