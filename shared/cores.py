@@ -25,7 +25,11 @@ waiting alone (spin 0) puts a thread to sleep on a futex at every region's end, 
 costs about as much as the second thread saves: on the 2-core Intel Xeon host a bfloat16 decode
 step took 33.1 ms on 1 thread and 33.1 ms on 2 (float32 48.6 / 42.1). Spinning 10,000 times
 (~0.1 ms) first bridges the gaps inside a step and still sleeps between steps: 32.1 / 20.6 ms
-(float32 51.2 / 31.0).
+(float32 51.2 / 31.0). That is for a host the instances have to themselves. Where other work
+takes cores too, a spinning thread waits for a partner the other work preempted: the shipped
+fleet's burst test (8 prompts x 4 plans x 2, then a burst of 16) took 42 s with the spin and
+lending against 52 s without on a quiet host, but 110 s against 58 s beside one busy core.
+There, set `OMP_WAIT_POLICY=PASSIVE` (the launcher then adds no spin), as the test suite does.
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@ from __future__ import annotations
 import logging
 import os
 
-from shared.cores import openmp_env
-
 # Set before torch loads OpenMP, and inherited by every process the suite starts. A test run's
-# processes share 2 cores (background jobs, clusters booting, references computed here), and
-# OpenMP's default of spinning ~3 ms while it waits burns the core another process needs: beside
-# one busy process, tests/runtime/test_equivalence.py took 95 s (110 s of CPU) spinning and 48 s
-# (44 s) waiting passively; alone, 40-45 s either way. Passive after a short spin, as every
-# launcher's service (shared/cores.py).
-os.environ.update(openmp_env(os.environ))
+# processes share 2 cores (the two halves, background jobs, clusters booting, references computed
+# here), and OpenMP's default of spinning ~3 ms while it waits burns the core another process
+# needs: beside one busy process, tests/runtime/test_equivalence.py took 95 s (110 s of CPU)
+# spinning and 48 s (44 s) waiting passively; alone, 40-45 s either way. The launcher's short spin
+# (shared/cores.py), a gain where the instances have the host to themselves, costs here, where
+# they never do: the shipped fleet's mixed-precision burst test took 110 s with it beside a busy
+# core, 58 s without (42 s and 52 s on a quiet host). Set here, the launcher adds no spin.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
