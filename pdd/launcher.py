@@ -325,7 +325,9 @@ def serve_one(role: str, config_path: str | None, instance: str | None) -> int:
         return 2
     argv = serve_argv(role, path, instance)
     if role in ROLES and shares_host(cfg, cfg.instance(instance, role)):
-        os.environ.update(cores.openmp_env(os.environ))  # as child_env() says, unless the caller chose
+        # idle threads sleep, unless the caller chose; no spin first (child_env's): with no launcher
+        # there is no core board, and a spin beside instances stepping at once costs (shared/cores.py)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.chdir(ROOT)
     os.execv(argv[0], argv)
 

@@ -46,8 +46,10 @@ SHARED_CORES_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 
 
 def openmp_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`SHARED_CORES_OPENMP`, unless `env` (the caller's) chose a wait of its own. Read when
-    OpenMP loads (with torch), so set before that, in the process or in its parent."""
+    """`SHARED_CORES_OPENMP`, unless `env` (the caller's) chose a wait of its own: the launcher's
+    fork server and every service it starts (`pdd up`, `pdd bench`), whose auto-threaded instances
+    share a board. Read when OpenMP loads (with torch), so set before that, in the process or in
+    its parent. `pdd serve` has no board and keeps the plain passive wait."""
     return {} if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys() else dict(SHARED_CORES_OPENMP)
 
 
