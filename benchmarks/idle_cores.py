@@ -23,13 +23,11 @@ import statistics
 import sys
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.stream_kv import fresh, one, summary  # noqa: E402
+from benchmarks.side_by_side import measure, table  # noqa: E402
 from pdd.launcher import Cluster  # noqa: E402
 
 
@@ -46,31 +44,12 @@ async def main() -> None:
     for lend in (True, False):
         print(f"idle_cores: starting the cluster {'lending' if lend else 'not lending'} idle cores", flush=True)
         clusters[lend] = Cluster(args.config, log=lambda m: None, port=0, lend_idle_cores=lend).launch()
-    try:
-        for c in clusters.values():
-            c.wait_ready(300)
-        threads = {i.id: i.threads for i in clusters[False].cfg.instances}
-        print(f"idle_cores: shares {threads}, lent up to {len(os.sched_getaffinity(0))} cores", flush=True)
-        model = httpx.get(clusters[True].url + "/v1/models").json()["data"][0]["id"]
-        got: dict[tuple[bool, str], list[dict[str, float]]] = {}
-        for r in range(args.rounds):
-            for pipeline in pipelines:
-                order = (True, False) if r % 2 == 0 else (False, True)  # who goes first alternates
-                for lend in order:  # the same fresh prompt to both
-                    prompt = fresh(args.prompt, seed=1000 * r + pipelines.index(pipeline))
-                    sample = await one(clusters[lend].url, model, prompt, pipeline, args.tokens)
-                    got.setdefault((lend, pipeline), []).append(sample)
-            print(f"idle_cores: round {r + 1}/{args.rounds} done", flush=True)
-    finally:
-        for c in clusters.values():
-            c.stop()
+    threads = {i.id: i.threads for i in clusters[False].cfg.instances}
+    print(f"idle_cores: shares {threads}, lent up to {len(os.sched_getaffinity(0))} cores", flush=True)
+    got = await measure(clusters, pipelines, args.rounds, args.prompt, args.tokens, "idle_cores")
     print(f"\n{args.prompt}-token fresh prompts, {args.tokens} tokens, one at a time, ms median [min..max]:")
-    print(f"{'pipeline':10} {'lend':6} {'TTFT':>22} {'TPOT':>22} {'E2E':>22}")
+    table(got, pipelines, "lend", {"TTFT": "ttft", "TPOT": "tpot", "E2E": "e2e"})
     for pipeline in pipelines:
-        for lend in (True, False):
-            rows = got[(lend, pipeline)]
-            cells = [summary([x[k] for x in rows]) for k in ("ttft", "tpot", "e2e")]
-            print(f"{pipeline:10} {str(lend).lower():6} {cells[0]:>22} {cells[1]:>22} {cells[2]:>22}")
         for k in ("tpot", "e2e"):
             ratios = [a[k] / b[k] for a, b in zip(got[(True, pipeline)], got[(False, pipeline)])]
             spread = f"[{min(ratios):.2f}..{max(ratios):.2f}]"
