@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.cluster.conftest import KEYS, Operator, fresh_prompt, stream_completion
 
+pytestmark = pytest.mark.slow  # an end-to-end test: it runs with the keyed cluster's group (tests/conftest.py)
 ADMIN = {"Authorization": f"Bearer {KEYS['tenant-a']}"}
 
 
