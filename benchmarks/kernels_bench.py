@@ -11,13 +11,17 @@ Checks (issue "the same answer whatever the route"):
   (g) bfloat16 invariant decode b=8 <= 1.5x its b=1;
   (h) invariant prefill (the shipped prefill precision, float32) not slower than the fastest's.
 
+`--python-loop` adds the invariant kernels run through fused.py's Python layer loop instead of
+layers.c's one call per step, and the ratio of the two per case.
+
 Run by `make bench-runtime` after the runtime figures, or alone:
-    .venv/bin/python benchmarks/kernels_bench.py [--quick] [--threads N] [--model PATH]
+    .venv/bin/python benchmarks/kernels_bench.py [--quick] [--python-loop] [--threads N] [--model PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass
@@ -48,6 +52,7 @@ from shared.runtime.runner import ModelRunner
 
 BLOCK = 16
 KINDS = [("float32", True), ("float32", False), ("bfloat16", True), ("bfloat16", False)]
+LOOP = "invariant, Python loop"  # the invariant kernels without layers.c: fused.py's own layer loop
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class Plan:
     warmup: int = 2
     decode_rounds: int = 12
     prefill_rounds: int = 3
+    python_loop: bool = False  # also the invariant kernels through fused.py's Python layer loop
 
     @classmethod
     def quick(cls) -> Plan:
@@ -77,6 +83,15 @@ def runners(path: Path, plan: Plan) -> dict[str, ModelRunner]:
         runner = ModelRunner(model, pool, invariant=invariant)
         out[name(dtype, invariant)] = runner
         log(f"{name(dtype, invariant)}: projections on {runner.decoder.kernel} ({runner.decoder.kernel_note})")
+        if invariant:
+            log(f"{name(dtype, invariant)}: layers.c {runner.decoder.c_layers_note or 'runs the layer stack'}")
+    if plan.python_loop:
+        for dtype in ("float32", "bfloat16"):
+            model = load_model(path, dtype)  # its own decoder: the C stack is taken off it alone
+            pool = KVPool.with_capacity(kv_layout(model), tokens=tokens, block_size=BLOCK, dtype=model.dtype)
+            runner = ModelRunner(model, pool, invariant=True)
+            runner.decoder.c_layers = None
+            out[f"{dtype} {LOOP}"] = runner
     return out
 
 
@@ -132,6 +147,13 @@ def report(samples: dict[str, list[float]], plan: Plan) -> str:
         costs = [ratio(samples, f"{name(d, True)} {case}", f"{name(d, False)} {case}") for d in ("float32", "bfloat16")]
         cells += [f"{m:.2f}x [{lo:.2f}..{hi:.2f}]" for m, lo, hi in costs]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    if plan.python_loop:
+        lines += ["", "| case | layers.c / Python loop, fp32 | bf16 |", "| --- | --- | --- |"]
+        for case in cases:
+            costs = [ratio(samples, f"{name(d, True)} {case}", f"{d} {LOOP} {case}") for d in ("float32", "bfloat16")]
+            loops = [spread(samples[f"{d} {LOOP} {case}"]) for d in ("float32", "bfloat16")]
+            cells = [f"{m:.2f}x [{lo:.2f}..{hi:.2f}] (loop {ms})" for (m, lo, hi), ms in zip(costs, loops)]
+            lines.append(f"| {case} | " + " | ".join(cells) + " |")
     b1, b8 = plan.batches[0], plan.batches[-1]
     checks = [
         ("(f) bf16 invariant decode b=1 / fp32 fastest b=1", "<= 0.60x",
@@ -158,13 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=None, help="HF model folder (default: the provisioned SmolLM2)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke run")
+    p.add_argument("--python-loop", action="store_true", help="also time the kernels through the Python layer loop")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model is None:
         from shared.runtime.provision import provision_default_model
 
         args.model = provision_default_model(log=log)
-    plan = Plan.quick() if args.quick else Plan()
+    plan = dataclasses.replace(Plan.quick() if args.quick else Plan(), python_loop=args.python_loop)
     with torch.inference_mode():
         samples = measure(args.model, plan)
     print(report(samples, plan))

@@ -170,6 +170,7 @@ def format_report(meta: dict, samples: dict[str, list[float]], result: dict, pro
 # -- where a decode step's time goes ---------------------------------------------------------
 
 CATEGORIES = (
+    ("whole layers in C (layers.c: all of the below)", ("pdd::run_layers",)),
     ("projections (GEMM)", ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "pdd::skinny_linear")),
     (
         "attention matmuls, softmax",

@@ -16,7 +16,7 @@
  * nothing is gathered per step. Consecutive rows of one sequence (a prefill chunk or an extend)
  * form a tile that shares every K and V load; a tile's rows are computed with the same
  * operations as a row alone. Work is split over (tile, KV head) pairs, each done by one thread
- * from start to end.
+ * from start to end; a thread takes a tile's heads together when there are tiles enough.
  *
  * Built by shared/runtime/skinny.py's `build` like skinny.c; simd.h has the vector types (one
  * register each, as wide as the CPU's) and the one fused multiply-add. The sums are 16 lanes wide
@@ -299,6 +299,9 @@ int attend_rows(const float *q, const void *k, const void *v, int bf16, const in
     starts[tiles] = T;
     int lpad = (lmax + 15) & ~15, failed = 0;
     size_t nq = (size_t)TILE_ROWS * (H / KVH), vecs = nq * D; /* floats */
+    /* A thread takes a tile's KV heads one after another where there are tiles enough to go round
+     * (a decode step of 8 rows read its KV ~10% faster so; which thread does a task changes no bit). */
+    const int chunk = tiles >= 2 * threads ? KVH : 1;
 #pragma omp parallel num_threads(threads)
     {
         struct work w = {aligned_alloc(64, vecs * sizeof(float)), aligned_alloc(64, vecs * sizeof(float)),
@@ -309,7 +312,7 @@ int attend_rows(const float *q, const void *k, const void *v, int bf16, const in
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
         for (int t = 0; t < tiles * KVH; t++)
             if (ok) attend_tile(&a, starts[t / KVH], starts[t / KVH + 1], t % KVH, &w);
         free(w.q);

@@ -139,7 +139,8 @@ def build(source: Path) -> Path:
 
 def _build(compiler: str, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Path:
     """The shared library for this source, flags, compiler and CPU; built once per cache."""
-    text = b"".join(p.read_bytes() for p in (source, *sorted(source.parent.glob("*.h"))))  # and its headers
+    siblings = sorted(p for p in source.parent.iterdir() if p.suffix in (".c", ".h") and p != source)
+    text = b"".join(p.read_bytes() for p in (source, *siblings))  # and what it may include
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), version.encode(), _cpu_flags()]))
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
