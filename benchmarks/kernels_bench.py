@@ -110,12 +110,14 @@ def measure(path: Path, plan: Plan) -> dict[str, list[float]]:
             runner.forward([(seq, plan.context - 1)])
             rewind(seq, tokens, plan.context - 1, plan.context)
             seqs.append(seq)
-        held.append((runner, seqs))
-        for b in plan.batches:
+        held.append((key, runner, seqs))
+    for b in plan.batches:  # by batch, then runner: every step follows another model's step (a
+        # cold cache for each alike; runner by runner, b=8 found the weights b=1 had just read)
+        for key, runner, seqs in held:
             decode_cases[f"{key} decode b={b}"] = Case(partial(runtime_decode_step, runner, seqs[:b]))
     log(f"decode b={plan.batches}, context {plan.context}: {plan.warmup} + {plan.decode_rounds} rounds")
     samples |= interleaved(clock, decode_cases, plan.warmup, plan.decode_rounds)
-    for runner, seqs in held:
+    for _, runner, seqs in held:
         release(runner.pool, seqs)
     for n in plan.prefill_lens:
         tokens = random_tokens(n, vocab, seed=n)
