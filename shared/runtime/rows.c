@@ -112,9 +112,9 @@ struct work {
     int lpad;
 };
 
-/* out[j] = hsum(a[j]) for 16 keys j, bit for bit (the same pairs in the same tree: halves,
+/* out[j] = hsum(a[j]) * scale for 16 keys j (stored as vectors), bit for bit (the same pairs in the same tree: halves,
  * quarters, then (0+2) + (1+3)), in a quarter of the work: the keys' lanes are reduced together. */
-static inline void hsum16(const vf (*a)[PER16], float *out) {
+static inline void hsum16(const vf (*a)[PER16], float *out, float scale) {
 #if VW == 16
     vf x[8], y[4], z[2];
     for (int m = 0; m < 8; m++)
@@ -128,7 +128,7 @@ static inline void hsum16(const vf (*a)[PER16], float *out) {
                __builtin_shufflevector(y[2 * m], y[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     vf r = __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    store_f32(out, r);
+    store_f32(out, r * scale);
 #else
     for (int half = 0; half < 16; half += 8) { /* halves of 8 keys: each step is one above */
         v8 x[8], y[4], z[2];
@@ -141,7 +141,7 @@ static inline void hsum16(const vf (*a)[PER16], float *out) {
                    __builtin_shufflevector(y[2 * m], y[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15);
         v8 r = __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
                __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
-        store_f32(out + half, r);
+        store_f32(out + half, r * scale);
     }
 #endif
 }
@@ -212,9 +212,7 @@ static inline __attribute__((always_inline)) void tile_body(const struct attn *a
                     dot[j][p] = acc;
                 }
             }
-            float s[16];
-            hsum16(dot, s);
-            for (int j = 0; j < 16; j++) buf[(size_t)i * lpad + j0 + j] = s[j] * a->scale;
+            hsum16(dot, buf + (size_t)i * lpad + j0, a->scale);
         }
     }
     /* softmax: p in place (0 past a query's keys, up to the tile's), 1 / l per query */
