@@ -112,8 +112,9 @@ struct work {
     int lpad;
 };
 
-/* out[j] = hsum(a[j]) * scale for 16 keys j (stored as vectors), bit for bit (the same pairs in the same tree: halves,
- * quarters, then (0+2) + (1+3)), in a quarter of the work: the keys' lanes are reduced together. */
+/* out[j] = hsum(a[j]) * scale for 16 keys j, stored as vectors, bit for bit (the same pairs in the
+ * same tree: halves, quarters, then (0+2) + (1+3)), in a quarter of the work: the keys' lanes are
+ * reduced together. */
 static inline void hsum16(const vf (*a)[PER16], float *out, float scale) {
 #if VW == 16
     vf x[8], y[4], z[2];
