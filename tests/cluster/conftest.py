@@ -25,6 +25,7 @@ from pdd.launcher import Cluster
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import Inspect, InstanceState, WanControl, WanState
+from shared.prefix_hash import block_hashes, namespace_of
 from tests import background
 from tests.helpers import Reference
 
@@ -308,6 +309,43 @@ class Operator:
             if all(_idle(s) for s in states.values()) or time.monotonic() > deadline:
                 return states
             time.sleep(0.1)
+
+    def settled(self, timeout: float = 30.0) -> None:
+        """`idle`, then a heartbeat of every instance heard since, with no prompt tokens queued: the
+        scheduler plans from heartbeats, and one sent while an earlier test's work was queued would
+        still count that work in a plan's estimates."""
+        self.idle(timeout)
+        since, r = time.time(), self.redis()
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                rows = [r.hgetall(f"pdd:instance:{i.id}") for i in self.cluster.cfg.instances]
+                fresh = [row for row in rows if row and float(row["updated_at"]) > since]
+                if len(fresh) == len(rows) and all(int(row["queued_tokens"]) == 0 for row in fresh):
+                    return
+                assert time.monotonic() < deadline, f"no fresh idle heartbeat from every instance in {timeout} s"
+                time.sleep(0.1)
+        finally:
+            r.close()
+
+    def wait_indexed(self, instance_id: str, token_ids: list[int], timeout: float = 30.0) -> int:
+        """Wait until the prefix index holds `instance_id`'s copy of the full blocks of `token_ids`
+        (its report goes out before a turn's last token, but the registrar applies it on its own
+        task: the next turn can be planned first); how many blocks it holds."""
+        cfg, secrets = self.cluster.cfg, self.cluster.secrets
+        key = secrets.index_key if secrets else b""
+        hashes = block_hashes(token_ids, cfg.block_size, namespace_of(cfg.model), key=key)
+        r = self.redis()
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                held = r.smismember(f"pdd:kv:{instance_id}", hashes) if hashes else []
+                if all(held):
+                    return len(hashes)
+                assert time.monotonic() < deadline, f"{instance_id} indexed {sum(held)} of {len(hashes)} blocks"
+                time.sleep(0.05)
+        finally:
+            r.close()
 
     def redis(self):
         import redis

@@ -11,11 +11,16 @@ from tests.cluster.conftest import completion, fresh_prompt
 pytestmark = pytest.mark.slow
 
 
-def test_mixed_workload_takes_the_expected_pipelines(cluster, model_id, reference, smol_tokenizer):
+def test_mixed_workload_takes_the_expected_pipelines(cluster, operator, model_id, reference, smol_tokenizer):
     system = fresh_prompt(60, "session")
+    operator.settled()  # no queue left by earlier tests in the estimates the SLO is taken from
     first = completion(
         cluster.url, {"model": model_id, "prompt": system + "\nQ1: hello?", "max_tokens": 8, "temperature": 0}
     )
+    # the next turn is planned once the index has main-decode's copy of this one (its report can
+    # land after the turn's last token: a full suite once planned it first, and relayed it)
+    md = next(i.id for i in cluster.cfg.instances if i.role == "md")
+    operator.wait_indexed(md, smol_tokenizer(system + "\nQ1: hello?")["input_ids"])
     # Each class is held against an SLO of this machine's own pace (an admin's pdd.ttft_slo_ms):
     # the first turn's estimated TTFT through MD, ~190 tokens computed and sent. A later turn computes
     # and sends a few tokens, a new conversation 8x as many. The configured 1000 ms is a figure of
