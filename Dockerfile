@@ -15,8 +15,9 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PDD_MODEL_CACHE=/models
 
-# A C compiler: the runtime builds its decode-step GEMM (shared/runtime/skinny.c) for the CPU it
-# runs on, at first use (about a second). Without one it says so and keeps oneDNN's kernels.
+# A C compiler: the runtime builds its batch-invariant kernels (shared/runtime/skinny.c, rows.c,
+# layers.c) for the CPU it runs on, at first use (a few seconds). Without one it says so and
+# keeps oneDNN's kernels.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
