@@ -108,7 +108,7 @@ class Layers:
             pool.block_size, torch.get_num_threads(),
         )  # fmt: skip
         if rows._call(PROFILER_NAME, self._run, ctypes.byref(self.model), ctypes.byref(s)):
-            raise MemoryError("layers.c could not allocate its buffers")
+            raise MemoryError("layers.c could not allocate its buffers for the step")
         return h
 
 

@@ -63,14 +63,16 @@ static inline vf splat(float x) {
 static inline vf load_f32(const float *p) { return *(const vf *)p; }
 static inline void store_f32(float *p, vf x) { *(vf *)p = x; }
 
-/* VW bfloat16 values as fp32: the bf16 bits are the top half of the fp32 bits, so this is exact. */
+/* VW bfloat16 values as fp32: the bf16 bits are the top half of the fp32 bits, so this is exact.
+ * One zero-extension per vector: GCC's own lowering of the generic conversion (the fallback) took
+ * three more shuffles per vector, a tenth of a bf16 decode step's projections. */
 static inline vf widen_bf16(const uint16_t *p) {
 #if VW == 16 && defined(__AVX512F__)
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #elif VW == 8 && defined(__AVX2__)
     return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 #else
-    vi w = __builtin_convertvector(*(const vh *)p, vi) << 16; /* GCC splits this in halves (3 more shuffles) */
+    vi w = __builtin_convertvector(*(const vh *)p, vi) << 16;
     return (vf)w;
 #endif
 }
