@@ -26,6 +26,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.messages import Inspect, InstanceState, WanControl, WanState
 from shared.prefix_hash import block_hashes, namespace_of
+from shared.registry import INSTANCE, KV
 from tests import background
 from tests.helpers import Reference
 
@@ -319,7 +320,7 @@ class Operator:
         try:
             deadline = time.monotonic() + timeout
             while True:
-                rows = [r.hgetall(f"pdd:instance:{i.id}") for i in self.cluster.cfg.instances]
+                rows = [r.hgetall(INSTANCE + i.id) for i in self.cluster.cfg.instances]
                 fresh = [row for row in rows if row and float(row["updated_at"]) > since]
                 if len(fresh) == len(rows) and all(int(row["queued_tokens"]) == 0 for row in fresh):
                     return
@@ -339,7 +340,7 @@ class Operator:
         try:
             deadline = time.monotonic() + timeout
             while True:
-                held = r.smismember(f"pdd:kv:{instance_id}", hashes) if hashes else []
+                held = r.smismember(KV + instance_id, hashes) if hashes else []
                 if all(held):
                     return len(hashes)
                 assert time.monotonic() < deadline, f"{instance_id} indexed {sum(held)} of {len(hashes)} blocks"
