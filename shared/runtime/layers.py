@@ -125,9 +125,4 @@ def bind(library: Path):
 
 @cache
 def _load():
-    try:
-        return bind(skinny.build(SOURCE)), None
-    except skinny.Unavailable as e:
-        return None, str(e)
-    except (OSError, AttributeError) as e:
-        return None, f"could not build or load {SOURCE.name}: {e}"
+    return skinny.load_built(SOURCE, bind)

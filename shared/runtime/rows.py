@@ -136,9 +136,4 @@ def unavailable_reason() -> str | None:
 
 @cache
 def _load() -> tuple[_Kernels | None, str | None]:
-    try:
-        return _Kernels(skinny.build(SOURCE)), None
-    except skinny.Unavailable as e:
-        return None, str(e)
-    except (OSError, AttributeError) as e:
-        return None, f"could not build or load {SOURCE.name}: {e}"
+    return skinny.load_built(SOURCE, _Kernels)

@@ -22,9 +22,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -135,6 +136,19 @@ def build(source: Path) -> Path:
     if reason is not None:
         raise Unavailable(reason)
     return _build(os.environ.get("CC") or "cc", source=source)
+
+
+B = TypeVar("B")
+
+
+def load_built(source: Path, bind: Callable[[Path], B]) -> tuple[B | None, str | None]:
+    """Another kernel's library, built (`build`) and bound by `bind`; or None and why not."""
+    try:
+        return bind(build(source)), None
+    except Unavailable as e:
+        return None, str(e)
+    except (OSError, AttributeError) as e:
+        return None, f"could not build or load {source.name}: {e}"
 
 
 def _build(compiler: str, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Path:
