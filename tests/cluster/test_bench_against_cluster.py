@@ -98,7 +98,9 @@ def _ttft_is_the_servers_plus_the_trip(records: list[dict]) -> None:
 
 def test_a_mooncake_trace_replays_against_the_cluster(bench_cli, tmp_path):
     trace = _trace_file(tmp_path)
-    results = bench_cli(tmp_path / "out", "--workload", f"trace:{trace}", "--max-requests", "3", "--time-scale", "0.01")
+    # 4 tokens per 512-token block: prompts of ~190-320 tokens (16 made ~750-1,250: 25 s of the suite)
+    args = ["--workload", f"trace:{trace}", "--max-requests", "3", "--time-scale", "0.01", "--block-tokens", "4"]
+    results = bench_cli(tmp_path / "out", *args)
     assert results["workload"]["name"].startswith("trace") and results["workload"]["requests"] == 3
     run = results["modes"]["base-url"]
     assert run["requests"] == run["completed"] == 3 and run["failed"] == 0, run
