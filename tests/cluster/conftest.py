@@ -65,10 +65,10 @@ def _keys_file() -> str:
     return path
 
 
-# The single-stream clusters' model instances run two torch threads: their tests drive one or two
-# instances at a time, and with one thread each a test kept one of the machine's two cores idle
-# (~55% busy); two threads cut those tests' time by a fifth. The fleet keeps one: its tests run a
-# dozen requests on five instances at once, where two threads each only contend (its soak slowed).
+# Every session cluster's model instances run one torch thread. (The single-stream `cluster` once
+# ran two, when the suite ran in one process and its tests left a core idle; since `make test`
+# runs two halves at once (tests/halves.py) every core is busy, and with one thread each that
+# half took 514 s where it took 532 with two, the other half 670 s where it took 724.)
 CLUSTERS = {  # in the order their tests run (tests/conftest.py): the shortest group first
     # the shipped config itself (configs/single-host.yaml: prefill float32, relay and main-decode
     # bfloat16, one thread each), with API keys on (services/gateway/auth.py) and a deeper queue:
@@ -103,9 +103,9 @@ CLUSTERS = {  # in the order their tests run (tests/conftest.py): the shortest g
         "stream_kv": True,  # off by default (it costs a CPU's TTFT): every push here streams, tested as it runs
         "max_queue": 12,
         "instances": [
-            {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384, "threads": 2},
-            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 8192, "threads": 2},
-            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 16384, "threads": 2},
+            {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 16384, "threads": 1},
+            {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 8192, "threads": 1},
+            {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 16384, "threads": 1},
         ],
         "timeouts": {"kv_stall_s": 5, "kv_retries": 1, "request_s": 90},
     },
