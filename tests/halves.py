@@ -3,8 +3,9 @@ process of its own, run at the same time; the exit status is the worse of the tw
 
 Why: run in one process, the end-to-end tests kept a 2-core machine only ~55% busy: most of them
 drive one or two requests at a time through one cluster and wait on the line, a heartbeat or a
-stream. The tests on the shared `cluster` (`tests/cluster/conftest.py`) are one half, everything
-else (unit tests, the keyed and fleet clusters' tests, the benches' own processes) the other;
+stream. The tests on the shared `cluster` (`tests/cluster/conftest.py`) and a few model unit
+tests (`CLUSTER_HALF_FILES`) are one half, everything else (unit tests, the keyed and fleet
+clusters' tests, the benches' own processes) the other;
 side by side they keep both cores busy, and the two took 378 and 387 s where one process took
 567 s, on the same machine in the same hour. The tests hold: each end-to-end test already
 follows the pace of the machine it runs on (README, "Tests"), and the other half is one more

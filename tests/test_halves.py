@@ -9,8 +9,11 @@ import pytest
 from tests import background
 from tests.halves import NO_TESTS, ROOT, combined
 
-# a file with tests on the shared `cluster` and one on the fleet, and a file of unit tests
-FILES = [str(ROOT / "tests/cluster/test_abort.py"), str(ROOT / "tests/test_layers.py")]
+# a file with tests on the shared `cluster` and one on the fleet, a file of unit tests, and one of
+# the unit tests run beside the cluster's (tests/conftest.py `CLUSTER_HALF_FILES`)
+FILES = [
+    str(ROOT / f) for f in ("tests/cluster/test_abort.py", "tests/test_layers.py", "tests/runtime/test_reference.py")
+]
 
 
 class _Collected:
@@ -38,8 +41,9 @@ def test_the_halves_split_the_suite_exactly(monkeypatch):
     assert not stopped
     assert rest.isdisjoint(cluster)
     assert rest | cluster == everything
-    abort = "tests/cluster/test_abort.py::"
-    assert cluster and all(i.startswith(abort) for i in cluster), cluster
+    abort, reference = "tests/cluster/test_abort.py::", "tests/runtime/test_reference.py::"
+    assert cluster and all(i.startswith((abort, reference)) for i in cluster), cluster
+    assert any(i.startswith(reference) for i in cluster) and not any(i.startswith(reference) for i in rest)
     assert abort + "test_a_stream_that_fails_ends_with_an_error_event" in rest  # the fleet's
     assert any(i.startswith("tests/test_layers.py::") for i in rest)
 
