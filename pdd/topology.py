@@ -72,6 +72,7 @@ def resolve(cfg: ClusterConfig, run_dir: Path) -> ClusterConfig:
             kv_port=_port(i.kv_port) if i.role != Role.PREFILL else 0,
             metrics_port=_port(i.metrics_port),
             threads=cfg.threads_of(i),
+            max_step_tokens=cfg.step_tokens_of(i),
         )
         for i in cfg.instances
     )

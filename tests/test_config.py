@@ -127,6 +127,19 @@ def test_threads_is_a_count_or_auto(bad):
         cfg(instances=[{**INSTANCES[0], "threads": bad}, INSTANCES[1]])
 
 
+def test_a_prefill_steps_over_whole_prompts_unless_it_streams_its_kv():
+    """`max_step_tokens: auto`: a prefill that pushes its KV when the prompt is done steps over
+    2,048 tokens (it serves nothing else; each step reads every weight again), one that streams
+    its KV chunk by chunk over 512, as the decoders do (their running decodes wait for an extend);
+    a count is kept, and reaches the engine."""
+    assert [cfg().step_tokens_of(i) for i in cfg().instances] == [2048, 512]
+    assert [cfg(stream_kv=True).step_tokens_of(i) for i in cfg().instances] == [512, 512]
+    mine = cfg(instances=[{**INSTANCES[0], "max_step_tokens": 300}, INSTANCES[1]])
+    assert mine.step_tokens_of(mine.instances[0]) == 300
+    with pytest.raises(ConfigError, match="max_step_tokens must be an integer >= 1 or 'auto'"):
+        cfg(instances=[{**INSTANCES[0], "max_step_tokens": 0}, INSTANCES[1]])
+
+
 def test_the_run_config_holds_each_instances_resolved_threads(tmp_path):
     """`pdd up` writes the config its services read: every `auto` is this host's count there."""
     import os
@@ -140,6 +153,7 @@ def test_the_run_config_holds_each_instances_resolved_threads(tmp_path):
         "rld-0": max(1, cores // 2),
         "md-0": max(1, cores // 2),
     }
+    assert {i.id: i.max_step_tokens for i in run.instances} == {"prefill-0": 2048, "rld-0": 512, "md-0": 512}
 
 
 def test_pdd_serve_gives_sleeping_openmp_threads_where_instances_share_a_host(monkeypatch, tmp_path):

@@ -43,7 +43,7 @@ def _build(cfg: ClusterConfig, inst: InstanceConfig) -> Engine:
     eos_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
     return Engine(
         ModelRunner(model, pool, invariant=None if inst.batch_invariant else False),
-        max_step_tokens=inst.max_step_tokens,
+        max_step_tokens=cfg.step_tokens_of(inst),
         max_running=inst.max_running,
         eos_token_ids=eos_ids,
         decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

@@ -59,7 +59,7 @@ def test_a_long_prompts_kv_leaves_chunk_by_chunk_while_prefill_runs(cluster, mod
     """`stream_kv`: a cold prompt longer than prefill's step is prefilled in chunks, and each
     chunk's KV is pushed as soon as it is computed: all of it but the last chunk's left before
     the first token (prefill's count, carried to the response), and the answer is the model's."""
-    chunk = cluster.cfg.instance("prefill-0").max_step_tokens
+    chunk = cluster.cfg.step_tokens_of(cluster.cfg.instance("prefill-0"))  # 512: this cluster streams its KV
     prompt = fresh_prompt(int(chunk * 0.6), "streamed")
     ids = smol_tokenizer(prompt)["input_ids"]
     assert chunk < len(ids) <= 3 * chunk
