@@ -31,8 +31,9 @@ from tests import background
 from tests.helpers import Reference
 
 FLEET = [
-    {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192},
-    {"id": "prefill-1", "role": "prefill", "dc": "A", "kv_tokens": 8192},
+    # 512-token steps (a prefill's own default is 2,048): test_migration kills one mid-prompt
+    {"id": "prefill-0", "role": "prefill", "dc": "A", "kv_tokens": 8192, "max_step_tokens": 512},
+    {"id": "prefill-1", "role": "prefill", "dc": "A", "kv_tokens": 8192, "max_step_tokens": 512},
     {"id": "rld-0", "role": "rld", "dc": "A", "kv_tokens": 4096},
     {"id": "md-0", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
     {"id": "md-1", "role": "md", "dc": "B", "kv_tokens": 2048, "max_running": 8, "max_waiting": 4},
