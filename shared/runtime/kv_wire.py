@@ -30,11 +30,12 @@ layer_bytes = wire_bytes  # one home for the arithmetic: shared/model_info.py (n
 
 def encode_layer(k: torch.Tensor, v: torch.Tensor, wire: str) -> bytes:
     """One layer's K and V as `wire` bytes (k, v: `[tokens, kv_heads, head_dim]`)."""
-    both = torch.stack([k.contiguous(), v.contiguous()])
-    if wire == "native":
+    if wire in ("native", "bf16"):  # one pass: each into its half, converted on the way
+        both = torch.empty((2, *k.shape), dtype=k.dtype if wire == "native" else torch.bfloat16)
+        both[0].copy_(k)
+        both[1].copy_(v)
         return both.view(torch.uint8).numpy().tobytes()
-    if wire == "bf16":
-        return both.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    both = torch.stack([k.contiguous(), v.contiguous()])
     kind, top = _SCALED[wire]
     x = both.float()
     scale = (x.abs().amax(dim=-1, keepdim=True) / top).clamp(min=torch.finfo(torch.float32).tiny)

@@ -8,6 +8,7 @@ waits for the first token and comes whole."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -176,3 +177,49 @@ async def test_a_push_that_cannot_be_encoded_fails_the_request_once_and_holds_no
     finally:
         await rig.service.shutdown()
         await rig.rx.stop()
+
+
+async def test_the_relays_push_leaves_before_main_decodes_bytes_are_made_and_equal_ranges_share_them(tiny, monkeypatch):
+    """The default path: after the first token the in-DC target's part is encoded and its push
+    sent first; main-decode's part (another range here) is encoded while that push goes out,
+    not before it leaves (the relay's next token waits for its KV alone). Two targets of the same
+    range and wire format are encoded once."""
+    from services.prefill import service
+
+    calls: list[int] = []  # tokens of each layer encoded
+    relay_landed = threading.Event()
+    held: list[bool] = []
+
+    def encode(k, v, wire):
+        if k.shape[0] == len(PROMPT) - 16 and not held:  # main-decode's [16, 40): wait for the relay
+            held.append(relay_landed.wait(DEADLINE_S))
+        calls.append(k.shape[0])
+        return real(k, v, wire)
+
+    real = service.layer_to_bytes
+    monkeypatch.setattr("services.prefill.service.layer_to_bytes", encode)
+    layers = tiny.config.num_hidden_layers
+
+    async def push(md_start: int) -> dict[str, KVPayload]:
+        rig = await _rig(tiny)
+        try:
+            calls.clear()
+            await rig.submit(task(rig, "r1", md_start=md_start))
+            rig.worker.step()
+            if md_start:
+                relay = ["rld-r1"]
+                await until(lambda: [t.head.secret for t in rig.rx.got] == relay, DEADLINE_S, "the relay's push")
+                relay_landed.set()
+            await until(lambda: len(rig.rx.got) == 2, DEADLINE_S, "both pushes to land")
+            await rig.settled()
+            return received(rig)
+        finally:
+            await rig.service.shutdown()
+            await rig.rx.stop()
+
+    await push(16)
+    assert held == [True]  # the relay's push landed while main-decode's bytes were held back
+    assert calls == [len(PROMPT)] * layers + [len(PROMPT) - 16] * layers
+    got = await push(0)
+    assert calls == [len(PROMPT)] * layers  # one encoding for both
+    assert same(got["rld"], got["md"])
