@@ -42,7 +42,7 @@ class HostSpec:
     request_overhead_ms: float = 0.0
     cold_start_ms: float = 0.0
     interleave_prefill: bool = False
-    prefill_step_tokens: int = 512  # shared/config.py InstanceConfig.max_step_tokens
+    prefill_step_tokens: int = 512  # a prefill step's tokens (PDD's own "auto" is 2,048: shared/config.py)
     wan_proxy_cores: float = 0.0
 
     def __post_init__(self) -> None:
