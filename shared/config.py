@@ -311,6 +311,10 @@ class ClusterConfig:
     # the others have no work runs on all of them (`pdd up`'s main-decode decodes on both cores
     # while the relay is idle), and on its share otherwise (shared/cores.py)
     lend_idle_cores: bool = True
+    # and a decoder among them waits, before each step, while a prefill there computes a prompt,
+    # at most this long: the prompt gets every core, as in one engine's mixed step (shared/cores.py);
+    # the decoder's running streams pause meanwhile. 0: decoders step beside the prompt
+    yield_to_prefill_s: float = 1.0
     wan: WanConfig = field(default_factory=WanConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
@@ -514,6 +518,8 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
         check_device(cfg.device, where)
     if cfg.first_token not in FIRST_TOKEN_FROM:
         raise ConfigError(f"{where}: first_token must be one of {list(FIRST_TOKEN_FROM)}, got {cfg.first_token!r}")
+    if not cfg.yield_to_prefill_s >= 0:
+        raise ConfigError(f"{where}: yield_to_prefill_s must be >= 0 (0: never), got {cfg.yield_to_prefill_s}")
     ids = [i.id for i in cfg.instances]
     if len(ids) != len(set(ids)):
         raise ConfigError(f"{where}: instance ids must be unique, got {ids}")

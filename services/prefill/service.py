@@ -144,6 +144,9 @@ class Prefiller(InstanceService):
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
+    def computes_prompt(self) -> bool:
+        return bool(self.requests)  # else the engine's work is warming an answer (nobody waits)
+
     def state_sizes(self) -> dict[str, int]:
         return {
             "requests": len(self.requests),

@@ -18,7 +18,9 @@ It is replaced whole, never mutated, so the loop reads it without waiting for a 
 heartbeat must not stall behind a long prefill chunk, or the instance looks dead.
 
 With a `CoreBoard` (shared/cores.py) a step runs on every core of the host while the instance's
-neighbours there have no work, and on its share (`threads`) otherwise.
+neighbours there have no work, and on its share (`threads`) otherwise. A prefill's worker marks
+its slot while it computes a prompt (`prompt`); a decoder's (`yield_s`) then waits before each
+step until the prompt is done, at most `yield_s`, running the commands that come meanwhile.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from shared.runtime.engine import Engine, TokenOutput
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 HANDOFF_WAIT_S = 0.002  # the most a step waits for the event loop to take the previous step's outputs
+YIELD_POLL_S = 0.005  # how often a decoder waiting for a prompt on its host looks at the board again
 
 
 class StepRates:
@@ -69,12 +72,18 @@ class EngineWorker:
         threads: int = 1,
         handoff_wait_s: float = HANDOFF_WAIT_S,
         board: CoreBoard | None = None,
+        prompt: Callable[[], bool] | None = None,
+        yield_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
         self.threads = threads  # its share of the host's cores; more while it steps alone (`board`)
         self.board = board
+        self.prompt = prompt or (lambda: False)  # a prefill: whether its work is a prompt someone waits for
+        self.yield_s = yield_s  # a decoder: the most it waits, before a step, for a prompt on its host
         self.lent_steps = 0  # steps run on the cores of idle neighbours (shared/cores.py)
+        self.yielded_s = 0.0  # time this decoder waited for prompts on its host
+        self._waiting_since: float | None = None
         self._threads_now = threads
         self.handoff_wait_s = handoff_wait_s
         self.rates = StepRates()
@@ -129,7 +138,7 @@ class EngineWorker:
                 commands, self._commands = self._commands, []
             for fn, future in commands:
                 self._run_command(fn, future)
-            if self.engine.has_work:
+            if self.engine.has_work and not self._yielding():
                 self._step()
 
     def _run_command(self, fn: Callable[[Engine], Any], future: asyncio.Future) -> None:
@@ -153,12 +162,35 @@ class EngineWorker:
             prefill_tok_s=round(r.prefill_tok_s, 1),
             busy_s=round(self.busy_s, 3),
             lent_steps=self.lent_steps,
+            yielded_s=round(self.yielded_s, 3),
         )
+
+    def _yielding(self) -> bool:
+        """Whether this decoder waits a moment more before its next step: a prefill on its host
+        computes a prompt, and the wait has not reached `yield_s`. Waits on the command
+        condition, so a command that comes meanwhile runs at once."""
+        if not self.yield_s or self.board is None or not self.board.prompt_busy():
+            return self._waited()
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        elif now - self._waiting_since >= self.yield_s:
+            return self._waited()
+        with self._cond:
+            if not self._commands and not self._stopped:
+                self._cond.wait(YIELD_POLL_S)
+        return True
+
+    def _waited(self) -> bool:
+        if self._waiting_since is not None:
+            self.yielded_s += time.monotonic() - self._waiting_since
+            self._waiting_since = None
+        return False
 
     def _use_threads(self) -> None:
         """The step's threads: every core this instance may use while its neighbours on the host
         are idle, else its share."""
-        n = self.board.threads()
+        n = self.board.threads(prompt=self.prompt())
         if n != self._threads_now:
             torch.set_num_threads(n)
             self._threads_now = n

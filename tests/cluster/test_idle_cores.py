@@ -1,10 +1,13 @@
 """The shipped config's instances lend each other their idle cores (shared/cores.py): main-decode
 decoding a `p-md` request while prefill and the relay have no work steps on every core of the
-host, not on its one-thread share, and its answer is the one it gives on its share."""
+host, not on its one-thread share, and its answer is the one it gives on its share. While
+prefill computes a prompt, main-decode waits for it (`yield_to_prefill_s`), answers unchanged."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -39,3 +42,30 @@ def test_main_decode_alone_decodes_on_the_relays_cores_too(keyed, mixed_referenc
         assert after["md-0"] - before["md-0"] >= 12, (before, after)
     else:
         assert after["md-0"] == before["md-0"]  # a host of one core has none to lend
+
+
+def test_main_decode_waits_while_prefill_computes_a_prompt_on_its_host(keyed, mixed_reference, smol_tokenizer):
+    op = Operator(keyed)
+    url = keyed.url + "/v1/completions"
+    op.idle()
+    yielded = lambda: op.inspect("md-0").figures.engine.yielded_s  # noqa: E731
+    before = yielded()
+    # ~420 tokens: the reference prefills in one 512-token step
+    decoding, long = fresh_prompt(12, "yield-decoding"), fresh_prompt(130, "yield-prompt")
+    first = {"prompt": decoding, "max_tokens": 64, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    events: list[dict] = []
+    done: dict[str, tuple] = {}
+    worker = threading.Thread(target=lambda: done.update(a=stream_completion(url, first, events=events, headers=ADMIN)))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while len(events) < 3 and worker.is_alive():  # main-decode is decoding it
+        assert time.monotonic() < deadline, "no tokens"
+        time.sleep(0.01)
+    second = {"prompt": long, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    text, obj, _ = stream_completion(url, second, headers=ADMIN)
+    worker.join(timeout=120)
+    assert not worker.is_alive() and "a" in done
+    assert done["a"][0] == mixed_reference(smol_tokenizer(decoding)["input_ids"], 64, ignore_eos=True)
+    assert text == mixed_reference(smol_tokenizer(long)["input_ids"], 4, ignore_eos=True)
+    # the first request's steps met the second's prompt on prefill: main-decode waited for it
+    assert yielded() > before, (before, yielded())

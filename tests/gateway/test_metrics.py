@@ -86,7 +86,7 @@ def test_rejections_by_reason():
 def test_an_engines_figures_are_read_at_scrape_time():
     figures = SimpleNamespace(  # an EngineFigures' attributes (the gateway's tests load no torch)
         running=3, waiting=1, free_blocks=50, cached_blocks=30, total_blocks=100, prefix_queried=1000, prefix_hit=900,
-        lent_steps=12,
+        lent_steps=12, yielded_s=1.5,
     )  # fmt: skip
     m = Metrics("smol", "md-0")
     m.engine_figures(lambda: figures)
@@ -95,5 +95,6 @@ def test_an_engines_figures_are_read_at_scrape_time():
     assert value(text, "pdd:kv_cache_usage_perc") == 0.2  # 20 of 100 blocks held by requests
     assert value(text, "pdd:prefix_cache_queries_total") == 1000 and value(text, "pdd:prefix_cache_hits_total") == 900
     assert value(text, "pdd:lent_core_steps_total") == 12  # steps on the idle neighbours' cores (shared/cores.py)
+    assert value(text, "pdd:yielded_to_prompts_seconds_total") == 1.5  # a decoder's waits for the host's prompts
     figures.running = 0
     assert value(m.render(), "pdd:num_requests_running") == 0

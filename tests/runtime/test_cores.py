@@ -46,6 +46,22 @@ def test_a_slot_whose_process_is_gone_lends_its_cores_back(tmp_path):
     assert md.threads() == 1
 
 
+def test_a_prefill_computing_a_prompt_is_seen_by_the_decoders_and_warming_is_not(tmp_path):
+    prefill, md, rld = boards(tmp_path, 3)
+    assert not md.prompt_busy()
+    prefill.threads(prompt=True)
+    assert md.prompt_busy() and rld.prompt_busy() and md.others_busy()
+    assert not prefill.prompt_busy()  # its own slot aside
+    prefill.threads(prompt=False)  # warming an answer: busy, but no prompt anyone waits for
+    assert md.others_busy() and not md.prompt_busy()
+    prefill.threads(prompt=True)
+    prefill.idle()
+    assert not md.prompt_busy() and not md.others_busy()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cores.SLOT.pack_into(prefill._map, prefill.slot * cores.SLOT.size, -int(dead.stdout))  # killed mid-prompt
+    assert not md.prompt_busy() and not md.others_busy()
+
+
 def test_the_board_comes_from_the_launchers_variable(tmp_path):
     path = cores.create(tmp_path / "cores", 3)
     assert CoreBoard.from_env(1, env={}) is None
@@ -125,3 +141,43 @@ async def _until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.005)
+
+
+async def test_a_decoder_waits_for_a_prompt_on_its_host_and_runs_commands_meanwhile(tmp_path):
+    prefill, md = boards(tmp_path, 2, share=1, alone=2)
+    engine = ThreadsEngine(2)
+    before = torch.get_num_threads()
+    prefill.threads(prompt=True)
+    worker = EngineWorker(engine, lambda outputs: None, threads=1, handoff_wait_s=0, board=md, yield_s=600)  # type: ignore[arg-type]
+    worker.start()
+    try:
+        assert await worker.call(lambda e: e.left) == 2  # a command runs while the step waits
+        assert engine.threads == []  # and no step ran: the prompt has the cores
+        prefill.idle()
+        await _until(lambda: not engine.has_work)
+        assert engine.threads == [2, 2]  # the prompt done and the prefill idle: every core
+        await worker.call(lambda e: None)
+        assert worker.figures.yielded_s > 0
+    finally:
+        worker.stop()
+        torch.set_num_threads(before)
+        md.idle()
+
+
+async def test_a_decoder_waits_at_most_yield_s_for_a_prompt(tmp_path):
+    prefill, md = boards(tmp_path, 2, share=1, alone=2)
+    engine = ThreadsEngine(2)
+    before = torch.get_num_threads()
+    prefill.threads(prompt=True)  # and never done
+    worker = EngineWorker(engine, lambda outputs: None, threads=1, handoff_wait_s=0, board=md, yield_s=0.05)  # type: ignore[arg-type]
+    worker.start()
+    try:
+        await _until(lambda: not engine.has_work)
+        assert engine.threads == [1, 1]  # stepped on its share, beside the prompt
+        await worker.call(lambda e: None)
+        assert worker.figures.yielded_s >= 2 * 0.05  # each step waited its most first
+    finally:
+        worker.stop()
+        torch.set_num_threads(before)
+        md.idle()
+        prefill.idle()
