@@ -161,6 +161,13 @@ class Engine(KVExchange):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def samples_a_first_token(self) -> bool:
+        """Whether the next step samples some request's first token here: a decoder's first after
+        the KV came (the request's second token), main-decode's first after a handoff, a moved
+        request's first on its new instance. A user waits on it as on a prompt."""
+        return any(not s.shadow and s.sampled_here == 0 for s in (*self.running.values(), *self.waiting))
+
     def figures(self) -> EngineFigures:
         return EngineFigures(
             running=len(self.running),

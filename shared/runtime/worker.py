@@ -20,7 +20,8 @@ heartbeat must not stall behind a long prefill chunk, or the instance looks dead
 With a `CoreBoard` (shared/cores.py) a step runs on every core of the host while the instance's
 neighbours there have no work, and on its share (`threads`) otherwise. A prefill's worker marks
 its slot while it computes a prompt (`prompt`); a decoder's (`yield_s`) then waits before each
-step until the prompt is done, at most `yield_s`, running the commands that come meanwhile.
+step until the prompt is done, at most `yield_s`, running the commands that come meanwhile,
+unless the step samples a request's first token here (a user waits on that one too).
 """
 
 from __future__ import annotations
@@ -167,9 +168,10 @@ class EngineWorker:
 
     def _yielding(self) -> bool:
         """Whether this decoder waits a moment more before its next step: a prefill on its host
-        computes a prompt, and the wait has not reached `yield_s`. Waits on the command
-        condition, so a command that comes meanwhile runs at once."""
-        if not self.yield_s or self.board is None or not self.board.prompt_busy():
+        computes a prompt, the step samples no request's first token here (those are waited on
+        like the prompt: a second token, the first after a handoff), and the wait has not
+        reached `yield_s`. Waits on the command condition: a command that comes meanwhile runs."""
+        if not self.yield_s or self.board is None or self.engine.samples_a_first_token or not self.board.prompt_busy():
             return self._waited()
         now = time.monotonic()
         if self._waiting_since is None:

@@ -98,6 +98,7 @@ class ThreadsEngine:
         self.left = steps
         self.threads: list[int] = []
         self.last_step_tokens = 1
+        self.samples_a_first_token = False
 
     @property
     def has_work(self) -> bool:
@@ -176,6 +177,24 @@ async def test_a_decoder_waits_at_most_yield_s_for_a_prompt(tmp_path):
         assert engine.threads == [1, 1]  # stepped on its share, beside the prompt
         await worker.call(lambda e: None)
         assert worker.figures.yielded_s >= 2 * 0.05  # each step waited its most first
+    finally:
+        worker.stop()
+        torch.set_num_threads(before)
+        md.idle()
+        prefill.idle()
+
+
+async def test_a_step_that_samples_a_first_token_does_not_wait_for_a_prompt(tmp_path):
+    prefill, md = boards(tmp_path, 2, share=1, alone=2)
+    engine = ThreadsEngine(1)
+    engine.samples_a_first_token = True  # a request's second token, or main-decode's first after a handoff
+    before = torch.get_num_threads()
+    prefill.threads(prompt=True)
+    worker = EngineWorker(engine, lambda outputs: None, threads=1, handoff_wait_s=0, board=md, yield_s=600)  # type: ignore[arg-type]
+    worker.start()
+    try:
+        await _until(lambda: not engine.has_work)
+        assert engine.threads == [1] and worker.yielded_s == 0  # beside the prompt, on its share
     finally:
         worker.stop()
         torch.set_num_threads(before)

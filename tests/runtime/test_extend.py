@@ -107,3 +107,19 @@ def test_final_handoff_with_no_new_tokens(tiny, tiny_ref):
     engine.step()
     s.shadow = False
     assert expected[:1] + run_to_completion(engine)["md"] == expected
+
+
+def test_the_engine_says_when_its_next_step_samples_a_first_token_here(tiny):
+    """The steps a decoder does not hold back for a prompt on its host (shared/cores.py)."""
+    [prompt] = random_prompts(tiny.config.vocab_size, [21], seed=10)
+    engine = make_engine(tiny)
+    s = Sequence("md", list(prompt), greedy(4), shadow=True)
+    engine.add(s)
+    assert not engine.samples_a_first_token  # a shadow samples nothing
+    engine.step()
+    s.shadow = False
+    assert engine.samples_a_first_token  # main-decode's first token after the handoff
+    engine.step()
+    assert s.sampled_here == 1 and not engine.samples_a_first_token  # plain decode steps from here
+    engine.add(Sequence("fresh", list(prompt), greedy(4)))
+    assert engine.samples_a_first_token  # a waiting request's first
