@@ -43,7 +43,9 @@ from shared.runtime.engine import Engine, TokenOutput
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 HANDOFF_WAIT_S = 0.002  # the most a step waits for the event loop to take the previous step's outputs
-YIELD_POLL_S = 0.005  # how often a decoder waiting for a prompt on its host looks at the board again
+# how often a decoder waiting for a prompt on its host looks at the board again: soon at first
+# (most prompts of a chat are short), then every 20 ms (each look wakes it on the prompt's cores)
+YIELD_POLL_S = (0.005, 0.02)
 
 
 class StepRates:
@@ -178,9 +180,10 @@ class EngineWorker:
             self._waiting_since = now
         elif now - self._waiting_since >= self.yield_s:
             return self._waited()
+        first, most = YIELD_POLL_S
         with self._cond:
             if not self._commands and not self._stopped:
-                self._cond.wait(YIELD_POLL_S)
+                self._cond.wait(min(most, max(first, (now - self._waiting_since) / 2)))
         return True
 
     def _waited(self) -> bool:
