@@ -18,9 +18,10 @@ While it computes a prompt it marks its slot as a prefill's (the pid negated), a
 on the board waits before each step until that prompt is done, at most `yield_to_prefill_s`
 (shared/runtime/worker.py): the prompt runs on every core instead of beside two decoder threads,
 as a prompt in one engine's mixed step delays its decodes by that step. On `pd-local` on the
-2-core Intel host (24 agentic requests, the peer bench): a new session's 467-token prompt behind
+2-core Intel host (24 agentic requests): a new session's 467-token prompt computed during
 another's decode had a TTFT of 1,245 ms beside the decoder and 664 ms with it waiting (vLLM-CPU,
-one engine, 627-703 ms); TTFT P90 1.09x -> 0.97x vLLM's. Warming a finished answer into the
+one engine: 627-703 ms); the peer bench's figures are in docs/bench-peers. A step that samples a
+request's first token there does not wait (`Engine.samples_a_first_token`). Warming a finished answer into the
 cache (services/prefill/warm.py) is not a prompt anyone waits for: decoders step beside it. The
 batch-invariant kernels give the same bits at any thread count (tests/runtime/test_invariant.py),
 so lending and waiting change speed only.

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -166,7 +167,7 @@ class Engine(KVExchange):
         """Whether the next step samples some request's first token here: a decoder's first after
         the KV came (the request's second token), main-decode's first after a handoff, a moved
         request's first on its new instance. A user waits on it as on a prompt."""
-        return any(not s.shadow and s.sampled_here == 0 for s in (*self.running.values(), *self.waiting))
+        return any(not s.shadow and s.sampled_here == 0 for s in chain(self.running.values(), self.waiting))
 
     def figures(self) -> EngineFigures:
         return EngineFigures(

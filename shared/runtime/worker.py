@@ -187,6 +187,7 @@ class EngineWorker:
         return True
 
     def _waited(self) -> bool:
+        """No more waiting (or none at all): the wait so far is counted; False, for `_yielding`."""
         if self._waiting_since is not None:
             self.yielded_s += time.monotonic() - self._waiting_since
             self._waiting_since = None
