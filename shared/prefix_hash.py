@@ -33,14 +33,19 @@ def block_hashes(
     tokens: list[int], block_size: int, namespace: str = "", limit: int | None = None, key: bytes = b""
 ) -> list[str]:
     """Hashes of the full blocks of `tokens` (at most `limit` of them): `next_hash` down the chain,
-    the tokens packed once (the scheduler hashes every prompt it plans)."""
+    the tokens packed once and the key taken once (each block's hash copies the keyed state; the
+    scheduler hashes every prompt it plans)."""
     n = len(tokens) // block_size
     if limit is not None:
         n = min(n, limit)
-    data, step = array("q", tokens[: n * block_size]).tobytes(), 8 * block_size
+    data, step = memoryview(array("q", tokens[: n * block_size]).tobytes()), 8 * block_size
+    keyed = hashlib.blake2b(digest_size=12, key=key)
     out, parent = [], b"\0" + namespace.encode()  # the root's, as next_hash seeds it
     for i in range(n):
-        digest = hashlib.blake2b(parent + data[i * step : (i + 1) * step], digest_size=12, key=key).hexdigest()
+        h = keyed.copy()
+        h.update(parent)
+        h.update(data[i * step : (i + 1) * step])
+        digest = h.hexdigest()
         out.append(digest)
         parent = digest.encode()
     return out

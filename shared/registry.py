@@ -74,22 +74,27 @@ end
 return 0
 """
 
-# For each key (an instance's block set): how many of the hashes in ARGV[1] (space-separated, in
-# order) it holds before the first miss; returns "k:n ..." for the keys (by position) holding any.
-# Most instances miss the first block: one SISMEMBER says so; one that holds it is asked for the
-# rest in chunks that double (SMISMEMBER, Redis 6.2), not one call per block nor 256 members for
-# a run of a few. One argument and one short string each way: packing 256 hashes and parsing 200
-# counts was most of the scheduler's CPU for the lookup (benchmarks/fleet_bench.py).
+# For each instance named in ARGV[2] (space-separated ids; its block set is ARGV[1] .. id): how
+# many of the hashes in ARGV[3] (space-separated, in order) it holds before the first miss;
+# returns "id:n ..." for those holding any. Most instances miss the first block: one SISMEMBER
+# says so; one that holds it is asked for the rest in chunks that double (SMISMEMBER, Redis 6.2),
+# not one call per block nor 256 members for a run of a few. Three arguments and one short string
+# each way: packing 256 hashes, 200 keys (redis-py packs each argument in Python) and parsing 200
+# counts was most of the scheduler's CPU for the lookup (benchmarks/fleet_bench.py). The sets are
+# named in ARGV, not KEYS: PDD's Redis is one primary (with replicas), and a Redis Cluster could
+# not run this script anyway, since 200 instances' sets do not share a hash slot.
 _LEADING_HITS_LUA = """
 local hashes = {}
-for h in string.gmatch(ARGV[1], '%S+') do hashes[#hashes + 1] = h end
+for h in string.gmatch(ARGV[3], '%S+') do hashes[#hashes + 1] = h end
 local out = {}
-for k = 1, #KEYS do
-  if #hashes > 0 and redis.call('SISMEMBER', KEYS[k], hashes[1]) == 1 then
+if #hashes == 0 then return '' end
+for id in string.gmatch(ARGV[2], '%S+') do
+  local key = ARGV[1] .. id
+  if redis.call('SISMEMBER', key, hashes[1]) == 1 then
     local n, from, chunk = 1, 2, 8
     while from <= #hashes do
       local to = math.min(from + chunk - 1, #hashes)
-      local held = redis.call('SMISMEMBER', KEYS[k], unpack(hashes, from, to))
+      local held = redis.call('SMISMEMBER', key, unpack(hashes, from, to))
       local missed = false
       for i = 1, #held do
         if held[i] == 0 then missed = true break end
@@ -98,7 +103,7 @@ for k = 1, #KEYS do
       if missed then break end
       from, chunk = to + 1, math.min(2 * chunk, 256)
     end
-    out[#out + 1] = k .. ':' .. n
+    out[#out + 1] = id .. ':' .. n
   end
 end
 return table.concat(out, ' ')
@@ -182,7 +187,6 @@ class Registry:
         self._drop_script = None
         self._heard_script = None
         self._record_script = None
-        self._kv_keys: dict[str, bytes] = {}  # instance -> its block set's key, encoded once
 
     @classmethod
     def of(cls, cfg: ClusterConfig) -> Registry:
@@ -390,25 +394,14 @@ class Registry:
         return bool(await self.r.exists(f"{PROCESS}{kind}:{name}"))
 
     async def prefix_blocks(self, instance_ids: list[str], hashes: list[str]) -> dict[str, int]:
-        """How many leading blocks of `hashes` each instance holds: one round trip for all,
-        counted inside Redis so only the instances holding some come back."""
-        counts = dict.fromkeys(instance_ids, 0)
+        """How many leading blocks of `hashes` each instance holds, for those holding any (an
+        instance absent holds none): one round trip for all, counted inside Redis."""
         if not hashes or not instance_ids:
-            return counts
+            return {}
         if self._prefix_script is None:
             self._prefix_script = self.r.register_script(_LEADING_HITS_LUA)
-        keys = [self._kv_key(i) for i in instance_ids]
-        held = await self._prefix_script(keys=keys, args=[" ".join(hashes)])
-        for pair in held.split():
-            position, n = pair.split(":")
-            counts[instance_ids[int(position) - 1]] = int(n)
-        return counts
-
-    def _kv_key(self, instance_id: str) -> bytes:
-        """`pdd:kv:<id>` as bytes, made once: redis-py passes bytes through as they are."""
-        if (key := self._kv_keys.get(instance_id)) is None:
-            key = self._kv_keys[instance_id] = (KV + instance_id).encode()
-        return key
+        held = await self._prefix_script(keys=[], args=[KV, " ".join(instance_ids), " ".join(hashes)])
+        return {iid: int(n) for iid, _, n in (pair.rpartition(":") for pair in held.split())}
 
 
 def _queue_events(pipe, key: str, events: list[IndexEvent]) -> None:
