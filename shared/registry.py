@@ -83,31 +83,47 @@ return 0
 # counts was most of the scheduler's CPU for the lookup (benchmarks/fleet_bench.py). The sets are
 # named in ARGV, not KEYS: PDD's Redis is one primary (with replicas), and a Redis Cluster could
 # not run this script anyway, since 200 instances' sets do not share a hash slot.
-_LEADING_HITS_LUA = """
-local hashes = {}
-for h in string.gmatch(ARGV[3], '%S+') do hashes[#hashes + 1] = h end
-local out = {}
-if #hashes == 0 then return '' end
-for id in string.gmatch(ARGV[2], '%S+') do
-  local key = ARGV[1] .. id
-  if redis.call('SISMEMBER', key, hashes[1]) == 1 then
-    local n, from, chunk = 1, 2, 8
-    while from <= #hashes do
-      local to = math.min(from + chunk - 1, #hashes)
-      local held = redis.call('SMISMEMBER', key, unpack(hashes, from, to))
-      local missed = false
-      for i = 1, #held do
-        if held[i] == 0 then missed = true break end
-        n = n + 1
+_LEADING_HITS = """
+local function leading_hits(prefix, ids, hashes_arg)
+  local hashes = {}
+  for h in string.gmatch(hashes_arg, '%S+') do hashes[#hashes + 1] = h end
+  local out = {}
+  if #hashes == 0 then return '' end
+  for id in string.gmatch(ids, '%S+') do
+    local key = prefix .. id
+    if redis.call('SISMEMBER', key, hashes[1]) == 1 then
+      local n, from, chunk = 1, 2, 8
+      while from <= #hashes do
+        local to = math.min(from + chunk - 1, #hashes)
+        local held = redis.call('SMISMEMBER', key, unpack(hashes, from, to))
+        local missed = false
+        for i = 1, #held do
+          if held[i] == 0 then missed = true break end
+          n = n + 1
+        end
+        if missed then break end
+        from, chunk = to + 1, math.min(2 * chunk, 256)
       end
-      if missed then break end
-      from, chunk = to + 1, math.min(2 * chunk, 256)
+      out[#out + 1] = id .. ':' .. n
     end
-    out[#out + 1] = id .. ':' .. n
   end
+  return table.concat(out, ' ')
 end
-return table.concat(out, ' ')
 """
+_LEADING_HITS_LUA = _LEADING_HITS + "return leading_hits(ARGV[1], ARGV[2], ARGV[3])"
+
+# A plan's claim (KEYS[1]: SET NX of ARGV[1] for ARGV[2] ms) and, when it is won, the prefix
+# lookup above (ARGV[3..5]) in the same round trip; {1, hits} when claimed, else {0, what the key
+# holds}: the two calls every plan starts with, for one round trip's Python instead of two.
+_CLAIM_AND_LOOK_LUA = (
+    _LEADING_HITS
+    + """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {1, leading_hits(ARGV[3], ARGV[4], ARGV[5])}
+end
+return {0, redis.call('GET', KEYS[1])}
+"""
+)
 
 # A request's record (KEYS[1]): ARGV[1] its TTL (s), then its fields and values; one transaction.
 _RECORD_LUA = """
@@ -183,6 +199,7 @@ class Registry:
         self.ttl_ms = int(ttl_s * 1000)
         self.replicas = replicas  # a request's record waits for one replica's copy (a failover keeps it)
         self._prefix_script = None
+        self._claim_script = None
         self._release_script = None
         self._drop_script = None
         self._heard_script = None
@@ -374,15 +391,25 @@ class Registry:
         return bool(await self.r.set(ADOPTED + request_id, 1, nx=True, ex=max(1, int(ttl_s))))
 
     # -- plans shared by the schedulers ------------------------------------------------------
-    async def claim_plan(self, request_id: str, scheduler: str, ttl_s: float) -> str | None:
-        """None when `scheduler` now plans the request; else what the key holds: a plan (base64),
-        or "planning <name>" while another plans it."""
-        key = PLAN + request_id
-        claimed = await self.r.set(key, f"{PLANNING}{scheduler}", nx=True, px=int(ttl_s * 1000))
-        return None if claimed else await self.r.get(key)
+    async def claim_plan(
+        self, request_id: str, scheduler: str, ttl_s: float, instance_ids: list[str], hashes: list[str]
+    ) -> tuple[str | None, dict[str, int]]:
+        """(None, `prefix_blocks(instance_ids, hashes)`) when `scheduler` now plans the request,
+        looked up in the claim's round trip; else (what the key holds, {}): a plan (base64), or
+        "planning <name>" while another plans it."""
+        if self._claim_script is None:
+            self._claim_script = self.r.register_script(_CLAIM_AND_LOOK_LUA)
+        ids, joined = " ".join(instance_ids), " ".join(hashes)
+        args = [f"{PLANNING}{scheduler}", int(ttl_s * 1000), KV, ids, joined]
+        claimed, held = await self._claim_script(keys=[PLAN + request_id], args=args)
+        return (None, _hits(held)) if claimed else (held, {})
 
-    async def save_plan(self, request_id: str, encoded: str, ttl_s: float) -> None:
-        await self.r.set(PLAN + request_id, encoded, px=int(ttl_s * 1000))
+    async def save_plans(self, encoded: dict[str, str], ttl_s: float) -> None:
+        """Each request's plan (base64) in place of its claim: one round trip for all."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for request_id, plan in encoded.items():
+                pipe.set(PLAN + request_id, plan, px=int(ttl_s * 1000))
+            await pipe.execute()
 
     async def release_claim(self, request_id: str, held: str) -> bool:
         """Remove the claim `held` (a dead scheduler's), unless it changed meanwhile."""
@@ -401,7 +428,12 @@ class Registry:
         if self._prefix_script is None:
             self._prefix_script = self.r.register_script(_LEADING_HITS_LUA)
         held = await self._prefix_script(keys=[], args=[KV, " ".join(instance_ids), " ".join(hashes)])
-        return {iid: int(n) for iid, _, n in (pair.rpartition(":") for pair in held.split())}
+        return _hits(held)
+
+
+def _hits(held: str) -> dict[str, int]:
+    """The lookup's "id:n ..." as {id: n} (instance ids have no spaces nor colons: config.INSTANCE_ID)."""
+    return {iid: int(n) for iid, _, n in (pair.rpartition(":") for pair in held.split())}
 
 
 def _queue_events(pipe, key: str, events: list[IndexEvent]) -> None:

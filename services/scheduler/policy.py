@@ -197,16 +197,26 @@ def is_full(v: InstanceView) -> bool:
 
 
 def cheapest(instances: list[InstanceView], role: Role, req: PlanRequest, config: PolicyConfig) -> InstanceView:
-    candidates = [i for i in instances if i.role == role and i.id not in req.avoid]
-    if not candidates:
-        failed = sorted(i.id for i in instances if i.role == role and i.id in req.avoid)
+    """The instance of `role` that costs least (ties: the smaller id) among those neither avoided
+    nor full. One pass, no key tuples: a fleet's plan weighs every instance of the role."""
+    best, best_cost, failed, full = None, math.inf, [], []
+    for i in instances:
+        if i.role != role:
+            continue
+        if i.id in req.avoid:
+            failed.append(i.id)
+        elif is_full(i):
+            full.append(i.id)
+        elif (c := cost(i, req, config)) < best_cost or c == best_cost and i.id < best.id:
+            best, best_cost = i, c
+    if best is not None:
+        return best
+    if not full:
         raise NoCapacity(
-            f"no alive {role} instance" + (f" but {', '.join(failed)}, which failed this request" if failed else "")
+            f"no alive {role} instance"
+            + (f" but {', '.join(sorted(failed))}, which failed this request" if failed else "")
         )
-    with_room = [i for i in candidates if not is_full(i)]
-    if not with_room:
-        raise Saturated(f"every {role} instance is full ({', '.join(sorted(i.id for i in candidates))})")
-    return min(with_room, key=lambda i: (cost(i, req, config), i.id))
+    raise Saturated(f"every {role} instance is full ({', '.join(sorted(full))})")
 
 
 # -- rules ----------------------------------------------------------------------------------

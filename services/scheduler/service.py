@@ -132,6 +132,8 @@ class Scheduler:
         self.index_key = secrets.index_key if secrets else b""  # the instances key their block hashes alike
         self.refused = self.metrics.counter("pdd:plan_failures", "Requests not planned, by HTTP status", ("status",))
         self._tasks: set[asyncio.Task] = set()
+        self._unshared: dict[str, str] = {}  # request id -> its plan (base64), not in Redis yet
+        self._sharing: asyncio.Task | None = None
         self.last_request = ""  # the request planned last (`pdd status`)
 
     async def run(self) -> None:
@@ -247,13 +249,16 @@ class Scheduler:
         if sub.request_id in self.plans:
             return self.plans[sub.request_id][1]
         t0 = time.monotonic()
-        if (earlier := await self._claim(sub.request_id)) is not None:
+        listed = await self._listed()
+        hashes = self._hashes(sub)
+        earlier, hits = await self._claim(sub.request_id, [i.id for i in listed], hashes)
+        if earlier is not None:
             return earlier
         if failpoints.hit("scheduler.submit"):  # claimed, never planned nor answered (tests)
             return None
         self.planning[sub.request_id] = False
         try:
-            plan = await self._plan_around_the_dead(sub)
+            plan = await self._plan_around_the_dead(sub, listed, hits)
             if self.planning[sub.request_id]:  # the gateway gave up on it meanwhile; the stages dropped it
                 self._settle(sub.request_id, tell=True)  # counted on the line after the abort settled it
                 await self._unrecord(sub.request_id)
@@ -285,22 +290,26 @@ class Scheduler:
                 ", ".join(i for i in (plan.prefill, plan.rld, plan.md) if i),
             )
         self._remember(plan)
-        await self._share(plan)
+        self._share(plan)
         return plan
 
-    async def _claim(self, request_id: str) -> Plan | None:
-        """None once this scheduler may plan the request; else the plan another made of it (or
-        an error plan when the other is still at it past `claim_s`). A claim whose scheduler died
-        (its presence expired) is taken over. Without Redis, the request is planned here."""
+    async def _claim(
+        self, request_id: str, instance_ids: list[str], hashes: list[str]
+    ) -> tuple[Plan | None, dict[str, int] | None]:
+        """(None, the prefix hits of `instance_ids`, looked up in the claim's round trip) once this
+        scheduler may plan the request; else (the plan another made of it, or an error plan when
+        the other is still at it past `claim_s`, None). A claim whose scheduler died (its presence
+        expired) is taken over. Without Redis, the request is planned here (hits None: not
+        looked up)."""
         deadline = time.monotonic() + self.claim_s
         wait_s = 0.005
         while True:
             try:
-                held = await self.registry.claim_plan(request_id, self.name, self.claim_s)
+                held, hits = await self.registry.claim_plan(request_id, self.name, self.claim_s, instance_ids, hashes)
                 if held is None:
-                    return None
+                    return None, {iid: n * self.cfg.block_size for iid, n in hits.items()}
                 if not held.startswith(PLANNING):
-                    return Plan.decode(base64.b64decode(held))
+                    return Plan.decode(base64.b64decode(held)), None
                 owner = held[len(PLANNING) :]
                 mine_before = owner == self.name and request_id not in self.planning  # this name's previous life
                 if mine_before or (owner != self.name and not await self.registry.process_alive("scheduler", owner)):
@@ -309,29 +318,42 @@ class Scheduler:
                     continue
             except Exception as e:  # Redis failing over: planning twice beats not planning
                 log.warning("%s: plan claim of %s failed (%s); planning it here", self.name, request_id, e)
-                return None
+                return None, None
             if time.monotonic() > deadline:
-                return Plan(request_id, error=f"{owner} is still planning it", status=503)
+                return Plan(request_id, error=f"{owner} is still planning it", status=503), None
             await asyncio.sleep(wait_s)
             wait_s = min(2 * wait_s, 0.1)
 
-    async def _share(self, plan: Plan) -> None:
-        """The plan, for a resubmission through any scheduler (as long as this one remembers it)."""
-        try:
-            await self.registry.save_plan(plan.request_id, base64.b64encode(plan.encode()).decode(), self.plan_memory_s)
-        except Exception as e:  # its claim expires: a resubmission is planned afresh
-            log.warning("%s: plan of %s not shared: %s", self.name, plan.request_id, e)
+    def _share(self, plan: Plan) -> None:
+        """The plan, for a resubmission through any scheduler (as long as this one remembers it),
+        written after the reply, the plans of a burst in one round trip. Until it is written a
+        resubmission elsewhere finds this scheduler's claim and waits for it (`_claim`)."""
+        self._unshared[plan.request_id] = base64.b64encode(plan.encode()).decode()
+        if self._sharing is None or self._sharing.done():
+            self._sharing = asyncio.create_task(self._share_all())
 
-    async def _plan_around_the_dead(self, sub: Submit, tries: int = 3) -> Plan:
+    async def _share_all(self) -> None:
+        while self._unshared:
+            plans, self._unshared = self._unshared, {}
+            try:
+                await self.registry.save_plans(plans, self.plan_memory_s)
+            except Exception as e:  # their claims expire: a resubmission is planned afresh
+                log.warning("%s: %d plans not shared: %s", self.name, len(plans), e)
+
+    async def _plan_around_the_dead(
+        self, sub: Submit, listed: list[InstanceInfo], hits: dict[str, int] | None, tries: int = 3
+    ) -> Plan:
         """An instance killed a moment ago is still in the registry until its heartbeat expires:
         one that does not answer its task is left out and the request planned again. It stays
         out of this request's re-plans even if it heartbeats meanwhile: a prefill was told to drop
         the request and would refuse it now, and any instance that just missed an ack may miss
-        the next."""
+        the next. `listed`, `hits`: the instances and prefix hits the claim saw, for the first plan
+        (hits None: look them up); a re-plan reads both again."""
         failed: set[str] = set()
         for attempt in range(tries):
             try:
-                return await self._plan_and_dispatch(sub, failed)
+                first = attempt == 0
+                return await self._plan_and_dispatch(sub, failed, listed if first else None, hits if first else None)
             except Unreachable as e:
                 log.warning("%s: %s; planning %s again without it", e.instance_id, e, sub.request_id)
                 self.unreachable[e.instance_id] = time.time()
@@ -347,13 +369,24 @@ class Scheduler:
             return True
         return failed_at is None
 
-    async def _plan_and_dispatch(self, sub: Submit, failed: Collection[str] = ()) -> Plan:
+    async def _listed(self) -> list[InstanceInfo]:
+        """The instances alive: the live view's (heartbeats heard), else the registry's."""
         listed = self.view.alive() if self.view is not None else None
-        listed = listed if listed is not None else await self.registry.alive()
+        return listed if listed is not None else await self.registry.alive()
+
+    async def _plan_and_dispatch(
+        self,
+        sub: Submit,
+        failed: Collection[str] = (),
+        listed: list[InstanceInfo] | None = None,
+        hits: dict[str, int] | None = None,
+    ) -> Plan:
+        listed = listed if listed is not None else await self._listed()
         if self.unreachable or failed:
             listed = [i for i in listed if self._answering(i) and i.id not in failed]
         alive = {i.id: i for i in listed}
-        hits = await self._prefix_hits(list(alive), sub.prompt_ids, sub.cache_salt)
+        if hits is None:
+            hits = await self._prefix_hits(list(alive), self._hashes(sub))
         views = self.views.of(alive.values(), hits, self.dispatched)
         req = PlanRequest(
             sub.request_id,
@@ -496,16 +529,21 @@ class Scheduler:
         )
         await self._expect_ack(subjects.decode_task(inst.id), task, inst.id)
 
-    async def _prefix_hits(self, instance_ids: list[str], prompt_ids: list[int], salt: str) -> dict[str, int]:
-        """Prefix tokens each instance holds, from the Redis index alone (one round trip)."""
-        bs = self.cfg.block_size
-        hashes = block_hashes(prompt_ids, bs, namespace_of(self.cfg.model, salt), key=self.index_key)
+    def _hashes(self, sub: Submit) -> list[str]:
+        """The prompt's block hashes, as its instances name them in the index."""
+        return block_hashes(
+            sub.prompt_ids, self.cfg.block_size, namespace_of(self.cfg.model, sub.cache_salt), key=self.index_key
+        )
+
+    async def _prefix_hits(self, instance_ids: list[str], hashes: list[str]) -> dict[str, int]:
+        """Prefix tokens each instance holds (those holding none are absent), from the Redis index
+        alone (one round trip)."""
         try:
             blocks = await self.registry.prefix_blocks(instance_ids, hashes)
         except Exception as e:  # no index: plan as if nothing were cached (correct, just slower)
             log.warning("prefix lookup failed: %s", e)
             return {}
-        return {iid: n * bs for iid, n in blocks.items()}
+        return {iid: n * self.cfg.block_size for iid, n in blocks.items()}
 
     async def _expect_ack(self, subject: str, msg, instance_id: str) -> None:
         try:

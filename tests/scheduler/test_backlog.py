@@ -87,10 +87,10 @@ class Registry:
 
     async def set_request(self, request_id: str, fields: dict, ttl_s: float) -> None: ...
 
-    async def claim_plan(self, request_id: str, scheduler: str, ttl_s: float) -> None:
-        return None  # this scheduler plans every request
+    async def claim_plan(self, request_id: str, scheduler: str, ttl_s: float, ids: list, hashes: list) -> tuple:
+        return None, {}  # this scheduler plans every request; nothing cached
 
-    async def save_plan(self, request_id: str, encoded: str, ttl_s: float) -> None: ...
+    async def save_plans(self, encoded: dict, ttl_s: float) -> None: ...
 
 
 class Cluster:

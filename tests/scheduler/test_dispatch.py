@@ -179,20 +179,25 @@ async def test_an_abort_during_the_dispatch_removes_the_record_after_it(schedule
 
 
 async def test_an_abort_before_the_kv_is_counted_on_the_line_leaves_none_counted(scheduler, registry, monkeypatch):
-    """The abort lands while the scheduler reads the fleet, before it counts the plan's KV on the
-    WAN; the stages (which took the tasks before the abort reached them) drop it."""
-    await answer(scheduler, "md-0", DecodeTask, Ack(""))
+    """The abort lands while the scheduler reads the fleet again to plan around main-decode,
+    which did not answer, before it counts the new plan's KV on the WAN; the stages (which took
+    the tasks before the abort reached them) drop it. (A first plan reads the fleet before its
+    claim: nothing awaits between its claim and the count.)"""
+    await registry.heartbeat(instance("md-1", "md", "B"))
     await answer(scheduler, "prefill-0", PrefillTask, Ack(""))
-    read_fleet = registry.alive
+    await answer(scheduler, "md-1", DecodeTask, Ack(""))  # md-0 has no responder
+    read_fleet, reads = registry.alive, []
 
     async def alive_then_aborted():
         fleet = await read_fleet()
-        await scheduler.on_abort(Abort("cmpl-8"))
+        reads.append(len(fleet))
+        if len(reads) == 2:  # the re-plan's
+            await scheduler.on_abort(Abort("cmpl-8"))
         return fleet
 
     monkeypatch.setattr(registry, "alive", alive_then_aborted)
     plan = await scheduler.on_submit(submit("cmpl-8"))
-    assert plan.status == 503 and "aborted" in plan.error
+    assert len(reads) == 2 and plan.status == 503 and "aborted" in plan.error
     assert await registry.request_ids() == []
     assert scheduler.backlog.total(time.monotonic()) == 0
 
