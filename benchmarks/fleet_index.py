@@ -26,7 +26,7 @@ from shared.bus import Bus
 from shared.messages import Heartbeat, InstanceInfo
 from shared.pipelines import Role
 from shared.prefix_hash import block_hashes
-from shared.registry import KV, Registry
+from shared.registry import FIRST, KV, Registry
 
 VOCAB = 49_152  # SmolLM2's: token ids are drawn below it
 BLOCK = 16
@@ -100,24 +100,31 @@ def picks(corpus: Corpus, instance: int, blocks: int) -> list[int]:
 async def fill_index(
     registry: Registry, ids: list[str], corpus: Corpus, blocks: int, namespace: str, say=print
 ) -> dict[str, float]:
-    """Write each instance's `pdd:kv:<id>` set: `blocks` hashes of the documents it caches."""
+    """Write each instance's `pdd:kv:<id>` set: `blocks` hashes of the documents it caches; each
+    document's first block also in the first blocks' index (`pdd:first:<hash>`, and the
+    instance's `:firsts`), as the registrar writes a radix cache's events marked `first`."""
     t0, hashed, cache = time.monotonic(), 0.0, {}
     step = max(1, len(ids) // 10)
     for k, iid in enumerate(ids):
         th = time.monotonic()
         members: list[str] = []
+        firsts: list[str] = []
         for doc in picks(corpus, k, blocks):
             if doc not in cache:
                 cache[doc] = corpus.hashes(doc, namespace)
             members += cache[doc]
+            firsts.append(cache[doc][0])
             if len(members) >= blocks:
                 break
         members = members[:blocks]
         hashed += time.monotonic() - th
         async with registry.r.pipeline(transaction=False) as pipe:
-            pipe.delete(KV + iid)
+            pipe.delete(KV + iid, KV + iid + ":firsts")
             for b in range(0, len(members), SADD_BATCH):
                 pipe.sadd(KV + iid, *members[b : b + SADD_BATCH])
+            pipe.sadd(KV + iid + ":firsts", *firsts)
+            for h in firsts:
+                pipe.sadd(FIRST + h, iid)
             pipe.set(KV + iid + ":seq", 1)
             await pipe.execute()
         if (k + 1) % step == 0 or k + 1 == len(ids):

@@ -30,7 +30,9 @@ async def run(tokens: int, instances: int, reps: int) -> dict[str, float]:
         ids = [f"md-{i}" for i in range(instances)]
         for i, iid in enumerate(ids):  # instance i holds the first (i+1)/n of the prefix
             held = hashes[: len(hashes) * (i + 1) // instances]
-            await registry.apply_kv_events(iid, [IndexEvent("stored", held)])
+            await registry.apply_kv_events(
+                iid, [IndexEvent("stored", held[:1], first=True), IndexEvent("stored", held[1:])]
+            )
         hash_ms, lookup_ms = [], []
         for _ in range(reps):
             t0 = time.perf_counter()

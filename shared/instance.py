@@ -62,8 +62,8 @@ INDEX_HASHES_PER_UPDATE = 16_384
 
 
 def index_parts(events: list[IndexEvent], limit: int = INDEX_HASHES_PER_UPDATE) -> list[list[IndexEvent]]:
-    """`events` cut into consecutive parts of at most `limit` hashes each (an event too large is
-    cut into several of its kind), in order: applied one after another they give the same set.
+    """`events` cut into consecutive parts of at most `limit` hashes each, each filled (an event
+    that does not fit is cut into several of its kind), in order: applied one after another they give the same set.
     Each part is its own numbered update, so a lost one is a gap the registrar resyncs."""
     parts: list[list[IndexEvent]] = [[]]
     room = limit
@@ -71,13 +71,15 @@ def index_parts(events: list[IndexEvent], limit: int = INDEX_HASHES_PER_UPDATE) 
         if not ev.hashes:
             parts[-1].append(ev)
             continue
-        for start in range(0, len(ev.hashes), limit):
-            piece = ev.hashes[start : start + limit]
-            if len(piece) > room:
+        start = 0
+        while start < len(ev.hashes):  # each part filled to the bound
+            if room == 0:
                 parts.append([])
                 room = limit
-            parts[-1].append(IndexEvent(ev.kind, piece))
+            piece = ev.hashes[start : start + room]
+            parts[-1].append(IndexEvent(ev.kind, piece, first=ev.first))
             room -= len(piece)
+            start += len(piece)
     return [p for p in parts if p]
 
 

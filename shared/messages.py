@@ -619,6 +619,9 @@ class IndexEvent(Message):
 
     kind: str  # "stored" | "removed" | "cleared"
     hashes: list[str] = field(default_factory=list)
+    # every hash here opens a chain (a prompt's first block, under the namespace's root): the
+    # registry also indexes these by block, so a lookup asks only their holders, not every instance
+    first: bool = False
 
 
 @dataclass

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -53,6 +53,7 @@ EPOCH = "pdd:epoch"
 KV = "pdd:kv:"
 PLAN = "pdd:plan:"
 INSTANCES = "pdd:instances"
+FIRST = "pdd:first:"  # a chain's first block -> the instances holding it (`IndexEvent.first`)
 PLANNING = "planning "  # a plan key's value while a scheduler plans it, before its name
 ADOPTED = "pdd:adopted:"
 INDEX_ORDER_WAIT_S = 0.2  # an index update that overtook its predecessor waits this long for it
@@ -74,22 +75,22 @@ end
 return 0
 """
 
-# For each instance named in ARGV[2] (space-separated ids; its block set is ARGV[1] .. id): how
-# many of the hashes in ARGV[3] (space-separated, in order) it holds before the first miss;
-# returns "id:n ..." for those holding any. Most instances miss the first block: one SISMEMBER
-# says so; one that holds it is asked for the rest in chunks that double (SMISMEMBER, Redis 6.2),
-# not one call per block nor 256 members for a run of a few. Three arguments and one short string
-# each way: packing 256 hashes, 200 keys (redis-py packs each argument in Python) and parsing 200
-# counts was most of the scheduler's CPU for the lookup (benchmarks/fleet_bench.py). The sets are
-# named in ARGV, not KEYS: PDD's Redis is one primary (with replicas), and a Redis Cluster could
-# not run this script anyway, since 200 instances' sets do not share a hash slot.
+# The instances holding the first of the hashes in ARGV[3] (space-separated, in order), from the
+# first blocks' index (ARGV[2] .. hash: their ids), and how many of the hashes each holds before
+# its first miss (its block set: ARGV[1] .. id); "id:n ..." for those holding any. A fleet's
+# instances mostly miss a prompt's first block: a lookup asks only the few that hold it, not
+# each instance (200 SISMEMBERs were most of Redis's time per plan). Each holder's count starts
+# from its own set, so a stale entry (its set expired) counts nothing; the rest is asked in
+# chunks that double (SMISMEMBER, Redis 6.2), not one call per block nor 256 members for a run of
+# a few. The sets are named in ARGV, not KEYS: PDD's Redis is one primary (with replicas), and a
+# Redis Cluster could not run this script anyway, since the instances' sets share no hash slot.
 _LEADING_HITS = """
-local function leading_hits(prefix, ids, hashes_arg)
+local function leading_hits(prefix, first_prefix, hashes_arg)
   local hashes = {}
   for h in string.gmatch(hashes_arg, '%S+') do hashes[#hashes + 1] = h end
-  local out = {}
   if #hashes == 0 then return '' end
-  for id in string.gmatch(ids, '%S+') do
+  local out = {}
+  for _, id in ipairs(redis.call('SMEMBERS', first_prefix .. hashes[1])) do
     local key = prefix .. id
     if redis.call('SISMEMBER', key, hashes[1]) == 1 then
       local n, from, chunk = 1, 2, 8
@@ -133,7 +134,8 @@ return 0
 """
 
 # What a heartbeat changes, in one round trip (the registrar handles every instance's, each second):
-# KEYS pdd:instances, pdd:instance:<id>, pdd:epoch, pdd:kv:<id>, its :seq, :update and :resync;
+# KEYS pdd:instances, pdd:instance:<id>, pdd:epoch, pdd:kv:<id>, its :seq, :update, :resync and
+# :firsts;
 # ARGV the id, the row's TTL (ms; 0: the row is left as it is), now (the epoch if none is set),
 # the index's TTL (ms; 0: the index is left as it is), then the row's fields and values.
 # Returns 1 when the instance must send its whole index (`Registry.index_state`), else 0.
@@ -149,6 +151,7 @@ redis.call('PEXPIRE', KEYS[4], ARGV[4])
 local seq_alive = redis.call('PEXPIRE', KEYS[5], ARGV[4])
 local numbered = redis.call('PEXPIRE', KEYS[6], ARGV[4])
 local missed = redis.call('GETDEL', KEYS[7])
+redis.call('PEXPIRE', KEYS[8], ARGV[4])
 if seq_alive == 0 or numbered == 0 or missed then return 1 end
 return 0
 """
@@ -239,7 +242,8 @@ class Registry:
         if self._heard_script is None:
             self._heard_script = self.r.register_script(_HEARD_LUA)
         key = KV + instance_id
-        keys = [INSTANCES, INSTANCE + instance_id, EPOCH, key, key + ":seq", key + ":update", key + ":resync"]
+        keys = [INSTANCES, INSTANCE + instance_id, EPOCH, key]
+        keys += [key + ":seq", key + ":update", key + ":resync", key + ":firsts"]
         index_ttl_ms = self.ttl_ms * 10 if index else 0
         args = [instance_id, row_ttl_ms, repr(time.time()), index_ttl_ms, *row]
         return bool(await self._heard_script(keys=keys, args=args))
@@ -333,8 +337,6 @@ class Registry:
         return [k[len(REQUEST) :] async for k in self.r.scan_iter(match=REQUEST + "*", count=1000)]
 
     # -- the prefix-cache index ---------------------------------------------------------------
-    async def clear_kv(self, instance_id: str) -> None:
-        await self.r.delete(KV + instance_id, KV + instance_id + ":seq")
 
     async def apply_index_update(self, instance_id: str, update: IndexUpdate) -> bool:
         """Apply an instance's numbered `IndexUpdate` in order, in one transaction, whichever
@@ -356,11 +358,11 @@ class Registry:
                         await asyncio.sleep(0.002)
                         continue
                     pipe.multi()
-                    _queue_events(pipe, key, update.events)
+                    _queue_events(pipe, instance_id, update.events)
                     pipe.set(key + ":update", update.seq)
                     if not in_order:
                         pipe.set(key + ":resync", 1)
-                    for k in (key, key + ":seq", key + ":update", key + ":resync"):
+                    for k in (key, key + ":seq", key + ":update", key + ":resync", key + ":firsts"):
                         pipe.pexpire(k, self.ttl_ms * 10)
                     await pipe.execute()
                     return in_order
@@ -371,9 +373,9 @@ class Registry:
         """Apply `IndexEvent`s in one transaction, unnumbered (tools and tests filling an index)."""
         key = KV + instance_id
         async with self.r.pipeline(transaction=True) as pipe:
-            _queue_events(pipe, key, events)
-            pipe.pexpire(key, self.ttl_ms * 10)
-            pipe.pexpire(key + ":seq", self.ttl_ms * 10)
+            _queue_events(pipe, instance_id, events)
+            for k in (key, key + ":seq", key + ":firsts"):
+                pipe.pexpire(k, self.ttl_ms * 10)
             await pipe.execute()
 
     async def index_state(self, instance_id: str) -> bool:
@@ -399,10 +401,9 @@ class Registry:
         "planning <name>" while another plans it."""
         if self._claim_script is None:
             self._claim_script = self.r.register_script(_CLAIM_AND_LOOK_LUA)
-        ids, joined = " ".join(instance_ids), " ".join(hashes)
-        args = [f"{PLANNING}{scheduler}", int(ttl_s * 1000), KV, ids, joined]
+        args = [f"{PLANNING}{scheduler}", int(ttl_s * 1000), KV, FIRST, " ".join(hashes)]
         claimed, held = await self._claim_script(keys=[PLAN + request_id], args=args)
-        return (None, _hits(held)) if claimed else (held, {})
+        return (None, _hits(held, instance_ids)) if claimed else (held, {})
 
     async def save_plans(self, encoded: dict[str, str], ttl_s: float) -> None:
         """Each request's plan (base64) in place of its claim: one round trip for all."""
@@ -427,23 +428,48 @@ class Registry:
             return {}
         if self._prefix_script is None:
             self._prefix_script = self.r.register_script(_LEADING_HITS_LUA)
-        held = await self._prefix_script(keys=[], args=[KV, " ".join(instance_ids), " ".join(hashes)])
-        return _hits(held)
+        held = await self._prefix_script(keys=[], args=[KV, FIRST, " ".join(hashes)])
+        return _hits(held, instance_ids)
 
 
-def _hits(held: str) -> dict[str, int]:
-    """The lookup's "id:n ..." as {id: n} (instance ids have no spaces nor colons: config.INSTANCE_ID)."""
-    return {iid: int(n) for iid, _, n in (pair.rpartition(":") for pair in held.split())}
+def _hits(held: str, instance_ids: Collection[str]) -> dict[str, int]:
+    """The lookup's "id:n ..." as {id: n}, for the instances asked about (the index may name one
+    that is gone); instance ids have no spaces nor colons (config.INSTANCE_ID)."""
+    if not held:
+        return {}
+    asked = instance_ids if isinstance(instance_ids, set | frozenset | dict) else set(instance_ids)
+    pairs = (pair.rpartition(":") for pair in held.split())
+    return {iid: int(n) for iid, _, n in pairs if iid in asked}
 
 
-def _queue_events(pipe, key: str, events: list[IndexEvent]) -> None:
-    """Stored / removed / cleared events, in order, onto `pipe`; each counted in `<key>:seq`."""
+# An instance (ARGV[2]) lets go of the first blocks it listed (KEYS[1]) in their index (ARGV[1] ..
+# hash), and of the list: its index was cleared.
+_FORGET_FIRSTS_LUA = """
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[1])) do redis.call('SREM', ARGV[1] .. h, ARGV[2]) end
+return redis.call('DEL', KEYS[1])
+"""
+
+
+def _queue_events(pipe, instance_id: str, events: list[IndexEvent]) -> None:
+    """Stored / removed / cleared events, in order, onto `pipe`; each counted in `<key>:seq`. A
+    chain's first blocks (`first`) are also listed in `<key>:firsts` and indexed by block (FIRST),
+    where the lookup finds their holders."""
+    key = KV + instance_id
     for ev in events:
         if ev.kind == "stored" and ev.hashes:
             pipe.sadd(key, *ev.hashes)
+            if ev.first:
+                pipe.sadd(key + ":firsts", *ev.hashes)
+                for h in ev.hashes:
+                    pipe.sadd(FIRST + h, instance_id)
         elif ev.kind == "removed" and ev.hashes:
             pipe.srem(key, *ev.hashes)
+            if ev.first:
+                pipe.srem(key + ":firsts", *ev.hashes)
+                for h in ev.hashes:
+                    pipe.srem(FIRST + h, instance_id)
         elif ev.kind == "cleared":
+            pipe.eval(_FORGET_FIRSTS_LUA, 1, key + ":firsts", FIRST, instance_id)
             pipe.delete(key)
         pipe.incr(key + ":seq")
 

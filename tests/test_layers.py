@@ -285,7 +285,7 @@ def test_role_names_have_one_home():
 
 # what only the runtime may touch: block bookkeeping, KV moved in and out of a pool, the radix cache
 BLOCK_ATTRIBUTES = {"allocator", "block_table", "allocate", "incref", "num_free_blocks"}
-CACHE_METHODS = {"insert", "match", "evict", "clear", "drain_events", "all_hashes"}
+CACHE_METHODS = {"insert", "match", "evict", "clear", "drain_events", "all_events"}
 RUNTIME_INTERNALS = {"import_kv", "export_kv", "import_layer", "KVPool", "BlockAllocator", "RadixCache"}
 
 

@@ -197,7 +197,7 @@ class Engine(KVExchange):
             return [IndexEvent("cleared")] if full else []
         if full:
             self.cache.drain_events()
-            return [IndexEvent("cleared"), IndexEvent("stored", self.cache.all_hashes())]
+            return self.cache.all_events()
         return self.cache.drain_events()
 
     def flush_cache(self) -> int:

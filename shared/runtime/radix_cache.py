@@ -66,6 +66,7 @@ class RadixCache:
         """Cache the full blocks of `tokens` (KV in `blocks`). Prefixes already cached keep their
         block (stored once); the caller still drops its own references as usual."""
         node, stored, now = self._root(namespace), [], next(self._clock)
+        opens = False  # whether the first block stored opens a chain (its parent is the root)
         for key, block in zip(self._blocks_of(tokens, None), blocks):
             child = node.children.get(key)
             if child is None:
@@ -73,11 +74,13 @@ class RadixCache:
                 node.children[key] = child
                 self.allocator.incref([block])
                 self.num_blocks += 1
+                if not stored:
+                    opens = node.parent is None
                 stored.append(child.hash)
             child.last_used = now
             node = child
         if stored:
-            self.events.append(IndexEvent("stored", stored))
+            self.events += _split_firsts("stored", stored[:1] if opens else [], stored[1:] if opens else stored)
         return len(stored)
 
     def evict(self, num_blocks: int) -> int:
@@ -95,7 +98,8 @@ class RadixCache:
                 freed.append(leaf)
         self.num_blocks -= len(freed)
         if freed:
-            self.events.append(IndexEvent("removed", [n.hash for n in freed]))
+            firsts = [n.hash for n in freed if n.parent.parent is None]  # under a root
+            self.events += _split_firsts("removed", firsts, [n.hash for n in freed if n.parent.parent is not None])
         return len(freed)
 
     def clear(self) -> None:
@@ -106,8 +110,14 @@ class RadixCache:
         self.num_blocks = 0
         self.events.append(IndexEvent("cleared"))
 
-    def all_hashes(self) -> list[str]:
-        return [n.hash for n in self._nodes()]
+    def all_events(self) -> list[IndexEvent]:
+        """The whole cache as "stored" events, after a "cleared" (a resync of the index)."""
+        nodes = list(self._nodes())
+        firsts = [n.hash for n in nodes if n.parent.parent is None]
+        return [
+            IndexEvent("cleared"),
+            *_split_firsts("stored", firsts, [n.hash for n in nodes if n.parent.parent is not None]),
+        ]
 
     def drain_events(self) -> list[IndexEvent]:
         events, self.events = self.events, []
@@ -119,3 +129,8 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+
+def _split_firsts(kind: str, firsts: list[str], rest: list[str]) -> list[IndexEvent]:
+    """One event for the chains' first blocks (marked `first`), one for the rest; none empty."""
+    return ([IndexEvent(kind, firsts, first=True)] if firsts else []) + ([IndexEvent(kind, rest)] if rest else [])

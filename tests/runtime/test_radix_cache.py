@@ -81,12 +81,39 @@ def test_events_carry_chained_hashes_like_the_scheduler_computes():
     cache, alloc = _cache()
     tokens = list(range(16))
     _insert(cache, alloc, tokens, ns="m")
-    [stored] = cache.drain_events()
-    assert stored.kind == "stored" and stored.hashes == block_hashes(tokens, BS, "m")
-    assert block_hashes(tokens, BS, "other") != stored.hashes
+    first, rest = cache.drain_events()
+    assert first.kind == rest.kind == "stored" and first.hashes + rest.hashes == block_hashes(tokens, BS, "m")
+    assert first.first and len(first.hashes) == 1 and not rest.first  # it opens the chain: indexed by it
+    assert block_hashes(tokens, BS, "other") != first.hashes + rest.hashes
     cache.evict(4)
-    [removed] = cache.drain_events()
-    assert removed.kind == "removed" and sorted(removed.hashes) == sorted(stored.hashes)
+    removed = cache.drain_events()
+    assert {e.kind for e in removed} == {"removed"}
+    assert sorted(h for e in removed for h in e.hashes) == sorted(first.hashes + rest.hashes)
+    assert [e.hashes for e in removed if e.first] == [first.hashes]
+
+
+def test_only_a_chains_first_block_is_marked_first_in_every_event():
+    """Stored, removed and a resync's whole cache: the chains' first blocks (under a namespace's
+    root) come in events marked `first`, the rest in unmarked ones."""
+    cache, alloc = _cache()
+    tokens = list(range(3 * BS))
+    hashes = block_hashes(tokens, BS, "m")
+    _insert(cache, alloc, tokens[:BS], ns="m")
+    cache.drain_events()
+    _insert(cache, alloc, tokens, ns="m")  # extends the chain: nothing here opens one
+    assert [(e.kind, e.first, e.hashes) for e in cache.drain_events()] == [("stored", False, hashes[1:])]
+    _insert(cache, alloc, tokens[:BS], ns="n")  # another namespace: a chain of its own
+    assert [(e.first, e.hashes) for e in cache.drain_events()] == [(True, block_hashes(tokens[:BS], BS, "n"))]
+    cleared, *stored = cache.all_events()
+    assert cleared.kind == "cleared" and [e.kind for e in stored] == ["stored", "stored"]
+    assert sorted(stored[0].hashes) == sorted([hashes[0], *block_hashes(tokens[:BS], BS, "n")]) and stored[0].first
+    assert sorted(stored[1].hashes) == sorted(hashes[1:]) and not stored[1].first
+    cache.evict(10)
+    removed = cache.drain_events()
+    assert {(e.kind, e.first, h) for e in removed for h in e.hashes} == {
+        *(("removed", True, h) for h in stored[0].hashes),
+        *(("removed", False, h) for h in stored[1].hashes),
+    }
 
 
 def test_engine_reuses_prefix_and_stays_exact(tiny, tiny_ref):

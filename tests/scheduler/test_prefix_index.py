@@ -10,8 +10,13 @@ from shared.registry import Registry
 HASHES = ["b0", "b1", "b2", "b3"]  # the prompt's chained block hashes, in order
 
 
+FIRSTS = {"b0", "c0", "e0"}  # the chains' first blocks, as a radix cache marks them (`first`)
+
+
 async def holds(registry: Registry, instance_id: str, hashes: list[str]) -> None:
-    await registry.apply_kv_events(instance_id, [IndexEvent("cleared"), IndexEvent("stored", hashes)])
+    firsts = [h for h in hashes if h in FIRSTS]
+    events = [IndexEvent("cleared"), IndexEvent("stored", firsts, first=True)]
+    await registry.apply_kv_events(instance_id, events + [IndexEvent("stored", [h for h in hashes if h not in FIRSTS])])
 
 
 async def test_a_gap_in_the_chain_stops_the_count(registry):
@@ -57,6 +62,33 @@ async def test_a_run_ending_at_each_chunk_edge_is_counted_exactly(registry):
         await holds(registry, f"run-{n}", chain[:n])
     counts = await registry.prefix_blocks([f"run-{n}" for n in ends], chain)
     assert counts == {f"run-{n}": n for n in ends if n}  # run-0 holds nothing
+
+
+async def test_only_the_first_blocks_holders_are_asked_and_they_leave_with_their_index(registry):
+    """The lookup finds an instance through the first blocks' index: one whose first block was
+    never marked as one is not found, a removed first block or a cleared index takes it out,
+    and an instance that is not asked about (gone) is not reported."""
+    await holds(registry, "md-0", HASHES)
+    await holds(registry, "md-1", HASHES)
+    await registry.apply_kv_events("md-2", [IndexEvent("stored", HASHES)])  # not marked: not indexed
+    assert await registry.prefix_blocks(["md-0", "md-1", "md-2"], HASHES) == {"md-0": 4, "md-1": 4}
+    assert await registry.prefix_blocks(["md-1", "md-2"], HASHES) == {"md-1": 4}  # md-0 not asked
+    await registry.apply_kv_events("md-0", [IndexEvent("removed", ["b0"], first=True)])
+    await registry.apply_kv_events("md-1", [IndexEvent("cleared")])
+    assert await registry.prefix_blocks(["md-0", "md-1", "md-2"], HASHES) == {}
+    assert await registry.r.smembers("pdd:first:b0") == set()  # neither is left in the first blocks' index
+    assert not await registry.r.exists("pdd:kv:md-1:firsts")
+
+
+async def test_a_holder_whose_index_expired_counts_nothing(registry):
+    """An instance that died keeps its entry in the first blocks' index until it comes back and
+    clears it; its block set expired, so the lookup counts nothing for it."""
+    await holds(registry, "md-0", HASHES)
+    await registry.r.delete("pdd:kv:md-0")  # expired
+    assert await registry.r.smembers("pdd:first:b0") == {"md-0"}
+    assert await registry.prefix_blocks(["md-0"], HASHES) == {}
+    await holds(registry, "md-0", HASHES[:2])  # back: its cleared index leaves no stale entry behind
+    assert await registry.prefix_blocks(["md-0"], HASHES) == {"md-0": 2}
 
 
 async def test_the_alive_list_drops_only_rows_that_expired(registry):

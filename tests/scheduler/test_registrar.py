@@ -21,7 +21,8 @@ def beat(iid: str = "md-0", holding: tuple[str, ...] = ()) -> Heartbeat:
 async def test_heartbeat_registers_and_the_first_asks_for_the_whole_index(registry):
     reg = Registrar(registry)
     assert (await reg.on_heartbeat(beat())).resync_index  # never heard of it
-    await reg.on_index(IndexUpdate("md-0", [IndexEvent("cleared"), IndexEvent("stored", ["h1", "h2"])], seq=1))
+    stored = [IndexEvent("cleared"), IndexEvent("stored", ["h1"], first=True), IndexEvent("stored", ["h2"])]
+    await reg.on_index(IndexUpdate("md-0", stored, seq=1))
     assert not (await reg.on_heartbeat(beat())).resync_index
     assert [i.id for i in await registry.alive()] == ["md-0"] and (await registry.alive())[0].running == 2
     assert await registry.prefix_blocks(["md-0"], ["h1", "h2", "h3"]) == {"md-0": 2}

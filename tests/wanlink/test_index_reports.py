@@ -30,7 +30,13 @@ class CacheOf:
         self.hashes = hashes
 
     def cache_events(self, full: bool) -> list[IndexEvent]:
-        return [IndexEvent("cleared"), IndexEvent("stored", self.hashes)] if full else []
+        if not full:
+            return []
+        return [
+            IndexEvent("cleared"),
+            IndexEvent("stored", self.hashes[:1], first=True),
+            IndexEvent("stored", self.hashes[1:]),
+        ]
 
     async def call(self, fn):
         return fn(self)
@@ -70,15 +76,17 @@ async def test_a_whole_index_over_the_payload_limit_arrives_in_parts(nats_a, sec
 def test_parts_keep_the_order_and_the_bound():
     events = [
         IndexEvent("cleared"),
+        IndexEvent("stored", [f"f{i}" for i in range(12)], first=True),
         IndexEvent("stored", [f"s{i}" for i in range(25)]),
         IndexEvent("removed", ["s3", "s4"]),
+        IndexEvent("removed", ["f1"], first=True),
         IndexEvent("stored", [f"t{i}" for i in range(7)]),
     ]
     parts = index_parts(events, limit=10)
     assert all(sum(len(e.hashes) for e in p) <= 10 for p in parts)
     assert parts[0][0].kind == "cleared" and all(p[0].kind != "cleared" for p in parts[1:])
-    flat = [(e.kind, h) for p in parts for e in p for h in e.hashes]
-    assert flat == [(e.kind, h) for e in events for h in e.hashes]
+    flat = [(e.kind, e.first, h) for p in parts for e in p for h in e.hashes]
+    assert flat == [(e.kind, e.first, h) for e in events for h in e.hashes]  # a first block stays marked
     assert index_parts([IndexEvent("stored", ["a"])]) == [[IndexEvent("stored", ["a"])]]
     assert index_parts([]) == []
 
