@@ -28,6 +28,7 @@ class KVPush:
         self.first: FirstToken | None = None
         self._frames = [packed(Frame.HEADER, head)]
         self._covered = head.kv.start  # the parts added tile [start, _covered)
+        self._layer_part: tuple[int, int] | None = None  # a part coming layer by layer: (its end, next layer)
         self._changed = asyncio.Event()
         self._abandoned = ""  # why its producer gave it up (the request ended): no part will come
         if layers is not None and head.kv.end > head.kv.start:
@@ -37,16 +38,43 @@ class KVPush:
 
     @property
     def covered(self) -> int:
-        """Where the parts added so far end."""
+        """Where the parts added so far end (a part coming layer by layer counts once whole)."""
         return self._covered
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether any part (or a part's first layer) was added: the push may start."""
+        return self._layer_part is not None or self._covered > self.head.kv.start
 
     def add(self, end: int, layers: list[bytes]) -> None:
         """The next part: tokens [covered, end), one wire-format bytes object per layer."""
         kv = self.head.kv
-        if self.first is not None or not self._covered < end <= kv.end or len(layers) != kv.num_layers:
+        if (
+            self._layer_part
+            or self.first is not None
+            or not self._covered < end <= kv.end
+            or len(layers) != kv.num_layers
+        ):
             raise ValueError(f"part [{self._covered}, {end}) of {len(layers)} layers does not fit {kv}")
         self._frames += [packed(Frame.PART, KVPart(end)), *(frame(Frame.LAYER, d) for d in layers)]
         self._covered = end
+        self._wake()
+
+    def add_layer(self, end: int, layer: int, data: bytes) -> None:
+        """Layer `layer` of the next part, tokens [covered, end), as prefill's forward computed it
+        (its last chunk: the layers go one by one, in order). The part's PART frame goes with its
+        layer 0; the part is covered once its last layer came. The frames are those `add` makes."""
+        kv, (part_end, expected) = self.head.kv, self._layer_part or (end, 0)
+        if self.first is not None or end != part_end or layer != expected or not self._covered < end <= kv.end:
+            raise ValueError(
+                f"layer {layer} of part [{self._covered}, {end}) does not follow {self._layer_part} of {kv}"
+            )
+        if layer == 0:
+            self._frames.append(packed(Frame.PART, KVPart(end)))
+        self._frames.append(frame(Frame.LAYER, data))
+        self._layer_part = (end, layer + 1)
+        if layer + 1 == kv.num_layers:
+            self._covered, self._layer_part = end, None
         self._wake()
 
     def finish(self, first: FirstToken) -> None:

@@ -146,7 +146,8 @@ class ManualWorker:
         self.on_outputs = on_outputs
         self.figures = engine.figures()
 
-    def start(self) -> None: ...
+    def start(self) -> None:
+        self.engine.emit = self.on_outputs  # a streaming prefill's layers, during the step (here: at once)
 
     def stop(self) -> None: ...
 

@@ -236,8 +236,8 @@ class Prefiller(InstanceService):
             state = self.requests.get(out.seq_id)
             if state is None or not state.added.done():
                 continue
-            if out.kv_part is not None:  # a chunk of the prompt computed: its KV leaves now
-                self._spawn_for(state, self._feed(state, out.kv_part))
+            if out.kv_part is not None:  # a chunk of the prompt (or a layer of its last) computed: it leaves now
+                self._spawn_for(state, self._feed(state, out.kv_part, out.kv_layer))
                 continue
             if out.token_id is None:
                 self.spawn(self._fail(out.seq_id, out.error or "prefill failed"))
@@ -265,15 +265,16 @@ class Prefiller(InstanceService):
         )
         await self.bus.publish(subjects.tokens(rid, state.task.plan.stream_key), chunk)
 
-    async def _feed(self, state: PrefillState, part: KVPayload) -> None:
+    async def _feed(self, state: PrefillState, part: KVPayload, layer: int | None = None) -> None:
         """A chunk of the prompt was computed (`stream_kv`): its KV goes into each target's push at
-        once, so a long prompt's KV crosses while the rest prefills. A target's push goes out with
-        its first part: one that starts later in the prompt (main-decode holding a longer prefix,
-        or computing the suffix itself) waits for its own, as its decoder waits only `stall_s`
-        between a HEADER and its first part."""
+        once, so a long prompt's KV crosses while the rest prefills; the last chunk's comes layer by
+        layer (`layer`: the part holds that one), while its forward computes the next layers. A
+        target's push goes out with its first part: one that starts later in the prompt
+        (main-decode holding a longer prefix, or computing the suffix itself) waits for its own, as
+        its decoder waits only `stall_s` between a HEADER and its first part."""
         async with state.feeding:
             self._make_pushes(state, part.header)
-            await self._encode_and_add(state, [part] * len(state.task.targets))
+            await self._encode_and_add(state, [part] * len(state.task.targets), layer=layer)
 
     async def _push(self, state: PrefillState, out: TokenOutput) -> None:
         """The first token is sampled: the KV not streamed yet is exported (the blocks are freed),
@@ -325,7 +326,7 @@ class Prefiller(InstanceService):
             state.pushes[t.instance_id] = KVPush(head)
 
     async def _encode_and_add(
-        self, state: PrefillState, parts: list[KVPayload], first: FirstToken | None = None
+        self, state: PrefillState, parts: list[KVPayload], first: FirstToken | None = None, layer: int | None = None
     ) -> None:
         """What of each target's part its push lacks (a target starting later skips what it holds),
         in its wire format, added to its push (with `first`, which ends it) as soon as it is
@@ -343,7 +344,7 @@ class Prefiller(InstanceService):
                     mine = part.narrow(push.covered, part.header.end)
                     layers = await asyncio.to_thread(_wire_layers, mine, t.wire)
                     encoded[key] = mine.header.end, layers
-            self._add(state, t, encoded[key], first)
+            self._add(state, t, encoded[key], first, layer)
 
     def _add(
         self,
@@ -351,6 +352,7 @@ class Prefiller(InstanceService):
         target: KVTarget,
         part: tuple[int, list[bytes]] | None,
         first: FirstToken | None = None,
+        layer: int | None = None,
     ) -> None:
         """Add the encoded part (and, with `first`, end the push), and send the push once it holds
         more than its HEADER. A push across the WAN that is whole when it starts (its KV was not
@@ -359,11 +361,13 @@ class Prefiller(InstanceService):
         bandwidth and CPU (a 2,000-token prompt's second token came ~400 ms after the first with
         both at once, ~250 ms with the relay's alone)."""
         push = state.pushes[target.instance_id]
-        if part is not None:
+        if part is not None and layer is not None:
+            push.add_layer(part[0], layer, *part[1])
+        elif part is not None:
             push.add(*part)
         if first is not None:
             push.finish(first)
-        if target.instance_id not in state.sending and (push.covered > push.head.kv.start or push.first is not None):
+        if target.instance_id not in state.sending and (push.has_kv or push.first is not None):
             early = state.early.get(target.instance_id)
             ahead = [task for iid, task in state.sending.items() if not state.pushes[iid].head.wan]
             sending = self._spawn_for(state, self._send(target, push, early, ahead if target.wan and first else ()))

@@ -36,7 +36,7 @@ import torch
 from shared.messages import EngineFigures, IndexEvent, Logprob
 from shared.runtime.grammar import Grammars, Masks
 from shared.runtime.kv_exchange import KVExchange
-from shared.runtime.kv_payload import KVPayload
+from shared.runtime.kv_payload import KVPayload, export_layer, kv_header
 from shared.runtime.kv_pool import KVPool, PoolExhausted
 from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
@@ -56,6 +56,7 @@ class TokenOutput:
     caught_up: bool = False  # a shadow sequence computed every token it knows (no token sampled)
     logprob: Logprob | None = None  # the token's, when its request asked for them
     kv_part: KVPayload | None = None  # a streaming prefill's KV computed by this step (no token: `export_from`)
+    kv_layer: int | None = None  # kv_part is this one layer of its range (the prompt's last chunk, mid-step)
 
 
 class Engine(KVExchange):
@@ -85,6 +86,9 @@ class Engine(KVExchange):
         self.last_step_tokens = 0  # tokens computed by the last step (its forward's size)
         self.prefix_queried = 0  # prompt tokens of admitted sequences, and of those found cached
         self.prefix_hit = 0
+        # where a streaming prefill's last chunk goes layer by layer, during its step (the worker
+        # hands each to the loop at once: `_LayerStream`); None: it leaves with the first token
+        self.emit: Callable[[list[TokenOutput]], None] | None = None
 
     @classmethod
     def for_model(
@@ -211,11 +215,14 @@ class Engine(KVExchange):
         if not work:
             return outputs
         masking = self._prefetch_masks(work)
+        layers = _LayerStream.of(self, work)
         try:
-            result = self.runner.forward(work)
+            result = self.runner.forward(work, layers)
         finally:  # a failed step frees sequences: not while the grammar thread reads them
             if masking is not None:
                 wait([masking])
+        if layers is not None:
+            layers.close()
         self.steps += 1
         self.last_step_tokens = sum(n for _, n in work)
         for seq, n in work:
@@ -351,3 +358,40 @@ class Engine(KVExchange):
             )
         self.pool.allocator.free(seq.block_table)
         seq.block_table = []
+
+
+class _LayerStream:
+    """A step's `after_layer` where it computes the last chunk of streaming prefills' prompts
+    (`Sequence.export_from`): each layer's KV of [export_from, the prompt's end) goes to
+    `Engine.emit` as soon as the forward computed that layer, so its push crosses while the later
+    layers run (as Mooncake and Splitwise stream layer by layer), not after the first token. The
+    earlier chunks went whole (`kv_part`), each after its step."""
+
+    def __init__(self, engine: Engine, seqs: list[Sequence]) -> None:
+        self.engine, self.seqs = engine, seqs
+        self.layers = 0
+        self._slots: list[torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, engine: Engine, work: list[tuple[Sequence, int]]) -> _LayerStream | None:
+        if engine.emit is None:
+            return None
+        seqs = [s for s, n in work if s.export_from is not None and s.export_from < s.num_computed + n == s.num_tokens]
+        return cls(engine, seqs) if seqs else None
+
+    def __call__(self, layer: int) -> None:
+        pool = self.engine.pool
+        if self._slots is None:  # the step's blocks are allocated by now
+            self._slots = [pool.slots(s.block_table, s.export_from, s.num_tokens) for s in self.seqs]
+        outputs = []
+        for seq, slots in zip(self.seqs, self._slots):
+            part = KVPayload(kv_header(pool, seq.export_from, seq.num_tokens), [export_layer(pool, slots, layer)])
+            outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, kv_part=part, kv_layer=layer))
+        self.engine.emit(outputs)
+        self.layers += 1
+
+    def close(self) -> None:
+        """Every layer left (a model outside the fused decoder calls none): nothing is left to export."""
+        if self.layers == self.engine.pool.layout.num_layers:
+            for seq in self.seqs:
+                seq.export_from = seq.num_tokens

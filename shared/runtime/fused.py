@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -210,17 +211,26 @@ class FusedDecoder:
         self.cos = cos[0]
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        """Hidden states `[T, hidden]` (before the final norm) of the flat batch `ids [T]`."""
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepAttention,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states `[T, hidden]` (before the final norm) of the flat batch `ids [T]`;
+        `after_layer(i)` once layer i's KV is in the pool (a streaming prefill's last chunk)."""
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         h = F.embedding(ids, self.embed)
         if self.invariant:
             h = h.float()
         if self.c_layers is not None and step.row_plan is not None:
-            return self.c_layers.run(h, cos[:, 0], sin[:, 0], step)
+            return self.c_layers.run(h, cos[:, 0], sin[:, 0], step, after_layer)
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, cos, sin, step)
+            if after_layer is not None:
+                after_layer(i)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

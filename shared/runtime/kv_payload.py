@@ -81,24 +81,24 @@ def valid_start(start: int, prompt_len: int, block_size: int) -> bool:
     return 0 <= start <= prompt_len and (start % block_size == 0 or start == prompt_len)
 
 
-def export_kv(pool: KVPool, block_table: list[int], start: int, end: int) -> KVPayload:
+def kv_header(pool: KVPool, start: int, end: int) -> KVHeader:
+    """The header of `pool`'s KV of token positions [start, end)."""
     if not 0 <= start <= end:
         raise ValueError(f"bad KV range [{start}, {end})")
-    slots = pool.slots(block_table, start, end)
     layout = pool.layout
-    header = KVHeader(
-        start=start,
-        end=end,
-        num_layers=layout.num_layers,
-        kv_heads=layout.kv_heads,
-        head_dim=layout.head_dim,
-        dtype=_DTYPE_NAMES[pool.dtype],
-    )
-    layers = []
-    for layer in range(layout.num_layers):
-        k, v = pool.read(layer, slots)
-        layers.append((k.cpu(), v.cpu()))
-    return KVPayload(header, layers)
+    return KVHeader(start, end, layout.num_layers, layout.kv_heads, layout.head_dim, _DTYPE_NAMES[pool.dtype])
+
+
+def export_layer(pool: KVPool, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V at `slots`, on the CPU."""
+    k, v = pool.read(layer, slots)
+    return k.cpu(), v.cpu()
+
+
+def export_kv(pool: KVPool, block_table: list[int], start: int, end: int) -> KVPayload:
+    header = kv_header(pool, start, end)
+    slots = pool.slots(block_table, start, end)
+    return KVPayload(header, [export_layer(pool, slots, layer) for layer in range(header.num_layers)])
 
 
 def check_compatible(header: KVHeader, pool: KVPool) -> None:

@@ -10,6 +10,7 @@ per step. It takes the plain Llama layer: no projection bias, no per-head q/k no
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -95,10 +96,20 @@ class Layers:
             *casts,
         )
         self._run = run or _load()[0]
+        self._singles: list[_Model] | None = None
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
+    def run(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Every layer over the step's rows: h `[T, hidden]` fp32 (updated in place and returned),
-        cos/sin `[T, head_dim]` at each row's position, the step's pool slots and row plan."""
+        cos/sin `[T, head_dim]` at each row's position, the step's pool slots and row plan.
+        `after_layer(i)`, when given, runs once layer i's KV is in the pool: the layers then go
+        one call each (a model of one layer, the pool from that layer on), the same math."""
         plan, pool = step.row_plan, step.pool
         cos, sin = cos.contiguous(), sin.contiguous()
         s = _Step(
@@ -107,9 +118,34 @@ class Layers:
             plan.tables.data_ptr(), plan.table_at.data_ptr(), plan.lens.data_ptr(),
             pool.block_size, torch.get_num_threads(),
         )  # fmt: skip
-        if rows._call(PROFILER_NAME, self._run, ctypes.byref(self.model), ctypes.byref(s)):
-            raise MemoryError("layers.c could not allocate its buffers for the step")
+        if after_layer is None:
+            self._call(self.model, s)
+            return h
+        base, layer_bytes = pool.kv.data_ptr(), pool.kv.stride(0) * pool.kv.element_size()
+        for i, model in enumerate(self._one_layer_models()):
+            s.pool = base + i * layer_bytes
+            self._call(model, s)
+            after_layer(i)
         return h
+
+    def _call(self, model: _Model, s: _Step) -> None:
+        if rows._call(PROFILER_NAME, self._run, ctypes.byref(model), ctypes.byref(s)):
+            raise MemoryError("layers.c could not allocate its buffers for the step")
+
+    def _one_layer_models(self) -> list[_Model]:
+        """Layer i alone as layers.c's model (its weights' pointers: element i of each array)."""
+        if self._singles is None:
+            m, size = self.model, ctypes.sizeof(_P)
+            fields = [getattr(m, name) for name in ("hidden", "H", "KVH", "D", "inter", "weights_bf16", "eps", "scale")]
+            self._singles = [
+                _Model(
+                    1,
+                    *fields,
+                    *(ctypes.cast(ctypes.addressof(a) + i * size, ctypes.POINTER(_P)) for a in self._arrays),
+                )
+                for i in range(m.layers)
+            ]
+        return self._singles
 
 
 def bind(library: Path):

@@ -22,6 +22,7 @@ Which pieces run:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,9 @@ class ModelRunner:
         return False
 
     @torch.inference_mode()
-    def forward(self, work: list[tuple[Sequence, int]]) -> StepResult:
+    def forward(self, work: list[tuple[Sequence, int]], after_layer: Callable[[int], None] | None = None) -> StepResult:
+        """The step's logits; `after_layer(i)` once layer i's KV is in the pool, where the fused
+        decoder runs the step (a streaming prefill's last chunk leaves layer by layer)."""
         if not work:
             raise ValueError("forward() needs at least one sequence")
         batch = pack(work, self.pool)
@@ -107,7 +110,7 @@ class ModelRunner:
                 return StepResult(logits=logits, sampled=batch.sampled)
         step = self.plan(batch)
         try:
-            hidden = self.hidden(batch, step)
+            hidden = self.hidden(batch, step, after_layer)
         except BaseException:
             if self.mirror is not None:
                 self.mirror.clear()  # its rows may hold half a step
@@ -118,13 +121,15 @@ class ModelRunner:
             hidden = hidden.index_select(0, torch.tensor(batch.logit_rows, device=self.device))
         return StepResult(logits=self.logits(hidden).float().cpu(), sampled=batch.sampled)
 
-    def hidden(self, batch: Batch, step: StepAttention) -> torch.Tensor:
+    def hidden(
+        self, batch: Batch, step: StepAttention, after_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the step's tokens (final norm left to `logits`)."""
         ids = torch.tensor(batch.ids, device=self.device)
         positions = torch.tensor(batch.positions, device=self.device)
         if self.decoder is not None:
             self.decoder.ensure_positions(max(batch.positions) + 1)
-            return self.decoder.forward(ids, positions, step)
+            return self.decoder.forward(ids, positions, step, after_layer)
         out = self.model.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), pdd_step=step)
         return out.last_hidden_state[0]
 

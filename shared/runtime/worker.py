@@ -101,6 +101,7 @@ class EngineWorker:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.engine.emit = self._hand_over_now
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -218,6 +219,11 @@ class EngineWorker:
         self._observe()
         if outputs:
             self._hand_off(outputs)
+
+    def _hand_over_now(self, outputs: list[TokenOutput]) -> None:
+        """Outputs made during a step (a streaming prefill's layers) to `on_outputs` on the loop,
+        before the step's own outputs; the step goes on meanwhile."""
+        self._loop.call_soon_threadsafe(self.on_outputs, outputs)
 
     def _hand_off(self, outputs: list[TokenOutput]) -> None:
         """`on_outputs(outputs)` on the loop; the next step waits until the loop has run it and

@@ -57,8 +57,9 @@ def test_a_second_p_md_request_pushes_its_kv_without_a_handshake(
 
 def test_a_long_prompts_kv_leaves_chunk_by_chunk_while_prefill_runs(cluster, model_id, reference, smol_tokenizer):
     """`stream_kv`: a cold prompt longer than prefill's step is prefilled in chunks, and each
-    chunk's KV is pushed as soon as it is computed: all of it but the last chunk's left before
-    the first token (prefill's count, carried to the response), and the answer is the model's."""
+    chunk's KV is pushed as soon as it is computed, the last chunk's layer by layer while its
+    forward runs: all of it left before the first token (prefill's count, carried to the
+    response), and the answer is the model's."""
     chunk = cluster.cfg.step_tokens_of(cluster.cfg.instance("prefill-0"))  # 512: this cluster streams its KV
     prompt = fresh_prompt(int(chunk * 0.6), "streamed")
     ids = smol_tokenizer(prompt)["input_ids"]
@@ -68,5 +69,6 @@ def test_a_long_prompts_kv_leaves_chunk_by_chunk_while_prefill_runs(cluster, mod
     assert text == reference(ids, 8, ignore_eos=True, draft=text)
     assert pdd["pipeline"] == "p-md" and pdd["wan_kv_bytes"] > 0
     hit = pdd["prefix_hit_tokens"]["prefill"]  # a fresh prompt: none, or a block of its opening
-    assert pdd["streamed_kv_tokens"] >= (len(ids) - 1 - hit) // chunk * chunk >= chunk, pdd
+    assert (len(ids) - 1 - hit) // chunk * chunk >= chunk  # chunks before the last one
+    assert pdd["streamed_kv_tokens"] == len(ids) - pdd["md_cached_tokens"], pdd  # and the last one
     print(f"\n{len(ids)} tokens: {pdd['streamed_kv_tokens']} of them pushed before the first token")

@@ -52,10 +52,10 @@ class _PythonLoop:
     def __getattr__(self, name):
         return getattr(self._decoder, name)
 
-    def forward(self, ids, positions, step):
+    def forward(self, ids, positions, step, after_layer=None):
         saved, self._decoder.c_layers = self._decoder.c_layers, None
         try:
-            return self._decoder.forward(ids, positions, step)
+            return self._decoder.forward(ids, positions, step, after_layer)
         finally:
             self._decoder.c_layers = saved
 
@@ -105,6 +105,38 @@ def test_the_first_layers_kv_is_the_python_loops_bit_for_bit(smol, dtype):
         slots = torch.cat([runner.pool.slots(s.block_table, 0, s.num_computed) for s in seqs])
         kv.append(runner.pool.kv[0, :, slots].clone())
     assert torch.equal(kv[0], kv[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("c", [True, False], ids=["layers.c", "python-loop"])
+def test_layer_by_layer_gives_the_one_calls_bits_with_each_layers_kv_in_the_pool_when_told(smol, dtype, c):
+    """`after_layer` (a streaming prefill's last chunk): layers.c runs the layers one call each;
+    the logits and every layer's KV are the one call's bits, and when layer i is announced its KV
+    is final while layer i + 1's is not written yet."""
+    model = smol(dtype)
+    prompt = random_prompts(model.config.vocab_size, [70], seed=13)[0]
+    n = len(model.model.layers)
+    one_logits, one_kv, none = _prefill_watching_layers(_runner(model, c), prompt, by_layer=False)
+    logits, kv, seen = _prefill_watching_layers(_runner(model, c), prompt, by_layer=True)
+    assert none == [] and len(seen) == n
+    assert torch.equal(logits, one_logits) and torch.equal(kv, one_kv)
+    assert all(torch.equal(now, kv[i]) for i, (now, _) in enumerate(seen))
+    assert not any(torch.equal(following, kv[i + 1]) for i, (_, following) in enumerate(seen[:-1]))
+
+
+def _prefill_watching_layers(runner: ModelRunner, prompt: list[int], by_layer: bool) -> tuple:
+    """The prompt's logits and KV (every layer), and, with `by_layer`, what the pool held of
+    layer i and of layer i + 1 when layer i was announced."""
+    seq = Sequence("0", list(prompt), greedy(2))
+    seq.block_table = runner.pool.allocator.allocate(runner.pool.blocks_for(len(prompt) + 1))
+    slots, last = runner.pool.slots(seq.block_table, 0, len(prompt)), runner.pool.layout.num_layers - 1
+    seen = []
+
+    def after(i: int) -> None:
+        seen.append((runner.pool.kv[i, :, slots].clone(), runner.pool.kv[min(i + 1, last), :, slots].clone()))
+
+    logits = runner.forward([(seq, len(prompt))], after if by_layer else None).logits
+    return logits, runner.pool.kv[:, :, slots].clone(), seen
 
 
 def test_a_model_layers_c_does_not_take_keeps_the_python_loop_and_says_why():

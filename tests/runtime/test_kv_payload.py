@@ -239,6 +239,39 @@ def test_a_prompt_streamed_in_chunks_is_the_same_kv_as_one_export(tiny, wire):
         assert torch.equal(k, ke) and torch.equal(v, ve)
 
 
+def test_the_last_chunk_leaves_layer_by_layer_during_its_step_and_is_the_same_kv(tiny):
+    """With somewhere to put them (`Engine.emit`: the worker hands them to the loop at once), the
+    chunk that ends a streaming prefill's prompt leaves layer by layer while its step runs, not
+    with the first token: nothing is left to export after it, and the parts are one export's KV."""
+    [prompt] = random_prompts(tiny.config.vocab_size, [53], seed=13)
+    engine = make_engine(tiny, block_size=16, max_step_tokens=20)
+    emitted = []
+    engine.emit = lambda outputs: emitted.extend((engine.steps, o) for o in outputs)
+    engine.add(Sequence("p", list(prompt), greedy(1), hold_kv=True, max_new=1, export_from=5))
+    chunks, first = [], []
+    while "p" not in engine.held:
+        for out in engine.step():
+            assert out.kv_layer is None
+            (chunks if out.kv_part is not None else first).append(out)
+    n = engine.pool.layout.num_layers
+    assert [(c.kv_part.header.start, c.kv_part.header.end) for c in chunks] == [(5, 20), (20, 40)]
+    assert [(step, o.kv_layer, o.kv_part.header.start, o.kv_part.header.end) for step, o in emitted] == [
+        (2, i, 40, 53) for i in range(n)
+    ]  # during the third step: `steps` counts the finished ones
+    assert len(first) == 1 and first[0].token_id is not None
+    [rest] = engine.export_and_release("p", [53])[0]
+    assert rest.header.num_tokens == 0
+    reference, _ = _prefill_and_export(tiny, prompt, start=5)
+    last = [layer_to_bytes(*o.kv_part.layers[0]) for _, o in emitted]
+    parts = [
+        (c.kv_part.header.start, c.kv_part.header.end, [layer_to_bytes(k, v) for k, v in c.kv_part.layers])
+        for c in chunks
+    ]
+    got = payload_from_parts(reference.header, [*parts, (40, 53, last)])
+    for (k, v), (ke, ve) in zip(got.layers, reference.layers):
+        assert torch.equal(k, ke) and torch.equal(v, ve)
+
+
 def test_parts_that_do_not_tile_the_range_are_refused_and_none_make_an_empty_range(tiny):
     payload, _ = _prefill_and_export(tiny, list(range(3, 35)), start=16)
     h = payload.header

@@ -633,6 +633,52 @@ async def test_a_push_streamed_in_parts_arrives_in_those_parts_after_waiting_for
     assert t.wire_bytes == sent and refusals() == []
 
 
+async def test_a_part_added_layer_by_layer_goes_out_as_its_layers_come_and_lands_as_one_part(rig, refusals):
+    """Prefill's last chunk: its PART goes with layer 0, each layer as the forward computed it; the
+    push is under way (the receiver holds the header and the first layers) before the last layer
+    exists, and the handler gets the part whole, as `add` would have made it."""
+    r = await rig(stall_s=5.0)
+    streamed = KVPush(head())
+    assert not streamed.has_kv
+    streamed.add(4, layers(size=LAYER // 2))
+    second_half = [bytes([9 + i]) * (LAYER // 2) for i in range(KV.num_layers)]
+    streamed.add_layer(8, 0, second_half[0])
+    assert streamed.has_kv and streamed.covered == 4  # a part counts once its last layer came
+    sending = await under_way(r, streamed)
+    for i in range(1, KV.num_layers):
+        streamed.add_layer(8, i, second_half[i])
+    assert streamed.covered == 8 and not sending.done()
+    streamed.finish(FIRST)
+    sent = await sending
+    [t] = r.handled
+    assert t.parts == [Part(0, 4, layers(size=LAYER // 2)), Part(4, 8, second_half)] and t.first == FIRST
+    assert t.wire_bytes == sent and refusals() == []
+    whole = KVPush(head())
+    whole.add(4, layers(size=LAYER // 2))
+    whole.add(8, second_half)
+    whole.finish(FIRST)
+    assert [f async for f in whole.frames()] == [f async for f in streamed.frames()]
+
+
+def test_a_part_coming_layer_by_layer_takes_its_layers_in_order_and_nothing_else_meanwhile():
+    streamed = KVPush(head())
+    assert not streamed.has_kv
+    with pytest.raises(ValueError, match="does not follow"):
+        streamed.add_layer(8, 1, b"x" * LAYER)  # layer 0 first
+    streamed.add_layer(8, 0, b"x" * LAYER)
+    with pytest.raises(ValueError, match="does not follow"):
+        streamed.add_layer(4, 1, b"x" * LAYER)  # the same part's end
+    with pytest.raises(ValueError, match="does not follow"):
+        streamed.add_layer(8, 2, b"x" * LAYER)  # no layer skipped
+    with pytest.raises(ValueError, match="does not fit"):
+        streamed.add(8, layers())  # not while a part is half there
+    with pytest.raises(ValueError, match="parts cover"):
+        streamed.finish(FIRST)
+    streamed.add_layer(8, 1, b"x" * LAYER)
+    streamed.add_layer(8, 2, b"x" * LAYER)
+    streamed.finish(FIRST)
+
+
 def test_a_push_takes_only_parts_that_follow_and_a_first_token_once_they_cover_the_range():
     streamed = KVPush(head())
     with pytest.raises(ValueError, match="parts cover"):
