@@ -189,6 +189,7 @@ class Prefiller(InstanceService):
             max_new=1,
             namespace=namespace_of(self.cfg.model, task.cache_salt),
             export_from=min(t.start for t in task.targets) if self.cfg.stream_kv else None,
+            export_layers=_next_token_waits_on_the_line(task),
         )
         # Acked now, not once the engine took it: the engine takes it at its next step boundary,
         # and a step may be a prefill chunk of seconds on a busy CPU; an ack behind it would
@@ -536,3 +537,13 @@ def _targets_problem(task: PrefillTask, block_size: int) -> str:
 def _wire_layers(part: KVPayload, wire: str) -> list[bytes]:
     """Each layer of the part in wire format `wire` (run in a thread: it copies megabytes)."""
     return [layer_to_bytes(k, v, wire) for k, v in part.layers]
+
+
+def _next_token_waits_on_the_line(task: PrefillTask) -> bool:
+    """Whether the request's second token comes from across the line (main-decode with no relay,
+    `p-md`): with `stream_kv`, its prompt's last chunk then leaves layer by layer while the forward
+    runs, and the line carries it meanwhile. Under `p-rld-md` the relay's in-DC push and
+    main-decode's after it stay whole after the first token: the two pushes beside the forward took
+    prefill's cores on a CPU host (a 400-token prompt's TTFT +51%, its second token 1.31x;
+    docs/kv-wire.md)."""
+    return not any(t.role == Role.RLD for t in task.targets) and any(t.wan for t in task.targets)

@@ -362,7 +362,7 @@ class Engine(KVExchange):
 
 class _LayerStream:
     """A step's `after_layer` where it computes the last chunk of streaming prefills' prompts
-    (`Sequence.export_from`): each layer's KV of [export_from, the prompt's end) goes to
+    (`Sequence.export_from`, `export_layers`): each layer's KV of [export_from, the prompt's end) goes to
     `Engine.emit` as soon as the forward computed that layer, so its push crosses while the later
     layers run (as Mooncake and Splitwise stream layer by layer), not after the first token. The
     earlier chunks went whole (`kv_part`), each after its step."""
@@ -376,7 +376,11 @@ class _LayerStream:
     def of(cls, engine: Engine, work: list[tuple[Sequence, int]]) -> _LayerStream | None:
         if engine.emit is None:
             return None
-        seqs = [s for s, n in work if s.export_from is not None and s.export_from < s.num_computed + n == s.num_tokens]
+        seqs = [
+            s
+            for s, n in work
+            if s.export_layers and s.export_from is not None and s.export_from < s.num_computed + n == s.num_tokens
+        ]
         return cls(engine, seqs) if seqs else None
 
     def __call__(self, layer: int) -> None:

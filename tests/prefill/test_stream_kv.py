@@ -103,6 +103,37 @@ async def test_a_long_prompts_kv_leaves_chunk_by_chunk_and_equals_a_whole_push(s
     await whole.settled()
 
 
+@pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
+async def test_under_p_md_the_last_chunk_leaves_layer_by_layer_before_the_first_token(streaming, pipeline):
+    """`p-md`: main-decode across the line makes the second token, so the prompt's last chunk goes
+    into its push layer by layer while the forward runs: all of main-decode's 24 tokens' KV was
+    pushed before the first token, and it is a whole push's bits. `p-rld-md` keeps the last chunk
+    for after the first token (two pushes beside the forward took prefill's cores)."""
+
+    def planned(rig) -> PrefillTask:
+        relayed = task(rig, "r1", md_start=16)
+        if pipeline == "p-rld-md":
+            return relayed
+        plan = dataclasses.replace(relayed.plan, pipeline="p-md", rld="")
+        return dataclasses.replace(relayed, targets=relayed.targets[1:], plan=plan)
+
+    got = []
+    for rig in (await streaming(), await streaming(stream_kv=False)):
+        sent = planned(rig)
+        await rig.submit(sent)
+        while not sampled(rig.worker.step()):
+            pass
+        await until(lambda r=rig, n=len(sent.targets): len(r.rx.got) == n, DEADLINE_S, "the pushes to land")
+        [md] = [t for t in rig.rx.got if t.head.secret.startswith("md")]
+        got.append((md.first.stats.streamed_kv_tokens, [(p.start, p.end) for p in md.parts], received(rig)["md"]))
+        await rig.settled()
+    (streamed, parts, kv), (none, whole_parts, whole_kv) = got
+    # prefill's count: the most any push had before the first token (p-md: all of [16, 40); p-rld-md:
+    # the relay's [0, 32), the last chunk's 8 tokens left after the first token)
+    assert streamed == (24 if pipeline == "p-md" else 32) and parts == [(16, 32), (32, 40)]
+    assert none == 0 and whole_parts == [(16, 40)] and same(kv, whole_kv)
+
+
 async def test_a_short_prompt_goes_in_one_part(streaming):
     rig = await streaming()
     short = dataclasses.replace(task(rig, "r1"), prompt_ids=PROMPT[:12])
