@@ -307,6 +307,12 @@ class ClusterConfig:
     # 2-core host grew by 30% for a second token 24% sooner (docs/kv-wire.md). On where prefill
     # computes on an accelerator and the transfer has cores of its own.
     stream_kv: bool = False
+    # under `p-md` (main-decode across the line makes the second token, no relay) a prompt whose
+    # KV to push is at most this many tokens (a later turn's new text) sends it layer by layer
+    # while its forward computes it, so the line carries it meanwhile: the second token no longer
+    # waits for the whole push after the first (agentic P50 349 -> 254 ms for p-md, TTFT +5%;
+    # docs/kv-wire.md). With `stream_kv` every prompt's last chunk goes so. 0: never (nor with it).
+    stream_layers_max_tokens: int = 256
     # instances with `threads: auto` on one host lend each other their cores: one that steps while
     # the others have no work runs on all of them (`pdd up`'s main-decode decodes on both cores
     # while the relay is idle), and on its share otherwise (shared/cores.py)
@@ -518,6 +524,10 @@ def config_from_dict(raw: dict[str, Any], where: str = "config", **overrides: An
         check_device(cfg.device, where)
     if cfg.first_token not in FIRST_TOKEN_FROM:
         raise ConfigError(f"{where}: first_token must be one of {list(FIRST_TOKEN_FROM)}, got {cfg.first_token!r}")
+    if cfg.stream_layers_max_tokens < 0:
+        raise ConfigError(
+            f"{where}: stream_layers_max_tokens must be >= 0 (0: never), got {cfg.stream_layers_max_tokens}"
+        )
     if not cfg.yield_to_prefill_s >= 0:
         raise ConfigError(f"{where}: yield_to_prefill_s must be >= 0 (0: never), got {cfg.yield_to_prefill_s}")
     ids = [i.id for i in cfg.instances]

@@ -140,6 +140,12 @@ def test_a_prefill_steps_over_whole_prompts_unless_it_streams_its_kv():
         cfg(instances=[{**INSTANCES[0], "max_step_tokens": 0}, INSTANCES[1]])
 
 
+def test_stream_layers_max_tokens_is_a_count_and_zero_turns_it_off():
+    assert cfg().stream_layers_max_tokens == 256 and cfg(stream_layers_max_tokens=0).stream_layers_max_tokens == 0
+    with pytest.raises(ConfigError, match="stream_layers_max_tokens must be >= 0"):
+        cfg(stream_layers_max_tokens=-1)
+
+
 def test_the_run_config_holds_each_instances_resolved_threads(tmp_path):
     """`pdd up` writes the config its services read: every `auto` is this host's count there."""
     import os

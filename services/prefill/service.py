@@ -181,6 +181,7 @@ class Prefiller(InstanceService):
             self.seen.add(secret)
         self.requests[rid] = state = PrefillState(task, time.monotonic())
         self._dial_early(state)
+        start = min(t.start for t in task.targets)
         seq = Sequence(
             rid,
             list(task.prompt_ids),
@@ -188,8 +189,8 @@ class Prefiller(InstanceService):
             hold_kv=True,
             max_new=1,
             namespace=namespace_of(self.cfg.model, task.cache_salt),
-            export_from=min(t.start for t in task.targets) if self.cfg.stream_kv else None,
-            export_layers=_next_token_waits_on_the_line(task),
+            export_from=start if self.cfg.stream_kv else None,
+            layers_from=start if self._by_layer(task, start) else None,
         )
         # Acked now, not once the engine took it: the engine takes it at its next step boundary,
         # and a step may be a prefill chunk of seconds on a busy CPU; an ack behind it would
@@ -198,6 +199,16 @@ class Prefiller(InstanceService):
         state.added = self.worker.submit(lambda e: e.add(seq))
         state.added.add_done_callback(lambda f: self._added(rid, f))
         return Ack(rid)
+
+    def _by_layer(self, task: PrefillTask, start: int) -> bool:
+        """Whether the prompt's KV left to push when its last chunk is computed goes layer by layer
+        during that chunk's forward: where main-decode across the line makes the second token
+        (`p-md`), for every prompt with `stream_kv`, else for one that pushes at most
+        `stream_layers_max_tokens` (on a CPU the push takes prefill's cores: a short range costs
+        little TTFT, a long one much; docs/kv-wire.md)."""
+        if not self.cfg.stream_layers_max_tokens or not _next_token_waits_on_the_line(task):
+            return False
+        return self.cfg.stream_kv or len(task.prompt_ids) - start <= self.cfg.stream_layers_max_tokens
 
     def _dial_early(self, state: PrefillState) -> None:
         """Ready the WAN targets' KV connections now (idle ones, or dialed while the prompt waits and

@@ -221,8 +221,6 @@ class Engine(KVExchange):
         finally:  # a failed step frees sequences: not while the grammar thread reads them
             if masking is not None:
                 wait([masking])
-        if layers is not None:
-            layers.close()
         self.steps += 1
         self.last_step_tokens = sum(n for _, n in work)
         for seq, n in work:
@@ -362,40 +360,34 @@ class Engine(KVExchange):
 
 class _LayerStream:
     """A step's `after_layer` where it computes the last chunk of streaming prefills' prompts
-    (`Sequence.export_from`, `export_layers`): each layer's KV of [export_from, the prompt's end) goes to
+    (`Sequence.layers_from`): each layer's KV of [its start, the prompt's end) goes to
     `Engine.emit` as soon as the forward computed that layer, so its push crosses while the later
-    layers run (as Mooncake and Splitwise stream layer by layer), not after the first token. The
-    earlier chunks went whole (`kv_part`), each after its step."""
+    layers run (as Mooncake and Splitwise stream layer by layer), not after the first token. Earlier
+    chunks of a prompt streamed chunk by chunk (`export_from`) went whole, each after its step; a
+    model outside the fused decoder calls no `after_layer`, and its KV leaves with the first token."""
 
     def __init__(self, engine: Engine, seqs: list[Sequence]) -> None:
         self.engine, self.seqs = engine, seqs
-        self.layers = 0
         self._slots: list[torch.Tensor] | None = None
 
     @classmethod
     def of(cls, engine: Engine, work: list[tuple[Sequence, int]]) -> _LayerStream | None:
         if engine.emit is None:
             return None
-        seqs = [
-            s
-            for s, n in work
-            if s.export_layers and s.export_from is not None and s.export_from < s.num_computed + n == s.num_tokens
-        ]
+        seqs = [s for s, n in work if s.layers_from is not None and _start(s) < s.num_computed + n == s.num_tokens]
         return cls(engine, seqs) if seqs else None
 
     def __call__(self, layer: int) -> None:
         pool = self.engine.pool
         if self._slots is None:  # the step's blocks are allocated by now
-            self._slots = [pool.slots(s.block_table, s.export_from, s.num_tokens) for s in self.seqs]
+            self._slots = [pool.slots(s.block_table, _start(s), s.num_tokens) for s in self.seqs]
         outputs = []
         for seq, slots in zip(self.seqs, self._slots):
-            part = KVPayload(kv_header(pool, seq.export_from, seq.num_tokens), [export_layer(pool, slots, layer)])
+            part = KVPayload(kv_header(pool, _start(seq), seq.num_tokens), [export_layer(pool, slots, layer)])
             outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, kv_part=part, kv_layer=layer))
         self.engine.emit(outputs)
-        self.layers += 1
 
-    def close(self) -> None:
-        """Every layer left (a model outside the fused decoder calls none): nothing is left to export."""
-        if self.layers == self.engine.pool.layout.num_layers:
-            for seq in self.seqs:
-                seq.export_from = seq.num_tokens
+
+def _start(seq: Sequence) -> int:
+    """Where a sequence's KV left layer by layer starts: past the chunks already handed out."""
+    return seq.export_from if seq.export_from is not None else seq.layers_from

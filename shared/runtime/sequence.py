@@ -53,9 +53,10 @@ class Sequence:
     # hands out [export_from, num_computed) and moves this up (`Engine.step`'s `kv_part`
     # outputs); the rest is exported once the first token is sampled. None: at the end only.
     export_from: int | None = None
-    # ... and the step that ends the prompt hands out its KV layer by layer as its forward computes
-    # them (`Engine.emit`, `kv_layer` outputs), so nothing is left for after the first token
-    export_layers: bool = False
+    # The step that ends the prompt hands out its KV from here (from `export_from` when that moved
+    # up) layer by layer as its forward computes them (`Engine.emit`, `kv_layer` outputs), so
+    # nothing is left for after the first token. None: not so.
+    layers_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

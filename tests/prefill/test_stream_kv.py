@@ -118,7 +118,7 @@ async def test_under_p_md_the_last_chunk_leaves_layer_by_layer_before_the_first_
         return dataclasses.replace(relayed, targets=relayed.targets[1:], plan=plan)
 
     got = []
-    for rig in (await streaming(), await streaming(stream_kv=False)):
+    for rig in (await streaming(), await streaming(stream_kv=False, stream_layers_max_tokens=0)):
         sent = planned(rig)
         await rig.submit(sent)
         while not sampled(rig.worker.step()):
@@ -132,6 +132,24 @@ async def test_under_p_md_the_last_chunk_leaves_layer_by_layer_before_the_first_
     # the relay's [0, 32), the last chunk's 8 tokens left after the first token)
     assert streamed == (24 if pipeline == "p-md" else 32) and parts == [(16, 32), (32, 40)]
     assert none == 0 and whole_parts == [(16, 40)] and same(kv, whole_kv)
+
+
+@pytest.mark.parametrize("cap", [24, 23])
+async def test_without_stream_kv_a_short_range_under_p_md_still_leaves_layer_by_layer(streaming, cap):
+    """`stream_kv: false`: the prompt prefills in one step and nothing leaves chunk by chunk, but
+    main-decode's 24 tokens of KV, within `stream_layers_max_tokens`, go layer by layer during that
+    step's forward; one token over the cap, they go whole after the first token."""
+    rig = await streaming(stream_kv=False, stream_layers_max_tokens=cap)
+    rig.worker.engine.max_step_tokens = len(PROMPT)
+    relayed = task(rig, "r1", md_start=16)
+    plan = dataclasses.replace(relayed.plan, pipeline="p-md", rld="")
+    await rig.submit(dataclasses.replace(relayed, targets=relayed.targets[1:], plan=plan))
+    assert sampled(rig.worker.step())
+    await until(lambda: len(rig.rx.got) == 1, DEADLINE_S, "the push to land")
+    [md] = rig.rx.got
+    assert [(p.start, p.end) for p in md.parts] == [(16, 40)]
+    assert md.first.stats.streamed_kv_tokens == (24 if cap == 24 else 0)
+    await rig.settled()
 
 
 async def test_a_short_prompt_goes_in_one_part(streaming):

@@ -247,7 +247,7 @@ def test_the_last_chunk_leaves_layer_by_layer_during_its_step_and_is_the_same_kv
     engine = make_engine(tiny, block_size=16, max_step_tokens=20)
     emitted = []
     engine.emit = lambda outputs: emitted.extend((engine.steps, o) for o in outputs)
-    engine.add(Sequence("p", list(prompt), greedy(1), hold_kv=True, max_new=1, export_from=5, export_layers=True))
+    engine.add(Sequence("p", list(prompt), greedy(1), hold_kv=True, max_new=1, export_from=5, layers_from=5))
     chunks, first = [], []
     while "p" not in engine.held:
         for out in engine.step():
