@@ -21,6 +21,8 @@ decoder instances; only the feature under test differs.
     pdd-stream   B            yes  yes    auto      auto     prefill    yes   yes     PDD, KV streamed while prefill
                                                                                       runs
     pdd-own-cores B           yes  yes    auto      auto     prefill    yes    no     PDD, no idle core lent
+    pdd-no-layers B           yes  yes    auto      auto     prefill    yes    no     PDD, no prompt's KV sent layer
+                                                                                      by layer during its forward
 
 "1st token" is who streams it (`first_token` in the cluster config): prefill the moment it is
 sampled, or the decoder once the KV arrived, as naive cross-DC PD does. "warm" is whether a
@@ -31,7 +33,9 @@ too, so that pdd against pd-local measures what the line costs, not what a cache
 against pdd measures what streaming saves and costs. Every mode but `pdd-push` and
 the naive baselines lets main-decode compute a short suffix it lacks itself when that beats
 pushing its KV (`md_suffix_max_tokens`; services/scheduler/policy.py): pdd against pdd-push
-measures what that saves. Every mode but `pdd-own-cores` lets an instance that steps while the
+measures what that saves. Every PDD mode but `pdd-no-layers` sends a `p-md` prompt's KV of at
+most `stream_layers_max_tokens` layer by layer while its forward runs (the naive baselines never
+do): pdd against pdd-no-layers measures what that saves. Every mode but `pdd-own-cores` lets an instance that steps while the
 host's others are idle take their cores (`lend_idle_cores`, shared/cores.py): pdd against
 pdd-own-cores measures what that saves on a host the instances share.
 
@@ -67,6 +71,7 @@ class Mode:
     stream_kv: bool = False  # ClusterConfig.stream_kv
     md_suffix: bool = True  # main-decode may compute a short suffix itself (False: scheduler.md_suffix_max_tokens 0)
     lend_cores: bool = True  # ClusterConfig.lend_idle_cores
+    by_layer: bool = True  # a short p-md prompt's KV goes layer by layer (False: stream_layers_max_tokens 0)
 
     @property
     def wan(self) -> bool:
@@ -75,7 +80,7 @@ class Mode:
 
 
 P_MD, ONESHOT, CATCHUP = Pipeline.P_MD.value, Handoff.ONESHOT.value, Handoff.CATCHUP.value
-NAIVE = {"first_token": "decoder", "warm_prefill": False, "md_suffix": False}  # the naive cross-DC baselines
+NAIVE = {"first_token": "decoder", "warm_prefill": False, "md_suffix": False, "by_layer": False}  # the naive cross-DC baselines
 MODE_TABLE: dict[str, Mode] = {
     m.name: m
     for m in (
@@ -88,6 +93,7 @@ MODE_TABLE: dict[str, Mode] = {
         Mode("pdd-push", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, md_suffix=False),
         Mode("pdd-stream", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, stream_kv=True),
         Mode("pdd-own-cores", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, lend_cores=False),
+        Mode("pdd-no-layers", md_dc="B", drc=True, relay=True, pipeline=AUTO, handoff=AUTO, by_layer=False),
     )
 }
 MODES: tuple[str, ...] = tuple(MODE_TABLE)
@@ -153,6 +159,8 @@ def mode_config(
     cfg["warm_prefill"] = m.warm_prefill
     cfg["stream_kv"] = m.stream_kv
     cfg["lend_idle_cores"] = m.lend_cores
+    if not m.by_layer:
+        cfg["stream_layers_max_tokens"] = 0
     cfg["port"] = 0
     cfg["max_queue"] = max(cfg.get("max_queue", 64), 256)
     return cfg

@@ -32,8 +32,8 @@ def test_the_simulated_fleet_follows_the_table(name):
     assert p.md_suffix_max_tokens == 0  # the simulated decoder does not model computing a suffix
 
 
-def test_the_table_names_the_nine_modes_and_the_parser_refuses_others():
-    pdds = ("pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-stream", "pdd-own-cores")
+def test_the_table_names_the_ten_modes_and_the_parser_refuses_others():
+    pdds = ("pdd", "pdd-oneshot", "pdd-catchup", "pdd-push", "pdd-stream", "pdd-own-cores", "pdd-no-layers")
     assert MODES == ("pd-local", "pd-wan", "pd-wan-drc", *pdds)
     wan = ["pd-wan", "pd-wan-drc", *pdds]
     assert [n for n in MODES if MODE_TABLE[n].wan] == wan
@@ -41,6 +41,8 @@ def test_the_table_names_the_nine_modes_and_the_parser_refuses_others():
     assert [n for n in MODES if MODE_TABLE[n].stream_kv] == ["pdd-stream"]
     assert [mode_config(n)["stream_kv"] for n in ("pdd", "pdd-stream")] == [False, True]
     assert [n for n in MODES if not mode_config(n)["lend_idle_cores"]] == ["pdd-own-cores"]
+    layers = {n: config_from_dict(mode_config(n)).stream_layers_max_tokens for n in MODES}
+    assert [n for n, cap in layers.items() if not cap] == ["pd-wan", "pd-wan-drc", "pdd-no-layers"]
     assert parse_modes(" pd-wan, pdd ") == ["pd-wan", "pdd"]
     with pytest.raises(ValueError, match="pdd-fast"):
         parse_modes("pdd,pdd-fast")
