@@ -35,8 +35,8 @@ the naive baselines lets main-decode compute a short suffix it lacks itself when
 pushing its KV (`md_suffix_max_tokens`; services/scheduler/policy.py): pdd against pdd-push
 measures what that saves. Every PDD mode but `pdd-no-layers` sends a `p-md` prompt's KV of at
 most `stream_layers_max_tokens` layer by layer while its forward runs (the naive baselines never
-do): pdd against pdd-no-layers measures what that saves. Every mode but `pdd-own-cores` lets an instance that steps while the
-host's others are idle take their cores (`lend_idle_cores`, shared/cores.py): pdd against
+do): pdd against pdd-no-layers measures what that saves. Every mode but `pdd-own-cores` lets an
+instance that steps while the host's others are idle take their cores (`lend_idle_cores`, shared/cores.py): pdd against
 pdd-own-cores measures what that saves on a host the instances share.
 
 This module is light (no torch, no matplotlib): `pdd --help` imports it.
@@ -80,7 +80,8 @@ class Mode:
 
 
 P_MD, ONESHOT, CATCHUP = Pipeline.P_MD.value, Handoff.ONESHOT.value, Handoff.CATCHUP.value
-NAIVE = {"first_token": "decoder", "warm_prefill": False, "md_suffix": False, "by_layer": False}  # the naive cross-DC baselines
+# the naive cross-DC baselines
+NAIVE = {"first_token": "decoder", "warm_prefill": False, "md_suffix": False, "by_layer": False}
 MODE_TABLE: dict[str, Mode] = {
     m.name: m
     for m in (

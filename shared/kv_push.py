@@ -60,20 +60,24 @@ class KVPush:
         self._covered = end
         self._wake()
 
-    def add_layer(self, end: int, layer: int, data: bytes) -> None:
-        """Layer `layer` of the next part, tokens [covered, end), as prefill's forward computed it
-        (its last chunk: the layers go one by one, in order). The part's PART frame goes with its
-        layer 0; the part is covered once its last layer came. The frames are those `add` makes."""
+    def add_layers(self, end: int, first: int, layers: list[bytes]) -> None:
+        """Layers `first`, `first` + 1, ... of the next part, tokens [covered, end), as prefill's
+        forward computed them (its last chunk: the layers go a few at a time, in order). The
+        part's PART frame goes with its layer 0; the part is covered once its last layer came.
+        The frames are those `add` makes."""
         kv, (part_end, expected) = self.head.kv, self._layer_part or (end, 0)
-        if self.first is not None or end != part_end or layer != expected or not self._covered < end <= kv.end:
+        last = first + len(layers)
+        if self.first is not None or end != part_end or first != expected or not self._covered < end <= kv.end:
             raise ValueError(
-                f"layer {layer} of part [{self._covered}, {end}) does not follow {self._layer_part} of {kv}"
+                f"layer {first} of part [{self._covered}, {end}) does not follow {self._layer_part} of {kv}"
             )
-        if layer == 0:
+        if not layers or last > kv.num_layers:
+            raise ValueError(f"layers [{first}, {last}) of part [{self._covered}, {end}) do not fit {kv}")
+        if first == 0:
             self._frames.append(packed(Frame.PART, KVPart(end)))
-        self._frames.append(frame(Frame.LAYER, data))
-        self._layer_part = (end, layer + 1)
-        if layer + 1 == kv.num_layers:
+        self._frames += [frame(Frame.LAYER, d) for d in layers]
+        self._layer_part = (end, last)
+        if last == kv.num_layers:
             self._covered, self._layer_part = end, None
         self._wake()
 

@@ -374,7 +374,7 @@ class Prefiller(InstanceService):
         both at once, ~250 ms with the relay's alone)."""
         push = state.pushes[target.instance_id]
         if part is not None and layer is not None:
-            push.add_layer(part[0], layer, *part[1])
+            push.add_layers(part[0], layer, part[1])
         elif part is not None:
             push.add(*part)
         if first is not None:

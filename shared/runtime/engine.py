@@ -56,7 +56,7 @@ class TokenOutput:
     caught_up: bool = False  # a shadow sequence computed every token it knows (no token sampled)
     logprob: Logprob | None = None  # the token's, when its request asked for them
     kv_part: KVPayload | None = None  # a streaming prefill's KV computed by this step (no token: `export_from`)
-    kv_layer: int | None = None  # kv_part is this one layer of its range (the prompt's last chunk, mid-step)
+    kv_layer: int | None = None  # kv_part holds layers from this one of its range (the prompt's last chunk, mid-step)
 
 
 class Engine(KVExchange):
@@ -366,8 +366,14 @@ class _LayerStream:
     chunks of a prompt streamed chunk by chunk (`export_from`) went whole, each after its step; a
     model outside the fused decoder calls no `after_layer`, and its KV leaves with the first token."""
 
+    # layers per hand-over: each wakes the loop, the push's sender, the line and the receiver, and
+    # on a CPU host every wake-up preempts a thread of the forward (whose partner then waits at
+    # its barrier); a group of 5 of SmolLM2's 30 layers is a sixth of the KV left after the forward
+    EVERY = 5
+
     def __init__(self, engine: Engine, seqs: list[Sequence]) -> None:
         self.engine, self.seqs = engine, seqs
+        self._layers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in seqs]
         self._slots: list[torch.Tensor] | None = None
 
     @classmethod
@@ -381,10 +387,17 @@ class _LayerStream:
         pool = self.engine.pool
         if self._slots is None:  # the step's blocks are allocated by now
             self._slots = [pool.slots(s.block_table, _start(s), s.num_tokens) for s in self.seqs]
+        for layers, slots in zip(self._layers, self._slots):
+            layers.append(export_layer(pool, slots, layer))
+        if len(self._layers[0]) < self.EVERY and layer + 1 < pool.layout.num_layers:
+            return
         outputs = []
-        for seq, slots in zip(self.seqs, self._slots):
-            part = KVPayload(kv_header(pool, _start(seq), seq.num_tokens), [export_layer(pool, slots, layer)])
-            outputs.append(TokenOutput(seq.seq_id, None, seq.num_generated, kv_part=part, kv_layer=layer))
+        for seq, layers in zip(self.seqs, self._layers):
+            part = KVPayload(kv_header(pool, _start(seq), seq.num_tokens), layers)
+            outputs.append(
+                TokenOutput(seq.seq_id, None, seq.num_generated, kv_part=part, kv_layer=layer + 1 - len(layers))
+            )
+        self._layers = [[] for _ in self.seqs]
         self.engine.emit(outputs)
 
 

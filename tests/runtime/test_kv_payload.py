@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.model_info import link_wire
+from shared.runtime.engine import _LayerStream
 from shared.runtime.kv_payload import (
     KVPayload,
     export_kv,
@@ -239,10 +240,13 @@ def test_a_prompt_streamed_in_chunks_is_the_same_kv_as_one_export(tiny, wire):
         assert torch.equal(k, ke) and torch.equal(v, ve)
 
 
-def test_the_last_chunk_leaves_layer_by_layer_during_its_step_and_is_the_same_kv(tiny):
+@pytest.mark.parametrize("every", [1, 2, 5])
+def test_the_last_chunk_leaves_layer_by_layer_during_its_step_and_is_the_same_kv(tiny, monkeypatch, every):
     """With somewhere to put them (`Engine.emit`: the worker hands them to the loop at once), the
-    chunk that ends a streaming prefill's prompt leaves layer by layer while its step runs, not
-    with the first token: nothing is left to export after it, and the parts are one export's KV."""
+    chunk that ends a streaming prefill's prompt leaves `every` layers at a time while its step
+    runs, not with the first token: nothing is left to export after it, and the parts are one
+    export's KV."""
+    monkeypatch.setattr(_LayerStream, "EVERY", every)
     [prompt] = random_prompts(tiny.config.vocab_size, [53], seed=13)
     engine = make_engine(tiny, block_size=16, max_step_tokens=20)
     emitted = []
@@ -255,14 +259,15 @@ def test_the_last_chunk_leaves_layer_by_layer_during_its_step_and_is_the_same_kv
             (chunks if out.kv_part is not None else first).append(out)
     n = engine.pool.layout.num_layers
     assert [(c.kv_part.header.start, c.kv_part.header.end) for c in chunks] == [(5, 20), (20, 40)]
-    assert [(step, o.kv_layer, o.kv_part.header.start, o.kv_part.header.end) for step, o in emitted] == [
-        (2, i, 40, 53) for i in range(n)
+    assert [(step, o.kv_layer, len(o.kv_part.layers), o.kv_part.header.end) for step, o in emitted] == [
+        (2, i, min(every, n - i), 53) for i in range(0, n, every)
     ]  # during the third step: `steps` counts the finished ones
+    assert {o.kv_part.header.start for _, o in emitted} == {40}
     assert len(first) == 1 and first[0].token_id is not None
     [rest] = engine.export_and_release("p", [53])[0]
     assert rest.header.num_tokens == 0
     reference, _ = _prefill_and_export(tiny, prompt, start=5)
-    last = [layer_to_bytes(*o.kv_part.layers[0]) for _, o in emitted]
+    last = [layer_to_bytes(k, v) for _, o in emitted for k, v in o.kv_part.layers]
     parts = [
         (c.kv_part.header.start, c.kv_part.header.end, [layer_to_bytes(k, v) for k, v in c.kv_part.layers])
         for c in chunks

@@ -642,11 +642,10 @@ async def test_a_part_added_layer_by_layer_goes_out_as_its_layers_come_and_lands
     assert not streamed.has_kv
     streamed.add(4, layers(size=LAYER // 2))
     second_half = [bytes([9 + i]) * (LAYER // 2) for i in range(KV.num_layers)]
-    streamed.add_layer(8, 0, second_half[0])
+    streamed.add_layers(8, 0, second_half[:1])
     assert streamed.has_kv and streamed.covered == 4  # a part counts once its last layer came
     sending = await under_way(r, streamed)
-    for i in range(1, KV.num_layers):
-        streamed.add_layer(8, i, second_half[i])
+    streamed.add_layers(8, 1, second_half[1:])
     assert streamed.covered == 8 and not sending.done()
     streamed.finish(FIRST)
     sent = await sending
@@ -664,18 +663,19 @@ def test_a_part_coming_layer_by_layer_takes_its_layers_in_order_and_nothing_else
     streamed = KVPush(head())
     assert not streamed.has_kv
     with pytest.raises(ValueError, match="does not follow"):
-        streamed.add_layer(8, 1, b"x" * LAYER)  # layer 0 first
-    streamed.add_layer(8, 0, b"x" * LAYER)
+        streamed.add_layers(8, 1, [b"x" * LAYER])  # layer 0 first
+    streamed.add_layers(8, 0, [b"x" * LAYER])
     with pytest.raises(ValueError, match="does not follow"):
-        streamed.add_layer(4, 1, b"x" * LAYER)  # the same part's end
+        streamed.add_layers(4, 1, [b"x" * LAYER])  # the same part's end
     with pytest.raises(ValueError, match="does not follow"):
-        streamed.add_layer(8, 2, b"x" * LAYER)  # no layer skipped
+        streamed.add_layers(8, 2, [b"x" * LAYER])  # no layer skipped
+    with pytest.raises(ValueError, match="do not fit"):
+        streamed.add_layers(8, 1, [b"x" * LAYER] * 3)  # past the last layer
     with pytest.raises(ValueError, match="does not fit"):
         streamed.add(8, layers())  # not while a part is half there
     with pytest.raises(ValueError, match="parts cover"):
         streamed.finish(FIRST)
-    streamed.add_layer(8, 1, b"x" * LAYER)
-    streamed.add_layer(8, 2, b"x" * LAYER)
+    streamed.add_layers(8, 1, [b"x" * LAYER] * 2)
     streamed.finish(FIRST)
 
 
