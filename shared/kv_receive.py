@@ -199,21 +199,19 @@ class KVReceiver:
         """The parts that tile the header's range, in order (each PART's end checked before its
         layers are read, each layer frame exactly its part's size), then the first token."""
         kv = t.head.kv
-        covered, waited = kv.start, 0.0
+        covered, waited = kv.start, []  # seconds before each frame began: prefill computing it (or the line idle)
         while covered < kv.end:
-            before = time.perf_counter()
             # the first part comes with the header; a later one once prefill computed it
             wait_s = self.stall_s if covered == kv.start else max(self.part_wait_s, self.stall_s)
-            body = await read_frame(reader, wait_s, Frame.PART, MAX_CONTROL)
-            waited += time.perf_counter() - before  # for prefill to compute the part (or the line to carry its frame)
+            body = await read_frame(reader, wait_s, Frame.PART, MAX_CONTROL, waits=waited)
             end = decode_body(KVPart, body, Frame.PART).end
             if not covered < end <= kv.end:
                 raise KVTransferError(f"a part ending at {end} does not follow [{kv.start}, {covered}) in {kv}")
             t.wire_bytes += len(body) + FRAME_HEAD.size
             size = self.layer_bytes(dataclasses.replace(kv, start=covered, end=end))
             layers = []
-            for _ in range(kv.num_layers):
-                layers.append(await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size))
+            for _ in range(kv.num_layers):  # a last chunk's layers come as prefill's forward computes them
+                layers.append(await read_frame(reader, self.stall_s, Frame.LAYER, size, exact=size, waits=waited))
                 t.wire_bytes += size + FRAME_HEAD.size
             if keep:
                 t.parts.append(Part(covered, end, layers))
@@ -221,7 +219,7 @@ class KVReceiver:
         body = await read_frame(reader, self.stall_s, Frame.FIRST_TOKEN, MAX_CONTROL)
         t.first = decode_body(FirstToken, body, Frame.FIRST_TOKEN)
         t.wire_bytes += len(body) + FRAME_HEAD.size
-        t.elapsed_ms = (time.perf_counter() - t.started - waited) * 1000
+        t.elapsed_ms = (time.perf_counter() - t.started - sum(waited)) * 1000
 
     def _refuse(self, writer: asyncio.StreamWriter, t: Transfer | None, peer: str, why: str) -> None:
         self.refused += 1

@@ -187,11 +187,16 @@ async def read_frame(
     max_body: int,
     exact: int | None = None,
     idle_s: float | None = None,
+    waits: list[float] | None = None,
 ) -> bytes:
     """The body of the next frame, which must be of `kind` and at most `max_body` bytes (exactly
     `exact` when given): checked on the 5-byte prefix, before any of the body is read. `idle_s`:
-    the frame may take that long to begin (`_read_exactly`)."""
+    the frame may take that long to begin (`_read_exactly`). `waits` gets the seconds spent
+    waiting for the prefix (a sender still computing the frame, not the line carrying it)."""
+    before = time.perf_counter()
     length, got = FRAME_HEAD.unpack(await _read_exactly(reader, FRAME_HEAD.size, stall_s, idle_s))
+    if waits is not None:
+        waits.append(time.perf_counter() - before)
     if got != kind:
         raise KVTransferError(f"expected a {kind.name} frame, got type {got}")
     size = length - 1
@@ -227,8 +232,9 @@ class Transfer:
     first: FirstToken | None = None  # set once the last frame is read
     wire_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
-    # HEADER read -> FIRST_TOKEN read, less the waits for each PART frame: the time the KV took to
-    # arrive, not the time prefill took to compute a streamed push's next part (the line's pace)
+    # HEADER read -> FIRST_TOKEN read, less the waits before each PART and LAYER frame began: the
+    # time the KV took to arrive, not the time prefill took to compute a streamed push's next part
+    # or layers (the line's pace, which the scheduler's bandwidth samples measure)
     elapsed_ms: float = 0.0
 
     @property

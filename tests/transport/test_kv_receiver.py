@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import hmac
 import struct
+import time
 
 import msgpack
 import pytest
@@ -657,6 +658,25 @@ async def test_a_part_added_layer_by_layer_goes_out_as_its_layers_come_and_lands
     whole.add(8, second_half)
     whole.finish(FIRST)
     assert [f async for f in whole.frames()] == [f async for f in streamed.frames()]
+
+
+async def test_a_pushs_time_leaves_out_the_waits_for_layers_prefill_was_computing(rig):
+    """The receiver's `elapsed_ms` (the scheduler's WAN bandwidth sample) is the line's time: the
+    half second between two layers of a part, prefill's forward computing the second, is left out
+    as the wait for a PART is."""
+    r = await rig(stall_s=5.0)
+    streamed = KVPush(head())
+    streamed.add(4, layers(size=LAYER // 2))
+    sending = await under_way(r, streamed)
+    half = [bytes([9 + i]) * (LAYER // 2) for i in range(KV.num_layers)]
+    streamed.add_layers(8, 0, half[:1])
+    started = time.perf_counter()
+    await asyncio.sleep(0.5)  # the forward computing the next layers, not a synchronisation
+    streamed.add_layers(8, 1, half[1:])
+    streamed.finish(FIRST)
+    await sending
+    [t] = r.handled
+    assert time.perf_counter() - started >= 0.5 and t.elapsed_ms < 250, t.elapsed_ms
 
 
 def test_a_part_coming_layer_by_layer_takes_its_layers_in_order_and_nothing_else_meanwhile():
