@@ -38,6 +38,7 @@ from shared.runtime.grammar import Grammars, Masks
 from shared.runtime.kv_exchange import KVExchange
 from shared.runtime.kv_payload import KVPayload, export_layer, kv_header
 from shared.runtime.kv_pool import KVPool, PoolExhausted
+from shared.runtime.layers import PER_CALL
 from shared.runtime.models import kv_layout
 from shared.runtime.radix_cache import RadixCache
 from shared.runtime.runner import ModelRunner
@@ -215,9 +216,9 @@ class Engine(KVExchange):
         if not work:
             return outputs
         masking = self._prefetch_masks(work)
-        layers = _LayerStream.of(self, work)
+        by_layer = _LayerStream.of(self, work)
         try:
-            result = self.runner.forward(work, layers)
+            result = self.runner.forward(work, by_layer)
         finally:  # a failed step frees sequences: not while the grammar thread reads them
             if masking is not None:
                 wait([masking])
@@ -368,8 +369,9 @@ class _LayerStream:
 
     # layers per hand-over: each wakes the loop, the push's sender, the line and the receiver, and
     # on a CPU host every wake-up preempts a thread of the forward (whose partner then waits at
-    # its barrier); a group of 5 of SmolLM2's 30 layers is a sixth of the KV left after the forward
-    EVERY = 5
+    # its barrier); a group of 5 of SmolLM2's 30 layers is a sixth of the KV left after the
+    # forward. layers.c runs as many per call (`PER_CALL`).
+    EVERY = PER_CALL
 
     def __init__(self, engine: Engine, seqs: list[Sequence]) -> None:
         self.engine, self.seqs = engine, seqs

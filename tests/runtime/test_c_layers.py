@@ -110,32 +110,36 @@ def test_the_first_layers_kv_is_the_python_loops_bit_for_bit(smol, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("c", [True, False], ids=["layers.c", "python-loop"])
 def test_layer_by_layer_gives_the_one_calls_bits_with_each_layers_kv_in_the_pool_when_told(smol, dtype, c):
-    """`after_layer` (a streaming prefill's last chunk): layers.c runs the layers one call each;
-    the logits and every layer's KV are the one call's bits, and when layer i is announced its KV
-    is final while layer i + 1's is not written yet."""
+    """`after_layer` (a streaming prefill's last chunk): layers.c runs the layers `PER_CALL` to a
+    call (the Python loop, one by one); the logits and every layer's KV are the one call's bits,
+    and when layer i is announced its KV is final while the next call's first layer is not
+    written yet."""
     model = smol(dtype)
     prompt = random_prompts(model.config.vocab_size, [70], seed=13)[0]
     n = len(model.model.layers)
-    one_logits, one_kv, none = _prefill_watching_layers(_runner(model, c), prompt, by_layer=False)
-    logits, kv, seen = _prefill_watching_layers(_runner(model, c), prompt, by_layer=True)
+    per_call = c_layers.PER_CALL if c else 1
+    one_logits, one_kv, none = _prefill_watching_layers(_runner(model, c), prompt, None)
+    logits, kv, seen = _prefill_watching_layers(_runner(model, c), prompt, per_call)
     assert none == [] and len(seen) == n
     assert torch.equal(logits, one_logits) and torch.equal(kv, one_kv)
-    assert all(torch.equal(now, kv[i]) for i, (now, _) in enumerate(seen))
-    assert not any(torch.equal(following, kv[i + 1]) for i, (_, following) in enumerate(seen[:-1]))
+    assert all(torch.equal(now, kv[i]) for i, (now, _, _) in enumerate(seen))
+    assert not any(torch.equal(later, kv[j]) for now, j, later in seen if j < n)
 
 
-def _prefill_watching_layers(runner: ModelRunner, prompt: list[int], by_layer: bool) -> tuple:
-    """The prompt's logits and KV (every layer), and, with `by_layer`, what the pool held of
-    layer i and of layer i + 1 when layer i was announced."""
+def _prefill_watching_layers(runner: ModelRunner, prompt: list[int], per_call: int | None) -> tuple:
+    """The prompt's logits and KV (every layer), and, with `per_call` (None: no `after_layer`),
+    what the pool held of layer i when layer i was announced, and of the next call's first
+    layer j (index, then its KV)."""
     seq = Sequence("0", list(prompt), greedy(2))
     seq.block_table = runner.pool.allocator.allocate(runner.pool.blocks_for(len(prompt) + 1))
     slots, last = runner.pool.slots(seq.block_table, 0, len(prompt)), runner.pool.layout.num_layers - 1
     seen = []
 
     def after(i: int) -> None:
-        seen.append((runner.pool.kv[i, :, slots].clone(), runner.pool.kv[min(i + 1, last), :, slots].clone()))
+        j = (i // per_call + 1) * per_call
+        seen.append((runner.pool.kv[i, :, slots].clone(), j, runner.pool.kv[min(j, last), :, slots].clone()))
 
-    logits = runner.forward([(seq, len(prompt))], after if by_layer else None).logits
+    logits = runner.forward([(seq, len(prompt))], after if per_call else None).logits
     return logits, runner.pool.kv[:, :, slots].clone(), seen
 
 
