@@ -63,8 +63,9 @@ INDEX_HASHES_PER_UPDATE = 16_384
 
 def index_parts(events: list[IndexEvent], limit: int = INDEX_HASHES_PER_UPDATE) -> list[list[IndexEvent]]:
     """`events` cut into consecutive parts of at most `limit` hashes each, each filled (an event
-    that does not fit is cut into several of its kind), in order: applied one after another they give the same set.
-    Each part is its own numbered update, so a lost one is a gap the registrar resyncs."""
+    that does not fit is cut into several of its kind, a chain's first blocks still marked), in
+    order: applied one after another they give the same set. Each part is its own numbered
+    update, so a lost one is a gap the registrar resyncs."""
     parts: list[list[IndexEvent]] = [[]]
     room = limit
     for ev in events:
