@@ -34,6 +34,11 @@ class BusTimeout(TimeoutError):
     pass
 
 
+class NoResponders(BusTimeout):
+    """No subscriber had the subject at the server: its owner is dead, or moving to another server
+    of the cluster (its subscriptions follow it within a reconnect)."""
+
+
 def _link_callbacks(on_link: Callable[[bool], None] | None) -> dict:
     if on_link is None:
         return {}
@@ -93,7 +98,9 @@ class Bus:
     async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
         try:
             reply = await self.nc.request(subject, msg.encode(), timeout=timeout)
-        except (TimeoutError, NatsTimeout, NoRespondersError) as e:
+        except NoRespondersError:
+            raise NoResponders(f"no reply on {subject}: no responders") from None
+        except (TimeoutError, NatsTimeout) as e:
             raise BusTimeout(f"no reply on {subject} within {timeout:.1f}s ({type(e).__name__})") from None
         return reply_type.decode(reply.data)
 

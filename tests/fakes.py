@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from shared import subjects
-from shared.bus import BusTimeout
+from shared.bus import BusTimeout, NoResponders
 from shared.messages import BadMessage, M, Message
 from shared.runtime.engine import Engine, TokenOutput
 
@@ -90,7 +90,7 @@ class InMemoryBus:
     async def request(self, subject: str, msg: Message, reply_type: type[M], timeout: float) -> M:
         subs = self._matching(subject)
         if not subs:
-            raise BusTimeout(f"no reply on {subject} (no responders)")
+            raise NoResponders(f"no reply on {subject}: no responders")
         self.server.published.append((subject, msg))
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         subs[0].deliver(msg.encode(), (subject, future))

@@ -54,7 +54,7 @@ from services.scheduler.live_view import LiveView
 from services.scheduler.policy import NoCapacity, PlanRequest, PolicyConfig, choose_plan
 from services.scheduler.registrar import Registrar, Roster
 from shared import failpoints, heap, subjects
-from shared.bus import Bus, BusTimeout
+from shared.bus import Bus, BusTimeout, NoResponders
 from shared.config import ClusterConfig
 from shared.messages import (
     Abort,
@@ -84,6 +84,10 @@ from shared.telemetry import Metrics
 log = logging.getLogger(__name__)
 MAX_PLANS = 10_000  # recent plans remembered for idempotent replies, whatever their age
 QUEUE = "schedulers"  # the NATS queue group: one scheduler gets each submission
+# a stage's task met "no responders": asked again every NO_RESPONDERS_RETRY_S for this long (a
+# client moving to another server of the cluster reconnects within its 0.5 s wait, shared/bus.py)
+NO_RESPONDERS_S = 1.5
+NO_RESPONDERS_RETRY_S = 0.05
 
 
 class DispatchError(Exception):
@@ -546,10 +550,21 @@ class Scheduler:
         return {iid: n * self.cfg.block_size for iid, n in blocks.items()}
 
     async def _expect_ack(self, subject: str, msg, instance_id: str) -> None:
-        try:
-            ack = await self.bus.request(subject, msg, Ack, self.cfg.timeouts.control_s)
-        except BusTimeout as e:
-            raise Unreachable(instance_id, f"{instance_id} did not answer: {e}") from None
+        """The stage's ack. "No responders" is asked again for `NO_RESPONDERS_S`: the instance may be
+        moving to another NATS server of its site (one died), and a task nobody took is safe to send
+        again; only then is it unreachable (and left out of the re-plan and of the plans that
+        follow until it heartbeats: one NATS server's death 503ed every request for a moment)."""
+        deadline = time.monotonic() + min(NO_RESPONDERS_S, self.cfg.timeouts.control_s)
+        while True:
+            try:
+                ack = await self.bus.request(subject, msg, Ack, self.cfg.timeouts.control_s)
+                break
+            except NoResponders as e:
+                if time.monotonic() >= deadline:
+                    raise Unreachable(instance_id, f"{instance_id} did not answer: {e}") from None
+                await asyncio.sleep(NO_RESPONDERS_RETRY_S)
+            except BusTimeout as e:
+                raise Unreachable(instance_id, f"{instance_id} did not answer: {e}") from None
         if not ack.ok:
             raise (Busy if ack.busy else DispatchError)(f"{instance_id} refused: {ack.error}")
 

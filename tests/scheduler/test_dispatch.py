@@ -130,6 +130,26 @@ async def test_prefill_is_dispatched_without_waiting_for_the_decoders_acks(sched
     assert len(scheduler.bus.server.sent(subjects.decode_task("md-0"))) == 1  # once: no re-plan
 
 
+async def test_a_stage_moving_to_another_nats_server_is_asked_again_not_planned_around(scheduler, registry):
+    """Prefill's NATS server died and it is reconnecting to another: its task meets "no
+    responders" until its subscription is back; the scheduler asks again (a task nobody took is
+    safe to resend) and the request is planned on it, rather than 503 for want of a prefill."""
+    await answer(scheduler, "md-0", DecodeTask, Ack(""))
+    asked, request = [], scheduler.bus.request
+
+    async def counted(subject, msg, reply_type, timeout):
+        asked.append(subject)
+        return await request(subject, msg, reply_type, timeout)
+
+    scheduler.bus.request = counted
+    planning = asyncio.create_task(scheduler.on_submit(submit("cmpl-12")))
+    await until(lambda: asked.count(subjects.prefill_task("prefill-0")) >= 2, what="prefill asked again")
+    await answer(scheduler, "prefill-0", PrefillTask, Ack(""))  # its subscription is back
+    plan = await planning
+    assert not plan.error and plan.prefill == "prefill-0", plan
+    assert "prefill-0" not in scheduler.unreachable
+
+
 async def test_an_unreachable_prefill_leaves_no_record(scheduler, registry):
     await answer(scheduler, "md-0", DecodeTask, Ack(""))  # prefill-0 has no responder
     plan = await scheduler.on_submit(submit("cmpl-4"))
