@@ -310,7 +310,8 @@ class ClusterConfig:
     # under `p-md` (main-decode across the line makes the second token, no relay) a prompt whose
     # KV to push is at most this many tokens (a later turn's new text) sends it layer by layer
     # while its forward computes it, so the line carries it meanwhile: the second token no longer
-    # waits for the whole push after the first (agentic P50 349 -> 254 ms for p-md, TTFT +5%;
+    # waits for the whole push after the first (agentic, p-md: second token P50 382 -> 291 ms,
+    # first token 168 -> 188 ms, on one 2-core host that also runs the line and main-decode;
     # docs/kv-wire.md). With `stream_kv` every prompt's last chunk goes so. 0: never (nor with it).
     stream_layers_max_tokens: int = 256
     # instances with `threads: auto` on one host lend each other their cores: one that steps while

@@ -248,7 +248,7 @@ class Prefiller(InstanceService):
             state = self.requests.get(out.seq_id)
             if state is None or not state.added.done():
                 continue
-            if out.kv_part is not None:  # a chunk of the prompt (or a layer of its last) computed: it leaves now
+            if out.kv_part is not None:  # a chunk of the prompt (or layers of its last) computed: it leaves now
                 self._spawn_for(state, self._feed(state, out.kv_part, out.kv_layer))
                 continue
             if out.token_id is None:
@@ -280,7 +280,7 @@ class Prefiller(InstanceService):
     async def _feed(self, state: PrefillState, part: KVPayload, layer: int | None = None) -> None:
         """A chunk of the prompt was computed (`stream_kv`): its KV goes into each target's push at
         once, so a long prompt's KV crosses while the rest prefills; the last chunk's comes layer by
-        layer (`layer`: the part holds that one), while its forward computes the next layers. A
+        layer (`layer`: the part holds the layers from that one), while its forward computes the next. A
         target's push goes out with its first part: one that starts later in the prompt
         (main-decode holding a longer prefix, or computing the suffix itself) waits for its own, as
         its decoder waits only `stall_s` between a HEADER and its first part."""
@@ -552,8 +552,8 @@ def _wire_layers(part: KVPayload, wire: str) -> list[bytes]:
 
 def _next_token_waits_on_the_line(task: PrefillTask) -> bool:
     """Whether the request's second token comes from across the line (main-decode with no relay,
-    `p-md`): with `stream_kv`, its prompt's last chunk then leaves layer by layer while the forward
-    runs, and the line carries it meanwhile. Under `p-rld-md` the relay's in-DC push and
+    `p-md`): its prompt's last chunk may then leave layer by layer while the forward runs
+    (`Prefiller._by_layer`), and the line carries it meanwhile. Under `p-rld-md` the relay's in-DC push and
     main-decode's after it stay whole after the first token: the two pushes beside the forward took
     prefill's cores on a CPU host (a 400-token prompt's TTFT +51%, its second token 1.31x;
     docs/kv-wire.md)."""
