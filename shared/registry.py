@@ -437,7 +437,7 @@ def _hits(held: str, instance_ids: Collection[str]) -> dict[str, int]:
     that is gone); instance ids have no spaces nor colons (config.INSTANCE_ID)."""
     if not held:
         return {}
-    asked = instance_ids if isinstance(instance_ids, set | frozenset | dict) else set(instance_ids)
+    asked = set(instance_ids)
     pairs = (pair.rpartition(":") for pair in held.split())
     return {iid: int(n) for iid, _, n in pairs if iid in asked}
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from services.scheduler import service
 from services.scheduler.service import Scheduler
 from shared import subjects
 from shared.config import load_config
@@ -130,10 +131,13 @@ async def test_prefill_is_dispatched_without_waiting_for_the_decoders_acks(sched
     assert len(scheduler.bus.server.sent(subjects.decode_task("md-0"))) == 1  # once: no re-plan
 
 
-async def test_a_stage_moving_to_another_nats_server_is_asked_again_not_planned_around(scheduler, registry):
+async def test_a_stage_moving_to_another_nats_server_is_asked_again_not_planned_around(
+    scheduler, registry, monkeypatch
+):
     """Prefill's NATS server died and it is reconnecting to another: its task meets "no
     responders" until its subscription is back; the scheduler asks again (a task nobody took is
     safe to resend) and the request is planned on it, rather than 503 for want of a prefill."""
+    monkeypatch.setattr(service, "NO_RESPONDERS_S", 600.0)  # bounded by control_s: no race with this test's speed
     await answer(scheduler, "md-0", DecodeTask, Ack(""))
     asked, request = [], scheduler.bus.request
 
